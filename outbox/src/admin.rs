@@ -1,0 +1,30 @@
+//! Operator functions on the outbox: list parked rows and unpark them with a
+//! fresh attempts budget, so the drainer republishes them. The HTTP surface
+//! that exposes these comes with the consumer half.
+
+use crate::core::ports::{OutboxStore, ParkedRow, UnparkSelector};
+use crate::error::StoreError;
+
+/// Most parked rows listed in one call.
+pub const LIST_LIMIT_MAX: u32 = 1000;
+
+/// Lists up to `limit` (capped at [`LIST_LIMIT_MAX`]) parked rows, oldest
+/// parked first.
+pub async fn list_parked<S: OutboxStore>(
+    store: &S,
+    limit: u32,
+) -> Result<Vec<ParkedRow>, StoreError> {
+    store.outbox_list_parked(limit.min(LIST_LIMIT_MAX)).await
+}
+
+/// Unparks the selected rows, resetting their attempts to 0; the drainer
+/// claims them on its next tick. Returns how many were unparked (ids that are
+/// not parked are ignored).
+pub async fn unpark<S: OutboxStore>(
+    store: &S,
+    selector: &UnparkSelector,
+) -> Result<u64, StoreError> {
+    let n = store.outbox_unpark(selector).await?;
+    tracing::info!(unparked = n, ?selector, "outbox rows unparked by operator");
+    Ok(n)
+}

@@ -1,0 +1,393 @@
+//! Drainer configuration: the `CANOPY_MQ_*` variables of ADR-018, their
+//! defaults, and the boot asserts of amendments #478 and #1061.
+//!
+//! Both [`DrainerConfig::from_env`] and [`DrainerConfigBuilder::build`] run the
+//! same checks, so a misconfiguration fails at boot with an error naming the
+//! variable, the value and the rule, never silently at the first tick.
+
+use std::time::Duration;
+
+use crate::error::ConfigError;
+
+/// Assumed worst-case latency of one publish+confirm (#478).
+pub const ASSUMED_PUBLISH_LATENCY_MS: u64 = 100;
+/// Upper bound on `batch_size`: a claim batch is held in memory and in one
+/// statement's parameter arrays.
+pub const BATCH_SIZE_MAX: u32 = 10_000;
+/// Upper bound on `pipeline_depth` (unconfirmed publishes in flight).
+pub const PIPELINE_DEPTH_MAX: u32 = 10_000;
+
+/// Every variable [`DrainerConfig::from_env`] reads.
+pub mod vars {
+    /// Busy poll interval in ms; the idle interval is four times this.
+    pub const TICK_MS: &str = "CANOPY_MQ_DRAINER_TICK_MS";
+    /// Rows claimed per tick.
+    pub const BATCH_SIZE: &str = "CANOPY_MQ_DRAINER_BATCH_SIZE";
+    /// Lease length; an older claim is reclaimable by any drainer.
+    pub const LEASE_TTL_SECS: &str = "CANOPY_MQ_DRAINER_LEASE_TTL_SECS";
+    /// Unconfirmed publishes in flight per batch.
+    pub const PIPELINE_DEPTH: &str = "CANOPY_MQ_DRAINER_PIPELINE_DEPTH";
+    /// Deadline over the whole Phase 2 of one batch.
+    pub const CONFIRM_TIMEOUT_SECS: &str = "CANOPY_MQ_DRAINER_CONFIRM_TIMEOUT_SECS";
+    /// Row-culpable failures before a row parks.
+    pub const MAX_ATTEMPTS: &str = "CANOPY_MQ_DRAINER_MAX_ATTEMPTS";
+    /// Days a published row is kept before the janitor deletes it.
+    pub const RETENTION_DAYS: &str = "CANOPY_MQ_OUTBOX_RETENTION_DAYS";
+    /// This drainer's identity in `claimed_by`.
+    pub const REPLICA_ID: &str = "CANOPY_MQ_REPLICA_ID";
+    /// Exchange the drainer publishes to.
+    pub const EXCHANGE: &str = "CANOPY_MQ_EXCHANGE";
+    /// Pending-row count above which the stats task warns and readiness fails.
+    pub const PENDING_WARN: &str = "CANOPY_MQ_OUTBOX_PENDING_WARN";
+    /// Oldest-unpublished age above which the stats task warns and readiness fails.
+    pub const OLDEST_WARN_SECS: &str = "CANOPY_MQ_OUTBOX_OLDEST_WARN_SECS";
+    /// Pre-ADR-018 in-memory buffer size: accepted, ignored, warned about once.
+    pub const BUFFER_MAX: &str = "CANOPY_MQ_BUFFER_MAX";
+}
+
+/// Everything the drainer, its janitor and its stats task need to know.
+///
+/// ```
+/// use outbox::DrainerConfig;
+/// let cfg = DrainerConfig::builder()
+///     .replica_id("orders-1")
+///     .exchange("orders.events")
+///     .batch_size(200)
+///     .build()
+///     .unwrap();
+/// assert_eq!(cfg.pipeline_depth, 32);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrainerConfig {
+    /// Identity written to `claimed_by`; unique per running drainer.
+    pub replica_id: String,
+    /// Exchange every row is published to (a durable topic exchange).
+    pub exchange: String,
+    /// Poll interval while busy (the ADR's 250 ms). Idle interval is 4×.
+    pub tick: Duration,
+    /// Rows claimed per tick.
+    pub batch_size: u32,
+    /// Lease length: a claim older than this is reclaimable.
+    pub lease_ttl: Duration,
+    /// Unconfirmed publishes in flight per batch.
+    pub pipeline_depth: u32,
+    /// Deadline over the whole of Phase 2 of one batch.
+    pub confirm_timeout: Duration,
+    /// Row-culpable failures after which a row parks.
+    pub max_attempts: u32,
+    /// Age after which published rows are deleted.
+    pub retention: Duration,
+    /// How often the retention janitor runs.
+    pub janitor_interval: Duration,
+    /// Rows deleted per janitor statement.
+    pub janitor_batch: u32,
+    /// How often the stats task samples the outbox.
+    pub stats_interval: Duration,
+    /// Pending-row count above which the outbox is unhealthy.
+    pub pending_warn: u64,
+    /// Oldest-unpublished age above which the outbox is unhealthy.
+    pub oldest_warn: Duration,
+}
+
+impl DrainerConfig {
+    /// Starts a builder with the ADR's defaults and a generated replica id.
+    pub fn builder() -> DrainerConfigBuilder {
+        DrainerConfigBuilder::default()
+    }
+
+    /// Reads every `CANOPY_MQ_*` variable (see [`vars`]); unset ones take the
+    /// ADR defaults. Fails naming the first variable that breaks a rule.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Like [`DrainerConfig::from_env`], reading variables through `lookup`
+    /// (tests and services with their own configuration layer use this).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let mut b = DrainerConfigBuilder::default();
+        if let Some(v) = lookup(vars::TICK_MS) {
+            b.tick_ms = parse(vars::TICK_MS, &v)?;
+        }
+        if let Some(v) = lookup(vars::BATCH_SIZE) {
+            b.batch_size = parse(vars::BATCH_SIZE, &v)?;
+        }
+        if let Some(v) = lookup(vars::LEASE_TTL_SECS) {
+            b.lease_ttl_secs = parse(vars::LEASE_TTL_SECS, &v)?;
+        }
+        if let Some(v) = lookup(vars::PIPELINE_DEPTH) {
+            b.pipeline_depth = parse(vars::PIPELINE_DEPTH, &v)?;
+        }
+        if let Some(v) = lookup(vars::CONFIRM_TIMEOUT_SECS) {
+            b.confirm_timeout_secs = parse(vars::CONFIRM_TIMEOUT_SECS, &v)?;
+        }
+        if let Some(v) = lookup(vars::MAX_ATTEMPTS) {
+            b.max_attempts = parse(vars::MAX_ATTEMPTS, &v)?;
+        }
+        if let Some(v) = lookup(vars::RETENTION_DAYS) {
+            b.retention_days = parse(vars::RETENTION_DAYS, &v)?;
+        }
+        if let Some(v) = lookup(vars::PENDING_WARN) {
+            b.pending_warn = parse(vars::PENDING_WARN, &v)?;
+        }
+        if let Some(v) = lookup(vars::OLDEST_WARN_SECS) {
+            b.oldest_warn_secs = parse(vars::OLDEST_WARN_SECS, &v)?;
+        }
+        if let Some(v) = lookup(vars::REPLICA_ID) {
+            b.replica_id = Some(v);
+        }
+        if let Some(v) = lookup(vars::EXCHANGE) {
+            b.exchange = v;
+        }
+        if let Some(v) = lookup(vars::BUFFER_MAX) {
+            warn_buffer_max_once(&v);
+        }
+        b.build()
+    }
+}
+
+fn warn_buffer_max_once(value: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            variable = vars::BUFFER_MAX,
+            value,
+            "CANOPY_MQ_BUFFER_MAX is deprecated and ignored since ADR-018: \
+             the outbox table replaced the in-memory buffer; remove it"
+        );
+    });
+}
+
+fn parse<T: std::str::FromStr>(var: &'static str, value: &str) -> Result<T, ConfigError> {
+    value.trim().parse().map_err(|_| ConfigError::Invalid {
+        var,
+        value: value.to_owned(),
+        rule: "must be a non-negative whole number".into(),
+    })
+}
+
+/// Builder for services that configure in code. Every setter takes the value
+/// in the unit the matching variable uses; [`build`](Self::build) applies the
+/// same checks as [`DrainerConfig::from_env`].
+#[derive(Debug, Clone)]
+pub struct DrainerConfigBuilder {
+    replica_id: Option<String>,
+    exchange: String,
+    tick_ms: u64,
+    batch_size: u32,
+    lease_ttl_secs: u64,
+    pipeline_depth: u32,
+    confirm_timeout_secs: u64,
+    max_attempts: u32,
+    retention_days: u64,
+    janitor_interval: Duration,
+    janitor_batch: u32,
+    stats_interval: Duration,
+    pending_warn: u64,
+    oldest_warn_secs: u64,
+}
+
+impl Default for DrainerConfigBuilder {
+    fn default() -> Self {
+        Self {
+            replica_id: None,
+            exchange: "canopy.events".into(),
+            tick_ms: 250,
+            batch_size: 100,
+            lease_ttl_secs: 60,
+            pipeline_depth: 32,
+            confirm_timeout_secs: 30,
+            max_attempts: 10,
+            retention_days: 7,
+            janitor_interval: Duration::from_secs(3600),
+            janitor_batch: 1000,
+            stats_interval: Duration::from_secs(15),
+            pending_warn: 10_000,
+            oldest_warn_secs: 900,
+        }
+    }
+}
+
+macro_rules! setter {
+    ($(#[$doc:meta])* $name:ident: $ty:ty) => {
+        $(#[$doc])*
+        #[must_use]
+        pub fn $name(mut self, value: $ty) -> Self {
+            self.$name = value;
+            self
+        }
+    };
+}
+
+impl DrainerConfigBuilder {
+    /// Sets the `claimed_by` identity (`CANOPY_MQ_REPLICA_ID`).
+    #[must_use]
+    pub fn replica_id(mut self, id: impl Into<String>) -> Self {
+        self.replica_id = Some(id.into());
+        self
+    }
+    /// Sets the exchange (`CANOPY_MQ_EXCHANGE`, default `canopy.events`).
+    #[must_use]
+    pub fn exchange(mut self, exchange: impl Into<String>) -> Self {
+        self.exchange = exchange.into();
+        self
+    }
+    setter!(/// Busy tick in ms (`CANOPY_MQ_DRAINER_TICK_MS`, default 250).
+        tick_ms: u64);
+    setter!(/// Rows per claim (`CANOPY_MQ_DRAINER_BATCH_SIZE`, default 100).
+        batch_size: u32);
+    setter!(/// Lease TTL (`CANOPY_MQ_DRAINER_LEASE_TTL_SECS`, default 60).
+        lease_ttl_secs: u64);
+    setter!(/// Publishes in flight (`CANOPY_MQ_DRAINER_PIPELINE_DEPTH`, default 32).
+        pipeline_depth: u32);
+    setter!(/// Phase-2 deadline (`CANOPY_MQ_DRAINER_CONFIRM_TIMEOUT_SECS`, default 30).
+        confirm_timeout_secs: u64);
+    setter!(/// Parking budget (`CANOPY_MQ_DRAINER_MAX_ATTEMPTS`, default 10).
+        max_attempts: u32);
+    setter!(/// Retention (`CANOPY_MQ_OUTBOX_RETENTION_DAYS`, default 7).
+        retention_days: u64);
+    setter!(/// Janitor period (default one hour).
+        janitor_interval: Duration);
+    setter!(/// Rows per janitor DELETE (default 1000).
+        janitor_batch: u32);
+    setter!(/// Stats sampling period (default 15 s).
+        stats_interval: Duration);
+    setter!(/// Pending threshold (`CANOPY_MQ_OUTBOX_PENDING_WARN`, default 10000).
+        pending_warn: u64);
+    setter!(/// Oldest-age threshold (`CANOPY_MQ_OUTBOX_OLDEST_WARN_SECS`, default 900).
+        oldest_warn_secs: u64);
+
+    /// Checks every rule and returns the configuration.
+    pub fn build(self) -> Result<DrainerConfig, ConfigError> {
+        let invalid = |var: &'static str, value: &dyn std::fmt::Display, rule: String| {
+            Err(ConfigError::Invalid {
+                var,
+                value: value.to_string(),
+                rule,
+            })
+        };
+        if self.tick_ms == 0 {
+            return invalid(vars::TICK_MS, &self.tick_ms, "must be > 0".into());
+        }
+        if self.batch_size == 0 || self.batch_size > BATCH_SIZE_MAX {
+            return invalid(
+                vars::BATCH_SIZE,
+                &self.batch_size,
+                format!("must be > 0 and <= {BATCH_SIZE_MAX}"),
+            );
+        }
+        if self.pipeline_depth == 0 || self.pipeline_depth > PIPELINE_DEPTH_MAX {
+            return invalid(
+                vars::PIPELINE_DEPTH,
+                &self.pipeline_depth,
+                format!("must be > 0 and <= {PIPELINE_DEPTH_MAX}"),
+            );
+        }
+        // One worst-case batch at the assumed per-publish latency (#478).
+        let batch_worst_ms = u64::from(self.pipeline_depth) * ASSUMED_PUBLISH_LATENCY_MS;
+        if self.lease_ttl_secs.saturating_mul(1000) < 3 * batch_worst_ms {
+            return invalid(
+                vars::LEASE_TTL_SECS,
+                &self.lease_ttl_secs,
+                format!(
+                    "must be >= 3 x {} ({}) x {ASSUMED_PUBLISH_LATENCY_MS} ms = {} ms",
+                    vars::PIPELINE_DEPTH,
+                    self.pipeline_depth,
+                    3 * batch_worst_ms
+                ),
+            );
+        }
+        if self.confirm_timeout_secs.saturating_mul(1000) < batch_worst_ms {
+            return invalid(
+                vars::CONFIRM_TIMEOUT_SECS,
+                &self.confirm_timeout_secs,
+                format!(
+                    "must be >= {} ({}) x {ASSUMED_PUBLISH_LATENCY_MS} ms = {batch_worst_ms} ms",
+                    vars::PIPELINE_DEPTH,
+                    self.pipeline_depth
+                ),
+            );
+        }
+        if self.confirm_timeout_secs >= self.lease_ttl_secs {
+            return invalid(
+                vars::CONFIRM_TIMEOUT_SECS,
+                &self.confirm_timeout_secs,
+                format!(
+                    "must be < {} ({}) so a timed-out batch releases its claims before they expire",
+                    vars::LEASE_TTL_SECS,
+                    self.lease_ttl_secs
+                ),
+            );
+        }
+        if self.max_attempts == 0 {
+            return invalid(vars::MAX_ATTEMPTS, &self.max_attempts, "must be > 0".into());
+        }
+        if self.retention_days > 36_500 {
+            return invalid(
+                vars::RETENTION_DAYS,
+                &self.retention_days,
+                "must be <= 36500".into(),
+            );
+        }
+        if self.janitor_batch == 0 || self.janitor_batch > BATCH_SIZE_MAX {
+            return invalid(
+                "janitor_batch",
+                &self.janitor_batch,
+                format!("must be > 0 and <= {BATCH_SIZE_MAX}"),
+            );
+        }
+        if self.exchange.len() > crate::envelope::ROUTING_KEY_MAX_BYTES {
+            return invalid(
+                vars::EXCHANGE,
+                &self.exchange,
+                "must be at most 255 bytes".into(),
+            );
+        }
+        let replica_id = match self.replica_id {
+            Some(id) if id.trim().is_empty() || id.len() > 200 => {
+                return invalid(
+                    vars::REPLICA_ID,
+                    &id,
+                    "must be non-blank and at most 200 bytes".into(),
+                );
+            }
+            Some(id) => id,
+            None => default_replica_id(),
+        };
+        Ok(DrainerConfig {
+            replica_id,
+            exchange: self.exchange,
+            tick: Duration::from_millis(self.tick_ms),
+            batch_size: self.batch_size,
+            lease_ttl: Duration::from_secs(self.lease_ttl_secs),
+            pipeline_depth: self.pipeline_depth,
+            confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
+            max_attempts: self.max_attempts,
+            retention: Duration::from_secs(self.retention_days * 86_400),
+            janitor_interval: self.janitor_interval,
+            janitor_batch: self.janitor_batch,
+            stats_interval: self.stats_interval,
+            pending_warn: self.pending_warn,
+            oldest_warn: Duration::from_secs(self.oldest_warn_secs),
+        })
+    }
+}
+
+/// `drainer-{hostname}-{pid}-{uuid-v7}`, the ADR's fallback identity.
+pub fn default_replica_id() -> String {
+    format!(
+        "drainer-{}-{}-{}",
+        hostname(),
+        std::process::id(),
+        uuid::Uuid::now_v7()
+    )
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}

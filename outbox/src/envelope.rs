@@ -1,0 +1,187 @@
+//! The event envelope: what a service writes into the outbox, what the drainer
+//! publishes as the AMQP body, and what a consumer's inbox is keyed by.
+//!
+//! The envelope's `id` is a UUID v7. It is the `event_outbox` row id, the AMQP
+//! `message_id` of every publish of that row (first publish and republishes
+//! alike), and the consumer inbox key, so a duplicate is recognisable
+//! end to end.
+//!
+//! The canonical outbox schema (ADR-018) has one `payload JSONB` column: it
+//! holds the whole encoded envelope (id, routing key, occurred-at, headers and
+//! the caller's payload), which is exactly the body the drainer publishes.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::error::PublishError;
+
+/// AMQP `shortstr` limit: routing keys and header names longer than this
+/// cannot be sent on the wire.
+pub const ROUTING_KEY_MAX_BYTES: usize = 255;
+
+/// Default upper bound on an encoded envelope, in bytes (see
+/// [`EnvelopeLimits`]).
+pub const DEFAULT_MAX_ENVELOPE_BYTES: usize = 256 * 1024;
+
+/// One event, as written to the outbox and published to the broker.
+///
+/// ```
+/// use outbox::EventEnvelope;
+/// let env = EventEnvelope::new("snap.case.determined", serde_json::json!({"case": 42}))
+///     .with_header("tenant", "ny");
+/// assert_eq!(env.id.get_version_num(), 7);
+/// env.validate(&outbox::EnvelopeLimits::default()).unwrap();
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventEnvelope {
+    /// UUID v7: outbox row id, AMQP `message_id` and inbox key.
+    pub id: Uuid,
+    /// Topic-exchange routing key; 1 to 255 bytes.
+    pub routing_key: String,
+    /// When the domain fact happened (not when it was published).
+    #[serde(with = "time::serde::rfc3339")]
+    pub occurred_at: OffsetDateTime,
+    /// Free-form metadata (tenant, trace id, schema version, ...).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+    /// The event body proper.
+    pub payload: serde_json::Value,
+}
+
+impl EventEnvelope {
+    /// A new envelope with a fresh UUID v7 and `occurred_at` = now (UTC).
+    pub fn new(routing_key: impl Into<String>, payload: serde_json::Value) -> Self {
+        Self {
+            id: Uuid::now_v7(),
+            routing_key: routing_key.into(),
+            occurred_at: OffsetDateTime::now_utc(),
+            headers: BTreeMap::new(),
+            payload,
+        }
+    }
+
+    /// Adds (or replaces) one header.
+    #[must_use]
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Checks everything [`crate::Publisher`] checks before writing, and
+    /// returns the encoded body on success.
+    pub fn validate(&self, limits: &EnvelopeLimits) -> Result<(), PublishError> {
+        self.encode(limits).map(drop)
+    }
+
+    /// Validates and encodes the envelope as the JSON body that is stored and
+    /// published.
+    pub fn encode(&self, limits: &EnvelopeLimits) -> Result<String, PublishError> {
+        let version = self.id.get_version_num();
+        if version != 7 {
+            return Err(PublishError::IdNotV7 {
+                id: self.id,
+                version,
+            });
+        }
+        validate_routing_key(&self.routing_key)?;
+        for (name, value) in &self.headers {
+            if name.is_empty() || name.len() > ROUTING_KEY_MAX_BYTES {
+                return Err(PublishError::InvalidHeaderName {
+                    name: truncate_for_error(name),
+                });
+            }
+            if name.contains('\0') || value.contains('\0') {
+                return Err(PublishError::NulCharacter {
+                    location: format!("header {}", truncate_for_error(name)),
+                });
+            }
+        }
+        if let Some(path) = find_nul(&self.payload, "payload") {
+            return Err(PublishError::NulCharacter { location: path });
+        }
+        let body = serde_json::to_string(self).map_err(|e| PublishError::Encode(e.to_string()))?;
+        if body.len() > limits.max_envelope_bytes {
+            return Err(PublishError::PayloadTooLarge {
+                bytes: body.len(),
+                limit: limits.max_envelope_bytes,
+            });
+        }
+        Ok(body)
+    }
+
+    /// Decodes a published body back into an envelope.
+    pub fn decode(body: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(body)
+    }
+}
+
+/// Checks a routing key: non-empty, at most 255 bytes, no NUL.
+pub fn validate_routing_key(routing_key: &str) -> Result<(), PublishError> {
+    if routing_key.is_empty() {
+        return Err(PublishError::EmptyRoutingKey);
+    }
+    if routing_key.len() > ROUTING_KEY_MAX_BYTES {
+        return Err(PublishError::RoutingKeyTooLong {
+            bytes: routing_key.len(),
+        });
+    }
+    if routing_key.contains('\0') {
+        return Err(PublishError::NulCharacter {
+            location: "routing_key".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Limits enforced on every envelope before it is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvelopeLimits {
+    /// Largest encoded envelope accepted, in bytes. Large bodies slow every
+    /// claim and publish of the batch they sit in; RabbitMQ's own limit is far
+    /// higher, so this is a guard against accidents, not a broker constraint.
+    pub max_envelope_bytes: usize,
+}
+
+impl Default for EnvelopeLimits {
+    fn default() -> Self {
+        Self {
+            max_envelope_bytes: DEFAULT_MAX_ENVELOPE_BYTES,
+        }
+    }
+}
+
+/// PostgreSQL `jsonb` refuses `\u0000` inside strings, so a NUL anywhere would
+/// fail the caller's transaction at INSERT time with an obscure error. Finds
+/// the first one and names where it is.
+fn find_nul(value: &serde_json::Value, path: &str) -> Option<String> {
+    match value {
+        serde_json::Value::String(s) if s.contains('\0') => Some(path.to_owned()),
+        serde_json::Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| find_nul(v, &format!("{path}[{i}]"))),
+        serde_json::Value::Object(map) => map.iter().find_map(|(k, v)| {
+            if k.contains('\0') {
+                Some(format!("{path} (a key)"))
+            } else {
+                find_nul(v, &format!("{path}.{k}"))
+            }
+        }),
+        _ => None,
+    }
+}
+
+fn truncate_for_error(s: &str) -> String {
+    const MAX: usize = 64;
+    if s.len() <= MAX {
+        return format!("{s:?}");
+    }
+    let mut end = MAX;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}… ({} bytes)", &s[..end], s.len())
+}

@@ -1,0 +1,141 @@
+//! Every error type of the library, in one place so the variants and what they
+//! mean for retries can be read side by side.
+//!
+//! Store and broker errors carry only text that the adapters built from the
+//! driver errors; connection URLs (which may hold passwords) never reach them.
+
+use uuid::Uuid;
+
+/// Why [`crate::Publisher`] refused or failed to write an envelope.
+///
+/// Every validation variant is raised before anything is written, so the
+/// caller's transaction is untouched and can still commit its domain rows
+/// (or roll back, as the caller decides).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PublishError {
+    /// The routing key is empty.
+    #[error("routing key is empty")]
+    EmptyRoutingKey,
+    /// The routing key exceeds the AMQP short-string limit of 255 bytes.
+    #[error("routing key is {bytes} bytes long; the limit is 255")]
+    RoutingKeyTooLong {
+        /// Its length in bytes.
+        bytes: usize,
+    },
+    /// A header name is empty or longer than 255 bytes.
+    #[error("header name {name} is empty or longer than 255 bytes")]
+    InvalidHeaderName {
+        /// The offending name (shortened).
+        name: String,
+    },
+    /// The envelope id is not a UUID v7 (ids must sort by creation time and
+    /// are the inbox key downstream).
+    #[error("envelope id {id} is a version-{version} UUID; a v7 UUID is required")]
+    IdNotV7 {
+        /// The id given.
+        id: Uuid,
+        /// Its UUID version number.
+        version: usize,
+    },
+    /// A string holds a NUL character, which PostgreSQL `jsonb`/`text` refuse.
+    #[error("{location} contains a NUL character, which PostgreSQL cannot store")]
+    NulCharacter {
+        /// Where: `routing_key`, `header NAME`, or a JSON path in the payload.
+        location: String,
+    },
+    /// The encoded envelope exceeds the configured limit.
+    #[error("encoded envelope is {bytes} bytes; the limit is {limit}")]
+    PayloadTooLarge {
+        /// Encoded size.
+        bytes: usize,
+        /// Configured limit ([`crate::EnvelopeLimits`]).
+        limit: usize,
+    },
+    /// The envelope could not be encoded as JSON.
+    #[error("envelope could not be encoded: {0}")]
+    Encode(String),
+    /// Two envelopes with the same id: in one `publish_many_tx` call, or one
+    /// already in the outbox.
+    #[error("an envelope with id {id} is already in the outbox or in this batch")]
+    DuplicateId {
+        /// The repeated id.
+        id: Uuid,
+    },
+    /// The database refused or failed the INSERT. The caller's transaction
+    /// is aborted by PostgreSQL and must be rolled back.
+    #[error("outbox write failed: {0}")]
+    Database(#[source] sqlx::Error),
+}
+
+/// A configuration value broke a rule; raised at boot, naming the variable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// `var` holds `value`, which breaks `rule`.
+    #[error("{var}={value} is invalid: {rule}")]
+    Invalid {
+        /// The `CANOPY_MQ_*` variable (also used for builder settings).
+        var: &'static str,
+        /// The value seen.
+        value: String,
+        /// The rule it breaks, in words.
+        rule: String,
+    },
+}
+
+/// A failure of the outbox store. Always blameless for the rows involved:
+/// the drainer never bumps `attempts` because of one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// No connection could be had, or it broke mid-statement. Retry later.
+    #[error("outbox store unavailable: {0}")]
+    Unavailable(String),
+    /// The statement failed (timeout, serialization, constraint). Retry later.
+    #[error("outbox store statement failed: {0}")]
+    Statement(String),
+}
+
+/// A failure of the broker. Always blameless for the rows involved (a
+/// per-message nack is not an error: it is [`crate::ports::Confirm::Nack`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BrokerError {
+    /// The connection could not be made or was lost.
+    #[error("broker connection failed: {0}")]
+    Connection(String),
+    /// The channel was closed by the broker or could not be opened.
+    #[error("broker channel failed: {0}")]
+    Channel(String),
+}
+
+/// Why one drainer tick did not complete. Every variant is infrastructure
+/// trouble: the batch's claims were released (or will expire) and no row's
+/// `attempts` moved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DrainError {
+    /// Phase 2 (channel open, confirm-select, publishes and confirms) did not
+    /// finish within `CANOPY_MQ_DRAINER_CONFIRM_TIMEOUT_SECS`.
+    #[error("publish+confirm of {rows} rows did not finish within {timeout_secs} s")]
+    ConfirmTimeout {
+        /// Rows in the batch.
+        rows: usize,
+        /// The deadline that expired.
+        timeout_secs: u64,
+    },
+    /// The broker failed during Phase 2.
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    /// The store failed during Phase 1 or Phase 3.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl DrainError {
+    /// Whether the broker connection is implicated (and should be replaced).
+    pub fn implicates_broker(&self) -> bool {
+        matches!(self, Self::ConfirmTimeout { .. } | Self::Broker(_))
+    }
+}

@@ -1,0 +1,42 @@
+//! A transactional outbox for services that keep their state in PostgreSQL
+//! and publish to RabbitMQ (ADR-018).
+//!
+//! A service writes an [`EventEnvelope`] in the same transaction as its domain
+//! rows ([`Publisher::publish_tx`]); a lease-based drainer ([`DrainerHandle`])
+//! publishes every committed envelope to RabbitMQ at least once, across broker
+//! outages, black-holed connections and restarts, with publisher confirms,
+//! and never while a database transaction is open.
+//!
+//! # Layout
+//! - [`envelope`]: the envelope and its validation.
+//! - [`pg`]: the PostgreSQL adapter: [`Publisher`] and [`PgOutboxStore`]; all SQL.
+//! - [`amqp`]: the RabbitMQ adapter ([`LapinBroker`]).
+//! - [`core`]: the drainer, janitor and stats task, generic over [`core::ports`];
+//!   the simulation runs this exact code with its own adapters.
+//! - [`config`]: `CANOPY_MQ_*` configuration and its boot asserts.
+//! - [`migrate`]: the embedded migrator and the byte-identity check.
+//! - [`runtime`]: tokio clock, OS entropy, and [`DrainerHandle`] wiring.
+//! - [`admin`]: operator functions (parked-row listing, unpark).
+//! - [`error`]: every error type.
+
+pub mod admin;
+pub mod amqp;
+pub mod config;
+pub mod core;
+pub mod envelope;
+pub mod error;
+pub mod migrate;
+pub mod pg;
+pub mod runtime;
+
+pub use amqp::{LapinBroker, redact_url};
+pub use config::{DrainerConfig, DrainerConfigBuilder};
+pub use core::drainer::{Drainer, TickReport};
+pub use core::ports::{OutboxStats, ParkedRow, UnparkSelector};
+pub use core::stats::{OutboxHealth, Readiness, UnreadyReason};
+pub use envelope::{EnvelopeLimits, EventEnvelope};
+pub use error::{BrokerError, ConfigError, DrainError, PublishError, StoreError};
+pub use migrate::{MIGRATOR, migrator};
+pub use pg::PgOutboxStore;
+pub use pg::publisher::Publisher;
+pub use runtime::{DrainerHandle, OsEntropy, TokioClock};

@@ -1,0 +1,199 @@
+//! The PostgreSQL adapter: the only place (with [`crate::publisher`]) that
+//! runs SQL. One statement per `.sql` file under `sql/`, named after the port
+//! method it implements; [`map_err`] is the one place sqlx errors become
+//! [`StoreError`]s.
+
+use std::time::Duration;
+
+use sqlx::{PgPool, Row};
+use uuid::Uuid;
+
+use crate::core::ports::{
+    ClaimParams, ClaimedRow, FailOutcome, OutboxStats, OutboxStore, ParkedRow, RowFailure,
+    UnparkSelector,
+};
+use crate::error::StoreError;
+
+pub mod publisher;
+
+pub(crate) mod sql {
+    pub const CLAIM: &str = include_str!("sql/outbox_claim.sql");
+    pub const MARK_PUBLISHED: &str = include_str!("sql/outbox_mark_published.sql");
+    pub const MARK_FAILED: &str = include_str!("sql/outbox_mark_failed.sql");
+    pub const RELEASE: &str = include_str!("sql/outbox_release.sql");
+    pub const STATS: &str = include_str!("sql/outbox_stats.sql");
+    pub const PENDING_COUNT: &str = include_str!("sql/outbox_pending_count.sql");
+    pub const DELETE_PUBLISHED: &str = include_str!("sql/outbox_delete_published.sql");
+    pub const LIST_PARKED: &str = include_str!("sql/outbox_list_parked.sql");
+    pub const UNPARK: &str = include_str!("sql/outbox_unpark.sql");
+    pub const INSERT: &str = include_str!("sql/outbox_insert.sql");
+    pub const INSERT_MANY: &str = include_str!("sql/outbox_insert_many.sql");
+}
+
+/// The outbox store on a PostgreSQL pool. Every method is one autocommit
+/// statement: no transaction is ever held open across broker I/O.
+#[derive(Debug, Clone)]
+pub struct PgOutboxStore {
+    pool: PgPool,
+}
+
+impl PgOutboxStore {
+    /// Wraps a pool. The `event_outbox` migrations must have been applied
+    /// (see [`crate::migrate`]).
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// The pool it uses.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+/// Maps a sqlx error to a store error. Connection-level failures are
+/// `Unavailable`; everything else is `Statement`. sqlx error texts do not
+/// include connection URLs.
+pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
+        other => StoreError::Statement(other.to_string()),
+    }
+}
+
+impl OutboxStore for PgOutboxStore {
+    async fn outbox_claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
+        let rows = sqlx::query(sql::CLAIM)
+            .bind(p.replica_id)
+            .bind(p.lease_ttl.as_secs_f64())
+            .bind(i64::from(p.batch_size))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)?;
+        rows.into_iter()
+            .map(|r| {
+                Ok(ClaimedRow {
+                    id: r.try_get("id").map_err(map_err)?,
+                    routing_key: r.try_get("routing_key").map_err(map_err)?,
+                    body: r
+                        .try_get::<String, _>("body")
+                        .map_err(map_err)?
+                        .into_bytes(),
+                    attempts: r.try_get("attempts").map_err(map_err)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn outbox_mark_published(
+        &self,
+        replica_id: &str,
+        ids: &[Uuid],
+    ) -> Result<u64, StoreError> {
+        let done = sqlx::query(sql::MARK_PUBLISHED)
+            .bind(replica_id)
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn outbox_mark_failed(
+        &self,
+        replica_id: &str,
+        failures: &[RowFailure],
+        max_attempts: u32,
+    ) -> Result<FailOutcome, StoreError> {
+        let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+        let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+        let parked: Vec<bool> = sqlx::query_scalar(sql::MARK_FAILED)
+            .bind(replica_id)
+            .bind(&ids)
+            .bind(&errors)
+            .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(FailOutcome {
+            recorded: parked.len() as u64,
+            parked: parked.iter().filter(|p| **p).count() as u64,
+        })
+    }
+
+    async fn outbox_release(&self, replica_id: &str, ids: &[Uuid]) -> Result<u64, StoreError> {
+        let done = sqlx::query(sql::RELEASE)
+            .bind(replica_id)
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
+        let row = sqlx::query(sql::STATS)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(map_err)?;
+        let pending: i64 = row.try_get("pending").map_err(map_err)?;
+        let parked: i64 = row.try_get("parked").map_err(map_err)?;
+        let oldest: f64 = row.try_get("oldest_age_secs").map_err(map_err)?;
+        Ok(OutboxStats {
+            pending: pending.max(0) as u64,
+            oldest_unpublished_age_secs: oldest.max(0.0),
+            parked: parked.max(0) as u64,
+        })
+    }
+
+    async fn outbox_delete_published(
+        &self,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        let done = sqlx::query(sql::DELETE_PUBLISHED)
+            .bind(older_than.as_secs_f64())
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn outbox_list_parked(&self, limit: u32) -> Result<Vec<ParkedRow>, StoreError> {
+        let rows = sqlx::query(sql::LIST_PARKED)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(map_err)?;
+        rows.into_iter()
+            .map(|r| {
+                Ok(ParkedRow {
+                    id: r.try_get("id").map_err(map_err)?,
+                    routing_key: r.try_get("routing_key").map_err(map_err)?,
+                    attempts: r.try_get("attempts").map_err(map_err)?,
+                    last_error: r.try_get("last_error").map_err(map_err)?,
+                    enqueued_at: r.try_get("enqueued_at").map_err(map_err)?,
+                    parked_at: r.try_get("parked_at").map_err(map_err)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn outbox_unpark(&self, selector: &UnparkSelector) -> Result<u64, StoreError> {
+        let ids: Option<&[Uuid]> = match selector {
+            UnparkSelector::Ids(ids) => Some(ids),
+            UnparkSelector::All => None,
+        };
+        let done = sqlx::query(sql::UNPARK)
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .map_err(map_err)?;
+        Ok(done.rows_affected())
+    }
+}

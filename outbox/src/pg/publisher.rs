@@ -1,0 +1,149 @@
+//! `Publisher`: writes envelopes into `event_outbox` inside the caller's
+//! transaction (ADR-018's `publish_tx`). Once `publish_tx` returns Ok and the
+//! caller commits, the drainer will publish the event at least once; if the
+//! caller rolls back, the event never existed.
+
+use std::collections::BTreeSet;
+
+use sqlx::{PgPool, Postgres, Transaction};
+
+use super::sql;
+use crate::envelope::{EnvelopeLimits, EventEnvelope};
+use crate::error::PublishError;
+
+/// Name of the outbox primary-key constraint (PostgreSQL's default name).
+const PKEY: &str = "event_outbox_pkey";
+
+/// Writes envelopes into the outbox.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox::{EventEnvelope, Publisher};
+/// let publisher = Publisher::new(pool.clone());
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("INSERT INTO orders (id) VALUES (42)").execute(&mut *tx).await?;
+/// publisher
+///     .publish_tx(&mut tx, &EventEnvelope::new("orders.created", serde_json::json!({"id": 42})))
+///     .await?;
+/// tx.commit().await?; // the order and its event commit together
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Publisher {
+    pool: PgPool,
+    limits: EnvelopeLimits,
+}
+
+impl Publisher {
+    /// A publisher with the default [`EnvelopeLimits`].
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            pool,
+            limits: EnvelopeLimits::default(),
+        }
+    }
+
+    /// Replaces the envelope limits.
+    #[must_use]
+    pub fn with_limits(mut self, limits: EnvelopeLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> &EnvelopeLimits {
+        &self.limits
+    }
+
+    /// Writes `envelope` into the caller's transaction. Validation errors are
+    /// returned before anything is written.
+    pub async fn publish_tx(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        envelope: &EventEnvelope,
+    ) -> Result<(), PublishError> {
+        let body = envelope.encode(&self.limits)?;
+        sqlx::query(sql::INSERT)
+            .bind(envelope.id)
+            .bind(&envelope.routing_key)
+            .bind(body)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| map_insert_err(e, Some(envelope.id)))?;
+        Ok(())
+    }
+
+    /// Writes many envelopes into the caller's transaction in one round-trip.
+    /// Every envelope is validated before anything is written; one invalid
+    /// envelope refuses the whole call.
+    pub async fn publish_many_tx(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        envelopes: &[EventEnvelope],
+    ) -> Result<(), PublishError> {
+        if envelopes.is_empty() {
+            return Ok(());
+        }
+        let mut seen = BTreeSet::new();
+        let mut ids = Vec::with_capacity(envelopes.len());
+        let mut keys = Vec::with_capacity(envelopes.len());
+        let mut bodies = Vec::with_capacity(envelopes.len());
+        for env in envelopes {
+            if !seen.insert(env.id) {
+                return Err(PublishError::DuplicateId { id: env.id });
+            }
+            bodies.push(env.encode(&self.limits)?);
+            ids.push(env.id);
+            keys.push(env.routing_key.as_str());
+        }
+        sqlx::query(sql::INSERT_MANY)
+            .bind(&ids)
+            .bind(&keys)
+            .bind(&bodies)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| map_insert_err(e, None))?;
+        Ok(())
+    }
+
+    /// Writes `envelope` in a one-shot transaction of its own (for call sites
+    /// with no domain transaction in scope).
+    pub async fn publish(&self, envelope: &EventEnvelope) -> Result<(), PublishError> {
+        envelope.validate(&self.limits)?;
+        let mut tx = self.pool.begin().await.map_err(PublishError::Database)?;
+        self.publish_tx(&mut tx, envelope).await?;
+        tx.commit().await.map_err(PublishError::Database)
+    }
+
+    /// Unpublished, unparked rows (parked rows are counted separately by the
+    /// stats task).
+    pub async fn outbox_pending_count(&self) -> Result<u64, PublishError> {
+        let n: i64 = sqlx::query_scalar(sql::PENDING_COUNT)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(PublishError::Database)?;
+        Ok(n.max(0) as u64)
+    }
+}
+
+fn map_insert_err(e: sqlx::Error, id: Option<uuid::Uuid>) -> PublishError {
+    if let sqlx::Error::Database(db) = &e
+        && db.constraint() == Some(PKEY)
+    {
+        let id = id.or_else(|| db_detail_id(db.as_ref()));
+        if let Some(id) = id {
+            return PublishError::DuplicateId { id };
+        }
+    }
+    PublishError::Database(e)
+}
+
+/// Pulls the id out of "Key (id)=(…) already exists." where the batch insert
+/// does not tell us which envelope collided.
+fn db_detail_id(db: &dyn sqlx::error::DatabaseError) -> Option<uuid::Uuid> {
+    let pg = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
+    let detail = pg.detail()?;
+    let start = detail.find("=(")? + 2;
+    let end = start + detail[start..].find(')')?;
+    detail[start..end].parse().ok()
+}

@@ -1,0 +1,23 @@
+-- Phase 1 (#478): claim up to $3 rows, stamping the lease. Walks
+-- event_outbox_claim_idx in (enqueued_at, id) order; rows under a live lease
+-- are filtered, rows locked by a concurrent claim or mark are skipped. Never
+-- touches attempts. $1 replica id, $2 lease TTL in seconds, $3 batch size.
+WITH candidates AS (
+    SELECT id
+    FROM event_outbox
+    WHERE published_at IS NULL
+      AND parked_at IS NULL
+      AND (claimed_at IS NULL OR claimed_at < now() - make_interval(secs => $2))
+    ORDER BY enqueued_at, id
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE event_outbox o
+    SET claimed_at = now(), claimed_by = $1
+    FROM candidates c
+    WHERE o.id = c.id
+    RETURNING o.id, o.routing_key, o.payload::text AS body, o.attempts, o.enqueued_at
+)
+SELECT id, routing_key, body, attempts
+FROM claimed
+ORDER BY enqueued_at, id

@@ -1,0 +1,165 @@
+//! Production adapters of the time and entropy ports, and the wiring that
+//! spawns the drainer, the janitor and the stats task on tokio.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::amqp::LapinBroker;
+use crate::config::DrainerConfig;
+use crate::core::drainer::Drainer;
+use crate::core::ports::{Clock, Entropy};
+use crate::core::stats::{OutboxHealth, Readiness};
+use crate::core::{janitor, stats};
+use crate::pg::PgOutboxStore;
+
+/// Tokio's clock. Under `tokio::time::pause` (and turmoil) it is simulated.
+#[derive(Debug, Clone)]
+pub struct TokioClock {
+    origin: tokio::time::Instant,
+}
+
+impl Default for TokioClock {
+    fn default() -> Self {
+        Self {
+            origin: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl Clock for TokioClock {
+    fn now(&self) -> Duration {
+        self.origin.elapsed()
+    }
+
+    async fn sleep(&self, d: Duration) {
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// OS-seeded entropy: a SplitMix64 sequence seeded from a UUID v7's random
+/// bits (which come from the OS).
+#[derive(Debug)]
+pub struct OsEntropy {
+    state: std::sync::atomic::AtomicU64,
+}
+
+impl Default for OsEntropy {
+    fn default() -> Self {
+        let seed = uuid::Uuid::now_v7().as_u64_pair().1;
+        Self {
+            state: std::sync::atomic::AtomicU64::new(seed),
+        }
+    }
+}
+
+impl Entropy for OsEntropy {
+    fn next_u64(&self) -> u64 {
+        let mut z = self
+            .state
+            .fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// The production drainer type.
+pub type PgLapinDrainer = Drainer<PgOutboxStore, LapinBroker, TokioClock, OsEntropy>;
+
+/// A running drainer with its janitor and stats task.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let config = outbox::DrainerConfig::from_env()?; // fails at boot on bad values
+/// let broker = outbox::LapinBroker::new("amqp://guest:guest@127.0.0.1:5672/%2f");
+/// let handle = outbox::DrainerHandle::spawn(pool, broker, config);
+/// // ... serve traffic; `handle.readiness()` backs /readyz ...
+/// handle.shutdown().await; // finishes or releases the batch in hand
+/// # Ok(()) }
+/// ```
+pub struct DrainerHandle {
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    health: OutboxHealth,
+    clock: TokioClock,
+    config: DrainerConfig,
+    store: Arc<PgOutboxStore>,
+    broker: Arc<LapinBroker>,
+}
+
+impl DrainerHandle {
+    /// Spawns the drainer, the retention janitor and the stats task.
+    pub fn spawn(pool: sqlx::PgPool, broker: LapinBroker, config: DrainerConfig) -> Self {
+        let store = Arc::new(PgOutboxStore::new(pool));
+        let broker = Arc::new(broker);
+        let clock = TokioClock::default();
+        let clock_arc = Arc::new(clock.clone());
+        let (tx, rx) = watch::channel(false);
+        let health = OutboxHealth::default();
+        let drainer = Drainer::new(
+            store.clone(),
+            broker.clone(),
+            clock_arc.clone(),
+            Arc::new(OsEntropy::default()),
+            config.clone(),
+        );
+        let tasks = vec![
+            tokio::spawn(drainer.run(rx.clone())),
+            tokio::spawn(janitor::run(
+                store.clone(),
+                clock_arc.clone(),
+                config.clone(),
+                rx.clone(),
+            )),
+            tokio::spawn(stats::run(
+                store.clone(),
+                clock_arc,
+                config.clone(),
+                health.clone(),
+                rx,
+            )),
+        ];
+        Self {
+            shutdown: tx,
+            tasks,
+            health,
+            clock,
+            config,
+            store,
+            broker,
+        }
+    }
+
+    /// The outbox's readiness, from the stats task's latest sample.
+    pub fn readiness(&self) -> Readiness {
+        self.health.readiness(&self.config, self.clock.now())
+    }
+
+    /// The shared health snapshot (for an admin surface).
+    pub fn health(&self) -> &OutboxHealth {
+        &self.health
+    }
+
+    /// The store the drainer uses (for unpark and parked-row listing).
+    pub fn store(&self) -> &PgOutboxStore {
+        &self.store
+    }
+
+    /// Stops all three tasks, letting the drainer finish or release the batch
+    /// in hand, then closes the broker connection (bounded).
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        for task in self.tasks {
+            if let Err(e) = task.await
+                && e.is_panic()
+            {
+                tracing::error!(error = %e, "outbox task panicked");
+            }
+        }
+        self.broker.close().await;
+    }
+}

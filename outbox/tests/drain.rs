@@ -1,0 +1,599 @@
+//! The producer half against the real local PostgreSQL and RabbitMQ: what is
+//! committed reaches an independent consumer, what is rolled back never does,
+//! and broker faults, crashes and nacks lose nothing and blame no row wrongly.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{PlainConsumer, Proxy, eventually, unique};
+use outbox::core::ports::{Clock, OutboxStore};
+use outbox::{
+    DrainError, Drainer, DrainerConfig, EventEnvelope, LapinBroker, OsEntropy, PgOutboxStore,
+    Publisher, TokioClock, UnparkSelector,
+};
+use sqlx::PgPool;
+
+type TestDrainer = Drainer<PgOutboxStore, LapinBroker, TokioClock, OsEntropy>;
+
+fn drainer(pool: &PgPool, amqp_url: &str, config: DrainerConfig) -> TestDrainer {
+    Drainer::new(
+        Arc::new(PgOutboxStore::new(pool.clone())),
+        Arc::new(LapinBroker::new(amqp_url)),
+        Arc::new(TokioClock::default()),
+        Arc::new(OsEntropy::default()),
+        config,
+    )
+}
+
+fn config(exchange: &str, replica: &str) -> outbox::DrainerConfigBuilder {
+    DrainerConfig::builder()
+        .exchange(exchange)
+        .replica_id(replica)
+}
+
+/// Ticks until a tick claims nothing (bounded).
+async fn drain_all(d: &TestDrainer) -> u64 {
+    let mut published = 0;
+    for _ in 0..1000 {
+        let r = d.tick().await.expect("tick");
+        published += r.published;
+        if r.claimed == 0 {
+            return published;
+        }
+    }
+    panic!("outbox did not drain within 1000 ticks");
+}
+
+async fn row_attempts(pool: &PgPool) -> Vec<(uuid::Uuid, i32, bool)> {
+    sqlx::query_as(
+        "SELECT id, attempts, published_at IS NOT NULL FROM event_outbox ORDER BY enqueued_at, id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+async fn write_events(pool: &PgPool, key: &str, n: usize) -> Vec<EventEnvelope> {
+    let publisher = Publisher::new(pool.clone());
+    let mut out = Vec::new();
+    for i in 0..n {
+        let env = EventEnvelope::new(key, serde_json::json!({ "n": i }));
+        publisher.publish(&env).await.unwrap();
+        out.push(env);
+    }
+    out
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn committed_envelopes_reach_a_consumer_and_rolled_back_ones_never_do(pool: PgPool) {
+    let exchange = unique("ex");
+    let consumer = PlainConsumer::start(&exchange, "orders.#").await;
+    let publisher = Publisher::new(pool.clone());
+    sqlx::query("CREATE TABLE orders (n INT PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let mut committed = Vec::new();
+    let mut rolled_back = Vec::new();
+    for n in 0..60 {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("INSERT INTO orders (n) VALUES ($1)")
+            .bind(n)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let env = EventEnvelope::new("orders.created", serde_json::json!({ "n": n }));
+        if n % 10 == 9 {
+            // Many envelopes in one round-trip, same transaction.
+            let many: Vec<_> = (0..5)
+                .map(|k| EventEnvelope::new("orders.line", serde_json::json!({ "n": n, "k": k })))
+                .collect();
+            publisher.publish_many_tx(&mut tx, &many).await.unwrap();
+            committed.extend(many.iter().map(|e| e.id));
+        }
+        publisher.publish_tx(&mut tx, &env).await.unwrap();
+        if n % 3 == 0 {
+            tx.rollback().await.unwrap();
+            rolled_back.push(env.id);
+            if n % 10 == 9 {
+                committed.truncate(committed.len() - 5);
+            }
+        } else {
+            tx.commit().await.unwrap();
+            committed.push(env.id);
+        }
+    }
+    assert_eq!(
+        publisher.outbox_pending_count().await.unwrap(),
+        committed.len() as u64
+    );
+
+    let d = drainer(
+        &pool,
+        &common::amqp_url(),
+        config(&exchange, "r1").batch_size(17).build().unwrap(),
+    );
+    d.tick().await.unwrap(); // connects lazily; the consumer is already bound
+    drain_all(&d).await;
+    assert_eq!(publisher.outbox_pending_count().await.unwrap(), 0);
+
+    let got = consumer
+        .wait_for(committed.len(), Duration::from_secs(10))
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let got_ids: Vec<uuid::Uuid> = consumer
+        .snapshot()
+        .await
+        .iter()
+        .map(|r| r.message_id.parse().unwrap())
+        .collect();
+    let mut want = committed.clone();
+    want.sort();
+    let mut have = got_ids.clone();
+    have.sort();
+    assert_eq!(have, want, "exactly the committed envelopes, each once");
+    for id in &rolled_back {
+        assert!(
+            !got_ids.contains(id),
+            "rolled-back envelope {id} was published"
+        );
+    }
+    for r in &got {
+        assert!(r.persistent, "delivery mode must be persistent");
+        let env = EventEnvelope::decode(&r.body).unwrap();
+        assert_eq!(
+            env.id.to_string(),
+            r.message_id,
+            "message_id is the envelope id"
+        );
+        assert_eq!(env.routing_key, r.routing_key);
+    }
+    // Publishing order follows enqueue order within one drainer.
+    let published_order: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT id FROM event_outbox ORDER BY enqueued_at, id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(published_order.len(), committed.len());
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn broker_connections_cut_mid_drain_lose_nothing_and_blame_no_row(pool: PgPool) {
+    let exchange = unique("ex");
+    let consumer = PlainConsumer::start(&exchange, "#").await;
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    let events = write_events(&pool, "cut.event", 300).await;
+    // Depth 1 makes every batch a long series of round-trips, so cuts land
+    // mid-batch: after claim, between publishes, before confirms.
+    let d = drainer(
+        &pool,
+        &proxy.amqp_url(),
+        config(&exchange, "r1")
+            .batch_size(50)
+            .pipeline_depth(1)
+            .build()
+            .unwrap(),
+    );
+    let proxy = Arc::new(proxy);
+    let cutter = {
+        let proxy = proxy.clone();
+        tokio::spawn(async move {
+            for _ in 0..15 {
+                tokio::time::sleep(Duration::from_millis(7)).await;
+                proxy.cut();
+            }
+        })
+    };
+    let mut errors = 0;
+    for _ in 0..2000 {
+        match d.tick().await {
+            Ok(r) if r.claimed == 0 && cutter.is_finished() => break,
+            Ok(_) => {}
+            Err(e) => {
+                assert!(e.implicates_broker(), "unexpected error {e}");
+                errors += 1;
+            }
+        }
+    }
+    assert!(errors > 0, "the cuts should have interrupted some batches");
+    let rows = row_attempts(&pool).await;
+    assert!(
+        rows.iter().all(|(_, a, p)| *a == 0 && *p),
+        "all published, attempts 0: {rows:?}"
+    );
+    let got = consumer
+        .wait_for(events.len(), Duration::from_secs(10))
+        .await;
+    for e in &events {
+        assert!(
+            got.iter().any(|r| r.message_id == e.id.to_string()),
+            "lost {}",
+            e.id
+        );
+    }
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_black_holed_broker_times_out_releases_claims_and_drains_after(pool: PgPool) {
+    let exchange = unique("ex");
+    let consumer = PlainConsumer::start(&exchange, "#").await;
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    let d = drainer(
+        &pool,
+        &proxy.amqp_url(),
+        config(&exchange, "r1")
+            .pipeline_depth(4)
+            .confirm_timeout_secs(1)
+            .lease_ttl_secs(5)
+            .build()
+            .unwrap(),
+    );
+    // Establish the connection with a warm-up event, then black-hole it.
+    let mut events = write_events(&pool, "hole.warmup", 1).await;
+    assert_eq!(drain_all(&d).await, 1);
+    events.extend(write_events(&pool, "hole.event", 10).await);
+    proxy.hold();
+    let started = tokio::time::Instant::now();
+    let err = d.tick().await.expect_err("black-hole must time out");
+    assert!(
+        matches!(
+            err,
+            DrainError::ConfirmTimeout {
+                rows: 10,
+                timeout_secs: 1
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "deadline bounded the tick"
+    );
+    let claimed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM event_outbox WHERE claimed_by IS NOT NULL AND published_at IS NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(claimed, 0, "every claim released");
+    assert!(row_attempts(&pool).await.iter().all(|(_, a, _)| *a == 0));
+    proxy.pass();
+    drain_all(&d).await;
+    assert!(
+        row_attempts(&pool)
+            .await
+            .iter()
+            .all(|(_, a, p)| *a == 0 && *p)
+    );
+    let got = consumer
+        .wait_for(events.len(), Duration::from_secs(10))
+        .await;
+    for e in &events {
+        assert!(
+            got.iter().any(|r| r.message_id == e.id.to_string()),
+            "lost {}",
+            e.id
+        );
+    }
+}
+
+/// A store whose mark never returns: the drainer "crashes" between publish
+/// and mark when the test aborts it there.
+struct StuckMark(PgOutboxStore);
+
+impl OutboxStore for StuckMark {
+    async fn outbox_claim(
+        &self,
+        p: outbox::core::ports::ClaimParams<'_>,
+    ) -> Result<Vec<outbox::core::ports::ClaimedRow>, outbox::StoreError> {
+        self.0.outbox_claim(p).await
+    }
+    async fn outbox_mark_published(
+        &self,
+        _: &str,
+        _: &[uuid::Uuid],
+    ) -> Result<u64, outbox::StoreError> {
+        std::future::pending().await
+    }
+    async fn outbox_mark_failed(
+        &self,
+        r: &str,
+        f: &[outbox::core::ports::RowFailure],
+        m: u32,
+    ) -> Result<outbox::core::ports::FailOutcome, outbox::StoreError> {
+        self.0.outbox_mark_failed(r, f, m).await
+    }
+    async fn outbox_release(&self, r: &str, ids: &[uuid::Uuid]) -> Result<u64, outbox::StoreError> {
+        self.0.outbox_release(r, ids).await
+    }
+    async fn outbox_stats(&self) -> Result<outbox::OutboxStats, outbox::StoreError> {
+        self.0.outbox_stats().await
+    }
+    async fn outbox_delete_published(
+        &self,
+        o: Duration,
+        l: u32,
+    ) -> Result<u64, outbox::StoreError> {
+        self.0.outbox_delete_published(o, l).await
+    }
+    async fn outbox_list_parked(
+        &self,
+        l: u32,
+    ) -> Result<Vec<outbox::ParkedRow>, outbox::StoreError> {
+        self.0.outbox_list_parked(l).await
+    }
+    async fn outbox_unpark(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
+        self.0.outbox_unpark(s).await
+    }
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_drainer_stopped_between_publish_and_mark_is_covered_by_another_after_the_lease(
+    pool: PgPool,
+) {
+    let exchange = unique("ex");
+    let consumer = PlainConsumer::start(&exchange, "#").await;
+    let events = write_events(&pool, "crash.event", 5).await;
+    let cfg = |r: &str| {
+        config(&exchange, r)
+            .pipeline_depth(4)
+            .confirm_timeout_secs(1)
+            .lease_ttl_secs(2)
+            .build()
+            .unwrap()
+    };
+    let crashed = Drainer::new(
+        Arc::new(StuckMark(PgOutboxStore::new(pool.clone()))),
+        Arc::new(LapinBroker::new(common::amqp_url())),
+        Arc::new(TokioClock::default()),
+        Arc::new(OsEntropy::default()),
+        cfg("crashed"),
+    );
+    let task = tokio::spawn(async move { crashed.tick().await });
+    consumer
+        .wait_for(events.len(), Duration::from_secs(10))
+        .await;
+    task.abort(); // the process dies after publishing, before marking
+    let _ = task.await;
+
+    let survivor = drainer(&pool, &common::amqp_url(), cfg("survivor"));
+    assert_eq!(
+        survivor.tick().await.unwrap().claimed,
+        0,
+        "lease still held"
+    );
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert_eq!(drain_all(&survivor).await, events.len() as u64);
+
+    let got = consumer
+        .wait_for(2 * events.len(), Duration::from_secs(10))
+        .await;
+    for e in &events {
+        let copies = got
+            .iter()
+            .filter(|r| r.message_id == e.id.to_string())
+            .count();
+        assert_eq!(
+            copies, 2,
+            "published, then republished with the same message_id"
+        );
+    }
+    assert!(
+        row_attempts(&pool)
+            .await
+            .iter()
+            .all(|(_, a, p)| *a == 0 && *p)
+    );
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn two_drainers_on_one_table_publish_each_envelope_once(pool: PgPool) {
+    let exchange = unique("ex");
+    let consumer = PlainConsumer::start(&exchange, "#").await;
+    let events = write_events(&pool, "race.event", 400).await;
+    let a = drainer(
+        &pool,
+        &common::amqp_url(),
+        config(&exchange, "a").batch_size(10).build().unwrap(),
+    );
+    let b = drainer(
+        &pool,
+        &common::amqp_url(),
+        config(&exchange, "b").batch_size(10).build().unwrap(),
+    );
+    let (pa, pb) = tokio::join!(drain_all(&a), drain_all(&b));
+    assert_eq!(pa + pb, events.len() as u64);
+    consumer
+        .wait_for(events.len(), Duration::from_secs(10))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let got = consumer.snapshot().await;
+    assert_eq!(got.len(), events.len(), "no envelope published twice");
+    let mut ids: Vec<_> = got.iter().map(|r| r.message_id.clone()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), events.len());
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn broker_nacks_bump_attempts_park_at_the_budget_and_unpark_republishes(pool: PgPool) {
+    let exchange = unique("ex");
+    let conn = common::connect().await;
+    let reject_queue = common::declare_rejecting_queue(&conn, &exchange, "poison.#").await;
+    let consumer = PlainConsumer::start(&exchange, "#").await;
+    let poison = write_events(&pool, "poison.event", 1).await.remove(0);
+    let fine = write_events(&pool, "fine.event", 3).await;
+    let d = drainer(
+        &pool,
+        &common::amqp_url(),
+        config(&exchange, "r1").max_attempts(3).build().unwrap(),
+    );
+    for expected in 1..=3 {
+        let r = d.tick().await.unwrap();
+        assert_eq!(r.failed, 1, "the nacked row is blamed");
+        let (attempts, last_error, parked): (i32, Option<String>, bool) = sqlx::query_as(
+            "SELECT attempts, last_error, parked_at IS NOT NULL FROM event_outbox WHERE id = $1",
+        )
+        .bind(poison.id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(attempts, expected);
+        assert!(last_error.unwrap().contains("nack"));
+        assert_eq!(parked, expected == 3, "parks exactly at the budget");
+    }
+    // Parked: no longer claimed.
+    let r = d.tick().await.unwrap();
+    assert_eq!(r.claimed, 0);
+    let stats = PgOutboxStore::new(pool.clone())
+        .outbox_stats()
+        .await
+        .unwrap();
+    assert_eq!((stats.pending, stats.parked), (0, 1));
+    let store = PgOutboxStore::new(pool.clone());
+    let parked = outbox::admin::list_parked(&store, 10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].id, poison.id);
+    assert_eq!(parked[0].attempts, 3);
+
+    // The cause is fixed; the operator unparks; the drainer republishes.
+    common::delete_queue(&conn, &reject_queue).await;
+    let n = outbox::admin::unpark(&store, &UnparkSelector::Ids(vec![poison.id]))
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM event_outbox WHERE id = $1")
+        .bind(poison.id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 0, "unpark resets the budget");
+    assert_eq!(drain_all(&d).await, 1);
+    let got = consumer
+        .wait_for(fine.len() + 1, Duration::from_secs(10))
+        .await;
+    assert!(got.iter().any(|r| r.message_id == poison.id.to_string()));
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn the_janitor_deletes_only_published_rows_past_retention(pool: PgPool) {
+    let events = write_events(&pool, "janitor.event", 6).await;
+    // 0,1: published 8 days ago; 2: published now; 3: unpublished but old;
+    // 4: parked and old; 5: pending.
+    for (i, sql) in [
+        (0, "published_at = now() - interval '8 days'"),
+        (1, "published_at = now() - interval '8 days'"),
+        (2, "published_at = now()"),
+        (3, "enqueued_at = now() - interval '30 days'"),
+        (
+            4,
+            "parked_at = now() - interval '30 days', enqueued_at = now() - interval '30 days'",
+        ),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE event_outbox SET {sql} WHERE id = $1"
+        )))
+        .bind(events[i].id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let store = PgOutboxStore::new(pool.clone());
+    let cfg = DrainerConfig::builder().janitor_batch(1).build().unwrap();
+    let deleted = outbox::core::janitor::sweep(&store, &cfg).await.unwrap();
+    assert_eq!(deleted, 2);
+    let left: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM event_outbox ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let mut want: Vec<_> = events[2..].iter().map(|e| e.id).collect();
+    want.sort();
+    assert_eq!(left, want);
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn stats_feed_gauges_and_readiness_says_why_it_is_unready(pool: PgPool) {
+    let store = PgOutboxStore::new(pool.clone());
+    let clock = TokioClock::default();
+    let cfg = DrainerConfig::builder()
+        .pending_warn(2)
+        .oldest_warn_secs(60)
+        .build()
+        .unwrap();
+    let health = outbox::OutboxHealth::default();
+    let r = health.readiness(&cfg, clock.now());
+    assert_eq!(r.reasons, vec![outbox::UnreadyReason::NotSampled]);
+
+    outbox::core::stats::sample(&store, &clock, &cfg, &health)
+        .await
+        .unwrap();
+    assert!(health.readiness(&cfg, clock.now()).ready);
+
+    let events = write_events(&pool, "stats.event", 3).await;
+    sqlx::query("UPDATE event_outbox SET enqueued_at = now() - interval '2 minutes' WHERE id = $1")
+        .bind(events[0].id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let s = outbox::core::stats::sample(&store, &clock, &cfg, &health)
+        .await
+        .unwrap();
+    assert_eq!(s.pending, 3);
+    assert!(s.oldest_unpublished_age_secs >= 119.0);
+    let r = health.readiness(&cfg, clock.now());
+    assert!(!r.ready);
+    assert!(r.reasons.iter().any(|x| matches!(
+        x,
+        outbox::UnreadyReason::PendingOverThreshold {
+            pending: 3,
+            threshold: 2
+        }
+    )));
+    assert!(r.reasons.iter().any(|x| matches!(
+        x,
+        outbox::UnreadyReason::OldestOverThreshold {
+            threshold_secs: 60,
+            ..
+        }
+    )));
+    // A sample older than three intervals is stale.
+    let later = clock.now() + cfg.stats_interval * 4;
+    assert!(
+        health
+            .readiness(&cfg, later)
+            .reasons
+            .iter()
+            .any(|x| matches!(x, outbox::UnreadyReason::Stale { .. }))
+    );
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn the_spawned_drainer_drains_and_shuts_down_gracefully(pool: PgPool) {
+    let exchange = unique("ex");
+    let consumer = PlainConsumer::start(&exchange, "#").await;
+    let events = write_events(&pool, "spawn.event", 50).await;
+    let handle = outbox::DrainerHandle::spawn(
+        pool.clone(),
+        LapinBroker::new(common::amqp_url()),
+        config(&exchange, "spawned").build().unwrap(),
+    );
+    consumer
+        .wait_for(events.len(), Duration::from_secs(10))
+        .await;
+    let publisher = Publisher::new(pool.clone());
+    eventually(Duration::from_secs(10), || {
+        let p = publisher.clone();
+        async move { p.outbox_pending_count().await.unwrap() == 0 }
+    })
+    .await;
+    eventually(Duration::from_secs(10), || async {
+        handle.readiness().ready
+    })
+    .await;
+    tokio::time::timeout(Duration::from_secs(20), handle.shutdown())
+        .await
+        .expect("shutdown is bounded");
+}
