@@ -47,6 +47,12 @@ pub struct TickReport {
     pub failed: u64,
     /// Of those, rows that parked.
     pub parked: u64,
+    /// Clock time spent in Phase 1 (claim).
+    pub claim_time: Duration,
+    /// Clock time spent in Phase 2 (channel, publishes, confirms).
+    pub publish_time: Duration,
+    /// Clock time spent in Phase 3 (marks).
+    pub mark_time: Duration,
 }
 
 /// The drainer: the production code in production and in the simulation.
@@ -84,6 +90,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// One claim → publish → mark cycle.
     pub async fn tick(&self) -> Result<TickReport, DrainError> {
         let cfg = &self.config;
+        let t0 = self.clock.now();
         let rows = self
             .store
             .outbox_claim(ClaimParams {
@@ -92,8 +99,10 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 lease_ttl: cfg.lease_ttl,
             })
             .await?;
+        let t1 = self.clock.now();
         let mut report = TickReport {
             claimed: rows.len(),
+            claim_time: t1.saturating_sub(t0),
             ..TickReport::default()
         };
         if rows.is_empty() {
@@ -120,6 +129,8 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             }
         };
 
+        let t2 = self.clock.now();
+        report.publish_time = t2.saturating_sub(t1);
         if !outcome.acked.is_empty() {
             report.published = self
                 .store
@@ -151,6 +162,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 );
             }
         }
+        report.mark_time = self.clock.now().saturating_sub(t2);
         Ok(report)
     }
 

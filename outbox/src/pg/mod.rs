@@ -17,6 +17,7 @@ use crate::error::StoreError;
 pub mod publisher;
 
 pub(crate) mod sql {
+    pub const CLAIM_PLAN: &str = include_str!("sql/outbox_claim_plan.sql");
     pub const CLAIM: &str = include_str!("sql/outbox_claim.sql");
     pub const MARK_PUBLISHED: &str = include_str!("sql/outbox_mark_published.sql");
     pub const MARK_FAILED: &str = include_str!("sql/outbox_mark_failed.sql");
@@ -67,13 +68,21 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
 
 impl OutboxStore for PgOutboxStore {
     async fn outbox_claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
+        // One short transaction: planner settings, the claim CTE, commit.
+        // Nothing else happens while it is open.
+        let mut tx = self.pool.begin().await.map_err(map_err)?;
+        sqlx::raw_sql(sql::CLAIM_PLAN)
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
         let rows = sqlx::query(sql::CLAIM)
             .bind(p.replica_id)
             .bind(p.lease_ttl.as_secs_f64())
             .bind(i64::from(p.batch_size))
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *tx)
             .await
             .map_err(map_err)?;
+        tx.commit().await.map_err(map_err)?;
         rows.into_iter()
             .map(|r| {
                 Ok(ClaimedRow {

@@ -1,0 +1,148 @@
+//! Writes N domain rows, each with an envelope through `publish_tx` in the
+//! same transaction, then runs the production drainer until nothing is
+//! pending, and prints events, seconds and events/s.
+//!
+//! ```text
+//! cargo run --release -p outbox --example produce -- --count 100000 \
+//!     [--exchange canopy.events] [--routing-key demo.order.created] \
+//!     [--database-url postgres://postgres@127.0.0.1:5432/postgres] \
+//!     [--amqp-url amqp://guest:guest@127.0.0.1:5672/%2f]
+//! ```
+
+use std::time::{Duration, Instant};
+
+use outbox::{DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, Publisher, redact_url};
+use sqlx::postgres::PgPoolOptions;
+
+/// Domain rows written per transaction while filling the outbox.
+const ROWS_PER_TX: usize = 500;
+/// Longest the example waits for the drainer.
+const DRAIN_LIMIT: Duration = Duration::from_secs(3600);
+
+struct Args {
+    count: usize,
+    exchange: String,
+    routing_key: String,
+    database_url: String,
+    amqp_url: String,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        count: 1000,
+        exchange: "canopy.events".into(),
+        routing_key: "demo.order.created".into(),
+        database_url: std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
+        amqp_url: std::env::var("AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--count" => {
+                let v = value()?;
+                args.count = v
+                    .parse()
+                    .map_err(|_| format!("--count must be a whole number, got {v:?}"))?;
+            }
+            "--exchange" => args.exchange = value()?,
+            "--routing-key" => args.routing_key = value()?,
+            "--database-url" => args.database_url = value()?,
+            "--amqp-url" => args.amqp_url = value()?,
+            "-h" | "--help" => {
+                return Err(
+                    "usage: produce --count N [--exchange NAME] [--routing-key KEY] \
+                            [--database-url URL] [--amqp-url URL]"
+                        .into(),
+                );
+            }
+            other => return Err(format!("unknown argument {other:?} (try --help)")),
+        }
+    }
+    Ok(args)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(msg) => {
+            eprintln!("{msg}");
+            std::process::exit(2);
+        }
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&args.database_url)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.database_url)))?;
+    outbox::migrator().run(&pool).await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS produce_demo_orders (
+             id UUID PRIMARY KEY,
+             n BIGINT NOT NULL,
+             created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+         )",
+    )
+    .execute(&pool)
+    .await?;
+
+    let broker = LapinBroker::new(args.amqp_url.clone());
+    broker
+        .declare_topic_exchange(&args.exchange)
+        .await
+        .map_err(|e| format!("cannot reach {}: {e}", broker.redacted_url()))?;
+
+    let publisher = Publisher::new(pool.clone());
+    let before = publisher.outbox_pending_count().await?;
+    let started = Instant::now();
+    let mut written = 0;
+    while written < args.count {
+        let mut tx = pool.begin().await?;
+        for _ in 0..ROWS_PER_TX.min(args.count - written) {
+            let env = EventEnvelope::new(
+                args.routing_key.clone(),
+                serde_json::json!({ "order": written, "amount_cents": 1299, "currency": "USD" }),
+            );
+            sqlx::query("INSERT INTO produce_demo_orders (id, n) VALUES ($1, $2)")
+                .bind(env.id)
+                .bind(written as i64)
+                .execute(&mut *tx)
+                .await?;
+            publisher.publish_tx(&mut tx, &env).await?;
+            written += 1;
+        }
+        tx.commit().await?;
+    }
+    let write_secs = started.elapsed().as_secs_f64();
+    println!(
+        "wrote    {written} domain rows + envelopes in {write_secs:.2} s ({:.0}/s); {before} were already pending",
+        written as f64 / write_secs
+    );
+
+    let config = DrainerConfig::builder()
+        .exchange(args.exchange.clone())
+        .replica_id(format!("produce-{}", std::process::id()))
+        .build()?;
+    let drain_started = Instant::now();
+    let handle = DrainerHandle::spawn(pool.clone(), broker, config);
+    let mut pending = publisher.outbox_pending_count().await?;
+    while pending > 0 {
+        if drain_started.elapsed() > DRAIN_LIMIT {
+            return Err(format!("{pending} events still pending after {DRAIN_LIMIT:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        pending = publisher.outbox_pending_count().await?;
+    }
+    let secs = drain_started.elapsed().as_secs_f64();
+    handle.shutdown().await;
+    let events = written as u64 + before;
+    println!(
+        "drained  {events} events in {secs:.2} s: {:.0} events/s (exchange {})",
+        events as f64 / secs,
+        args.exchange
+    );
+    Ok(())
+}

@@ -1,0 +1,260 @@
+//! Every boot assert and parse rule of `DrainerConfig::from_env` fails at boot
+//! with an error naming the variable, its value and the rule.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use outbox::config::vars;
+use outbox::{ConfigError, DrainerConfig};
+
+fn from(pairs: &[(&str, &str)]) -> Result<DrainerConfig, ConfigError> {
+    let map: BTreeMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    DrainerConfig::from_lookup(|name| map.get(name).cloned())
+}
+
+#[track_caller]
+fn assert_invalid(pairs: &[(&str, &str)], var: &str, value: &str, rule_part: &str) {
+    match from(pairs) {
+        Err(ConfigError::Invalid {
+            var: v,
+            value: val,
+            rule,
+        }) => {
+            assert_eq!(v, var);
+            assert_eq!(val, value);
+            assert!(
+                rule.contains(rule_part),
+                "rule {rule:?} lacks {rule_part:?}"
+            );
+            let msg = from(pairs).unwrap_err().to_string();
+            assert!(
+                msg.starts_with(&format!("{var}={value} is invalid")),
+                "{msg}"
+            );
+        }
+        other => panic!("expected {var} to be refused, got {other:?}"),
+    }
+}
+
+#[test]
+fn defaults_are_the_adrs() {
+    let c = from(&[]).unwrap();
+    assert_eq!(c.tick, Duration::from_millis(250));
+    assert_eq!(c.batch_size, 100);
+    assert_eq!(c.lease_ttl, Duration::from_secs(60));
+    assert_eq!(c.pipeline_depth, 32);
+    assert_eq!(c.confirm_timeout, Duration::from_secs(30));
+    assert_eq!(c.max_attempts, 10);
+    assert_eq!(c.retention, Duration::from_secs(7 * 86_400));
+    assert_eq!(c.janitor_interval, Duration::from_secs(3600));
+    assert_eq!(c.pending_warn, 10_000);
+    assert_eq!(c.oldest_warn, Duration::from_secs(900));
+    assert_eq!(c.exchange, "canopy.events");
+}
+
+#[test]
+fn every_variable_is_read() {
+    let c = from(&[
+        (vars::TICK_MS, "100"),
+        (vars::BATCH_SIZE, "250"),
+        (vars::LEASE_TTL_SECS, "120"),
+        (vars::PIPELINE_DEPTH, "64"),
+        (vars::CONFIRM_TIMEOUT_SECS, "20"),
+        (vars::MAX_ATTEMPTS, "5"),
+        (vars::RETENTION_DAYS, "3"),
+        (vars::REPLICA_ID, "orders-7"),
+        (vars::EXCHANGE, "orders.events"),
+        (vars::PENDING_WARN, "50"),
+        (vars::OLDEST_WARN_SECS, "60"),
+    ])
+    .unwrap();
+    assert_eq!(c.tick, Duration::from_millis(100));
+    assert_eq!(c.batch_size, 250);
+    assert_eq!(c.lease_ttl, Duration::from_secs(120));
+    assert_eq!(c.pipeline_depth, 64);
+    assert_eq!(c.confirm_timeout, Duration::from_secs(20));
+    assert_eq!(c.max_attempts, 5);
+    assert_eq!(c.retention, Duration::from_secs(3 * 86_400));
+    assert_eq!(c.replica_id, "orders-7");
+    assert_eq!(c.exchange, "orders.events");
+    assert_eq!(c.pending_warn, 50);
+    assert_eq!(c.oldest_warn, Duration::from_secs(60));
+}
+
+#[test]
+fn the_replica_id_falls_back_to_hostname_pid_and_a_uuid_v7() {
+    let id = from(&[]).unwrap().replica_id;
+    let pid = std::process::id().to_string();
+    assert!(id.starts_with("drainer-"), "{id}");
+    let uuid_tail = &id[id.len() - 36..];
+    let uuid: uuid::Uuid = uuid_tail.parse().expect("ends with a uuid");
+    assert_eq!(uuid.get_version_num(), 7);
+    assert!(id.contains(&format!("-{pid}-")), "{id} lacks the pid");
+    assert_ne!(from(&[]).unwrap().replica_id, id, "unique per drainer");
+}
+
+#[test]
+fn non_numbers_are_refused_naming_the_variable() {
+    for var in [
+        vars::TICK_MS,
+        vars::BATCH_SIZE,
+        vars::LEASE_TTL_SECS,
+        vars::PIPELINE_DEPTH,
+        vars::CONFIRM_TIMEOUT_SECS,
+        vars::MAX_ATTEMPTS,
+        vars::RETENTION_DAYS,
+        vars::PENDING_WARN,
+        vars::OLDEST_WARN_SECS,
+    ] {
+        assert_invalid(&[(var, "ten")], var, "ten", "whole number");
+        assert_invalid(&[(var, "-1")], var, "-1", "whole number");
+    }
+}
+
+#[test]
+fn batch_size_must_be_positive_and_bounded() {
+    assert_invalid(&[(vars::BATCH_SIZE, "0")], vars::BATCH_SIZE, "0", "> 0");
+    assert_invalid(
+        &[(vars::BATCH_SIZE, "10001")],
+        vars::BATCH_SIZE,
+        "10001",
+        "<= 10000",
+    );
+}
+
+#[test]
+fn pipeline_depth_must_be_positive() {
+    assert_invalid(
+        &[(vars::PIPELINE_DEPTH, "0")],
+        vars::PIPELINE_DEPTH,
+        "0",
+        "> 0",
+    );
+}
+
+#[test]
+fn tick_and_max_attempts_must_be_positive() {
+    assert_invalid(&[(vars::TICK_MS, "0")], vars::TICK_MS, "0", "> 0");
+    assert_invalid(&[(vars::MAX_ATTEMPTS, "0")], vars::MAX_ATTEMPTS, "0", "> 0");
+}
+
+#[test]
+fn the_lease_must_cover_three_worst_case_batches() {
+    // 3 x 32 x 100 ms = 9.6 s: 9 s is refused, 10 s passes (with a timeout below it).
+    assert_invalid(
+        &[
+            (vars::LEASE_TTL_SECS, "9"),
+            (vars::CONFIRM_TIMEOUT_SECS, "4"),
+        ],
+        vars::LEASE_TTL_SECS,
+        "9",
+        "9600 ms",
+    );
+    from(&[
+        (vars::LEASE_TTL_SECS, "10"),
+        (vars::CONFIRM_TIMEOUT_SECS, "4"),
+    ])
+    .unwrap();
+    // The rule scales with the depth.
+    assert_invalid(
+        &[(vars::PIPELINE_DEPTH, "300")],
+        vars::LEASE_TTL_SECS,
+        "60",
+        "90000 ms",
+    );
+}
+
+#[test]
+fn the_confirm_timeout_must_cover_one_worst_case_batch() {
+    // 32 x 100 ms = 3.2 s.
+    assert_invalid(
+        &[(vars::CONFIRM_TIMEOUT_SECS, "3")],
+        vars::CONFIRM_TIMEOUT_SECS,
+        "3",
+        "3200 ms",
+    );
+    from(&[(vars::CONFIRM_TIMEOUT_SECS, "4")]).unwrap();
+}
+
+#[test]
+fn the_confirm_timeout_must_be_shorter_than_the_lease() {
+    assert_invalid(
+        &[(vars::CONFIRM_TIMEOUT_SECS, "60")],
+        vars::CONFIRM_TIMEOUT_SECS,
+        "60",
+        "< CANOPY_MQ_DRAINER_LEASE_TTL_SECS (60)",
+    );
+    from(&[(vars::CONFIRM_TIMEOUT_SECS, "59")]).unwrap();
+}
+
+#[test]
+fn blank_replica_ids_and_oversized_exchanges_are_refused() {
+    assert_invalid(
+        &[(vars::REPLICA_ID, "  ")],
+        vars::REPLICA_ID,
+        "  ",
+        "non-blank",
+    );
+    let long = "x".repeat(256);
+    assert_invalid(
+        &[(vars::EXCHANGE, &long)],
+        vars::EXCHANGE,
+        &long,
+        "255 bytes",
+    );
+}
+
+#[test]
+fn retention_is_bounded() {
+    assert_invalid(
+        &[(vars::RETENTION_DAYS, "40000")],
+        vars::RETENTION_DAYS,
+        "40000",
+        "<= 36500",
+    );
+    assert_eq!(
+        from(&[(vars::RETENTION_DAYS, "0")]).unwrap().retention,
+        Duration::ZERO
+    );
+}
+
+#[test]
+fn the_deprecated_buffer_max_is_accepted_and_ignored() {
+    let with = from(&[(vars::BUFFER_MAX, "1024"), (vars::REPLICA_ID, "r")]).unwrap();
+    let without = from(&[(vars::REPLICA_ID, "r")]).unwrap();
+    assert_eq!(with, without);
+    // Even a value that was never valid does not fail boot: it is a no-op.
+    from(&[(vars::BUFFER_MAX, "lots")]).unwrap();
+}
+
+#[test]
+fn the_builder_applies_the_same_rules() {
+    let err = DrainerConfig::builder()
+        .lease_ttl_secs(5)
+        .confirm_timeout_secs(4)
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, ConfigError::Invalid { var, .. } if var == vars::LEASE_TTL_SECS));
+    let err = DrainerConfig::builder()
+        .janitor_batch(0)
+        .build()
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        ConfigError::Invalid {
+            var: "janitor_batch",
+            ..
+        }
+    ));
+    let ok = DrainerConfig::builder()
+        .replica_id("svc-1")
+        .pipeline_depth(8)
+        .lease_ttl_secs(3)
+        .confirm_timeout_secs(1)
+        .build()
+        .unwrap();
+    assert_eq!(ok.pipeline_depth, 8);
+}

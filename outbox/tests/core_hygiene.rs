@@ -1,0 +1,71 @@
+//! Architecture invariant: the core (`src/core/`) reaches time, randomness,
+//! ids and I/O only through its ports, so the simulation runs it unchanged
+//! and deterministically. This test reads the core's source and fails on any
+//! forbidden name, and on any `select!` that is not `biased`.
+
+const FORBIDDEN: &[(&str, &str)] = &[
+    ("sqlx", "the store port"),
+    ("lapin", "the broker port"),
+    ("tokio::time", "the Clock port"),
+    ("std::time::Instant", "the Clock port"),
+    ("Instant::now", "the Clock port"),
+    ("SystemTime", "the Clock port"),
+    ("OffsetDateTime::now", "the Clock port"),
+    ("now_v7", "ids from the store"),
+    ("new_v4", "ids from the store"),
+    ("rand::", "the Entropy port"),
+    ("getrandom", "the Entropy port"),
+    ("HashMap", "an ordered map"),
+    ("HashSet", "an ordered set"),
+    ("thread_rng", "the Entropy port"),
+    ("std::env", "configuration passed in"),
+    ("tokio::spawn", "the caller spawning tasks"),
+];
+
+#[test]
+fn the_core_names_no_clock_randomness_driver_or_unordered_map() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/core");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    assert!(
+        files.len() >= 4,
+        "core files not found in {}",
+        dir.display()
+    );
+    let mut problems = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (lineno, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            for (name, instead) in FORBIDDEN {
+                if code.contains(name) {
+                    problems.push(format!(
+                        "{}:{}: `{name}` (use {instead})",
+                        file.display(),
+                        lineno + 1
+                    ));
+                }
+            }
+        }
+        let selects = text.matches("select! {").count();
+        let biased = text
+            .split("select! {")
+            .skip(1)
+            .filter(|after| after.trim_start().starts_with("biased;"))
+            .count();
+        if selects != biased {
+            problems.push(format!(
+                "{}: {selects} select! but {biased} start with `biased;`",
+                file.display()
+            ));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "core hygiene:\n{}",
+        problems.join("\n")
+    );
+}

@@ -1,0 +1,89 @@
+//! The migrations are the ADR's, byte for byte, forward-only, and the
+//! byte-identity check catches a missing or edited copy.
+
+use outbox::migrate::{FILES, FileStatus, MigrationCheckError, check_dir, stamp_dir};
+
+const ADR_CANONICAL_SCHEMA: &str = "CREATE TABLE event_outbox (
+    id UUID PRIMARY KEY DEFAULT gen_random_uuid(),
+    routing_key TEXT NOT NULL,
+    payload JSONB NOT NULL,
+    enqueued_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    published_at TIMESTAMPTZ,
+    attempts INT NOT NULL DEFAULT 0,
+    last_error TEXT
+);
+
+CREATE INDEX event_outbox_unpublished_idx
+    ON event_outbox (enqueued_at)
+    WHERE published_at IS NULL;
+";
+
+fn repo_migrations() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations")
+}
+
+#[test]
+fn the_first_migration_is_the_adrs_canonical_schema_byte_for_byte() {
+    assert_eq!(FILES[0].0, "20260506000000_create_event_outbox.sql");
+    assert_eq!(FILES[0].1, ADR_CANONICAL_SCHEMA);
+}
+
+#[test]
+fn the_lease_migration_carries_the_adrs_index() {
+    let lease = FILES
+        .iter()
+        .find(|(n, _)| n.contains("lease"))
+        .expect("lease migration");
+    assert!(lease.1.contains("ADD COLUMN claimed_at TIMESTAMPTZ NULL"));
+    assert!(lease.1.contains("ADD COLUMN claimed_by TEXT NULL"));
+    assert!(lease.1.contains(
+        "CREATE INDEX event_outbox_lease_idx\n    ON event_outbox (claimed_at NULLS FIRST, enqueued_at)\n    WHERE published_at IS NULL;"
+    ));
+}
+
+#[test]
+fn files_list_every_migration_in_the_folder_in_order() {
+    let mut on_disk: Vec<String> = std::fs::read_dir(repo_migrations())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".sql"))
+        .collect();
+    on_disk.sort();
+    let listed: Vec<&str> = FILES.iter().map(|(n, _)| *n).collect();
+    assert_eq!(on_disk, listed);
+    assert_eq!(outbox::MIGRATOR.iter().count(), FILES.len());
+    check_dir(&repo_migrations()).unwrap();
+}
+
+#[test]
+fn the_check_reports_missing_and_edited_copies() {
+    let dir = std::env::temp_dir().join(format!("outbox-mig-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let written = stamp_dir(&dir).unwrap();
+    assert_eq!(written.len(), FILES.len());
+    let ok = check_dir(&dir).unwrap();
+    assert!(ok.iter().all(|f| f.status == FileStatus::Identical));
+    assert_eq!(ok[0].expected_sha384.len(), 96);
+
+    std::fs::remove_file(dir.join(FILES[1].0)).unwrap();
+    std::fs::write(dir.join(FILES[0].0), FILES[0].1.replace("INT", "BIGINT")).unwrap();
+    match check_dir(&dir) {
+        Err(MigrationCheckError::Mismatch {
+            failures: 2, files, ..
+        }) => {
+            assert!(matches!(files[0].status, FileStatus::Differs { .. }));
+            assert_eq!(files[1].status, FileStatus::Missing);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Stamping never overwrites an edited file.
+    assert!(matches!(
+        stamp_dir(&dir),
+        Err(MigrationCheckError::Mismatch { failures: 1, .. })
+    ));
+    assert!(matches!(
+        check_dir(&dir.join("nope")),
+        Err(MigrationCheckError::Folder { .. })
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
