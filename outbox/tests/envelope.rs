@@ -127,8 +127,8 @@ async fn duplicate_ids_are_refused_with_the_id(pool: PgPool) {
         Err(PublishError::DuplicateId { id }) if id == e.id
     ));
     let mut tx = pool.begin().await.unwrap();
-    let twice = vec![env("k"), env("k")];
-    let twice = vec![twice[0].clone(), twice[0].clone()];
+    let one = env("k");
+    let twice = vec![one.clone(), one];
     assert!(matches!(
         publisher.publish_many_tx(&mut tx, &twice).await,
         Err(PublishError::DuplicateId { id }) if id == twice[0].id
