@@ -232,16 +232,37 @@ impl Future for LapinConfirm {
     }
 }
 
-/// Replaces the password of a `scheme://user:password@host/...` URL with
-/// `***`, for logs and errors. Works for AMQP and PostgreSQL URLs.
+/// Replaces the password of a `scheme://user:password@host/...` URL, and any
+/// `password=` query parameter, with `***`, for logs and errors. Works for
+/// AMQP and PostgreSQL URLs.
 ///
 /// ```
 /// assert_eq!(
 ///     outbox::redact_url("amqp://guest:secret@127.0.0.1:5672/%2f"),
 ///     "amqp://guest:***@127.0.0.1:5672/%2f"
 /// );
+/// assert_eq!(
+///     outbox::redact_url("postgres://app@db/orders?sslmode=require&password=secret"),
+///     "postgres://app@db/orders?sslmode=require&password=***"
+/// );
 /// ```
 pub fn redact_url(url: &str) -> String {
+    let mut out = redact_userinfo(url);
+    if let Some(q) = out.find('?') {
+        let (head, query) = out.split_at(q + 1);
+        let redacted: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+                _ => pair.to_owned(),
+            })
+            .collect();
+        out = format!("{head}{}", redacted.join("&"));
+    }
+    out
+}
+
+fn redact_userinfo(url: &str) -> String {
     let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
         return url.to_owned();
     };
