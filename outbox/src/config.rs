@@ -16,6 +16,8 @@ pub const ASSUMED_PUBLISH_LATENCY_MS: u64 = 100;
 pub const BATCH_SIZE_MAX: u32 = 10_000;
 /// Upper bound on `pipeline_depth` (unconfirmed publishes in flight).
 pub const PIPELINE_DEPTH_MAX: u32 = 10_000;
+/// Upper bound on the retention, in days (a century).
+pub const RETENTION_DAYS_MAX: u64 = 36_500;
 
 /// Every variable [`DrainerConfig::from_env`] reads.
 pub mod vars {
@@ -124,7 +126,15 @@ impl DrainerConfig {
             b.max_attempts = parse(vars::MAX_ATTEMPTS, &v)?;
         }
         if let Some(v) = lookup(vars::RETENTION_DAYS) {
-            b.retention_days = parse(vars::RETENTION_DAYS, &v)?;
+            let days: u64 = parse(vars::RETENTION_DAYS, &v)?;
+            if days > RETENTION_DAYS_MAX {
+                return Err(ConfigError::Invalid {
+                    var: vars::RETENTION_DAYS,
+                    value: v,
+                    rule: format!("must be <= {RETENTION_DAYS_MAX}"),
+                });
+            }
+            b = b.retention_days(days);
         }
         if let Some(v) = lookup(vars::PENDING_WARN) {
             b.pending_warn = parse(vars::PENDING_WARN, &v)?;
@@ -178,7 +188,7 @@ pub struct DrainerConfigBuilder {
     pipeline_depth: u32,
     confirm_timeout_secs: u64,
     max_attempts: u32,
-    retention_days: u64,
+    retention: Duration,
     janitor_interval: Duration,
     janitor_batch: u32,
     stats_interval: Duration,
@@ -197,7 +207,7 @@ impl Default for DrainerConfigBuilder {
             pipeline_depth: 32,
             confirm_timeout_secs: 30,
             max_attempts: 10,
-            retention_days: 7,
+            retention: Duration::from_secs(7 * 86_400),
             janitor_interval: Duration::from_secs(3600),
             janitor_batch: 1000,
             stats_interval: Duration::from_secs(15),
@@ -243,8 +253,15 @@ impl DrainerConfigBuilder {
         confirm_timeout_secs: u64);
     setter!(/// Parking budget (`CANOPY_MQ_DRAINER_MAX_ATTEMPTS`, default 10).
         max_attempts: u32);
-    setter!(/// Retention (`CANOPY_MQ_OUTBOX_RETENTION_DAYS`, default 7).
-        retention_days: u64);
+    /// Retention in days (`CANOPY_MQ_OUTBOX_RETENTION_DAYS`, default 7),
+    /// capped at [`RETENTION_DAYS_MAX`].
+    #[must_use]
+    pub fn retention_days(mut self, days: u64) -> Self {
+        self.retention = Duration::from_secs(days.min(RETENTION_DAYS_MAX) * 86_400);
+        self
+    }
+    setter!(/// Retention as a duration (tests and simulations use seconds).
+        retention: Duration);
     setter!(/// Janitor period (default one hour).
         janitor_interval: Duration);
     setter!(/// Rows per janitor DELETE (default 1000).
@@ -321,13 +338,6 @@ impl DrainerConfigBuilder {
         if self.max_attempts == 0 {
             return invalid(vars::MAX_ATTEMPTS, &self.max_attempts, "must be > 0".into());
         }
-        if self.retention_days > 36_500 {
-            return invalid(
-                vars::RETENTION_DAYS,
-                &self.retention_days,
-                "must be <= 36500".into(),
-            );
-        }
         if self.janitor_batch == 0 || self.janitor_batch > BATCH_SIZE_MAX {
             return invalid(
                 "janitor_batch",
@@ -362,7 +372,7 @@ impl DrainerConfigBuilder {
             pipeline_depth: self.pipeline_depth,
             confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
             max_attempts: self.max_attempts,
-            retention: Duration::from_secs(self.retention_days * 86_400),
+            retention: self.retention,
             janitor_interval: self.janitor_interval,
             janitor_batch: self.janitor_batch,
             stats_interval: self.stats_interval,

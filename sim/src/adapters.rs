@@ -1,0 +1,693 @@
+//! The simulation adapters of the ports: the production drainer reaches the
+//! fakes through these, over `turmoil::net`, exactly as it reaches
+//! PostgreSQL and RabbitMQ through sqlx and lapin. Time is tokio's, which
+//! turmoil simulates; entropy is a seeded SplitMix64.
+//!
+//! The adapters also carry the **crash and pause points** of the fault
+//! catalogue: when a point fires, the adapter records it and parks the
+//! calling task forever (a crash, which the world then applies to the host)
+//! or sleeps (a stop-the-world pause).
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use outbox::core::ports::{
+    Broker, ClaimParams, ClaimedRow, Confirm, Entropy, FailOutcome, OutboxStats, OutboxStore,
+    OutgoingMessage, ParkedRow, PublishChannel, RowFailure, UnparkSelector,
+};
+use outbox::{BrokerError, StoreError};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+use crate::mq_fake::MQ_PORT;
+use crate::pg_fake::PG_PORT;
+use crate::trace::{Event, Trace};
+use crate::wire::{MqReply, MqRequest, PgReply, PgRequest, read_frame, write_frame};
+
+/// Bound on establishing a simulated connection.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Bound on one store request (a real deployment sets `statement_timeout`
+/// and TCP keepalives for the same reason: a black-holed database
+/// connection must not wedge the drainer).
+pub const STORE_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where in a tick a crash or pause can be injected.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Deserialize, serde::Serialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Point {
+    /// Phase 1 returned; nothing published yet.
+    AfterClaim,
+    /// Some of the batch is published, some not.
+    MidPublish,
+    /// Everything confirmed; the mark not yet sent.
+    BeforeMark,
+    /// The mark was applied but its reply not yet seen.
+    MidMark,
+}
+
+/// Crash and pause probabilities per point, shared by a drainer host's
+/// adapters and changed by the world.
+#[derive(Debug, Clone, Default)]
+pub struct Hooks {
+    inner: Arc<Mutex<HooksInner>>,
+}
+
+#[derive(Debug, Default)]
+struct HooksInner {
+    crash_prob: BTreeMap<Point, f64>,
+    pause: BTreeMap<Point, (f64, Duration)>,
+    rng: Option<SmallRng>,
+    /// Set when a crash point fired; the world crashes the host.
+    crash_requested: bool,
+}
+
+impl Hooks {
+    /// Hooks with their own seeded RNG.
+    pub fn new(seed: u64) -> Self {
+        let hooks = Self::default();
+        hooks.inner.lock().expect("hooks").rng = Some(SmallRng::seed_from_u64(seed));
+        hooks
+    }
+
+    /// Sets the crash probability at `point`.
+    pub fn set_crash(&self, point: Point, prob: f64) {
+        self.inner
+            .lock()
+            .expect("hooks")
+            .crash_prob
+            .insert(point, prob);
+    }
+
+    /// Sets a pause of `length` with probability `prob` at `point`.
+    pub fn set_pause(&self, point: Point, prob: f64, length: Duration) {
+        self.inner
+            .lock()
+            .expect("hooks")
+            .pause
+            .insert(point, (prob, length));
+    }
+
+    /// Clears every crash and pause (faults heal).
+    pub fn clear(&self) {
+        let mut h = self.inner.lock().expect("hooks");
+        h.crash_prob.clear();
+        h.pause.clear();
+    }
+
+    /// Takes the crash request, if a point fired.
+    pub fn take_crash_request(&self) -> bool {
+        std::mem::take(&mut self.inner.lock().expect("hooks").crash_requested)
+    }
+
+    /// Passes `point`: may pause, or crash (never returns).
+    pub async fn at(&self, point: Point, who: &str, trace: &Trace) {
+        let (crash, pause) = {
+            let mut h = self.inner.lock().expect("hooks");
+            let crash_p = h.crash_prob.get(&point).copied().unwrap_or(0.0);
+            let pause = h.pause.get(&point).copied();
+            let rng = h.rng.as_mut().expect("hooks seeded");
+            let crash = crash_p > 0.0 && rng.random_bool(crash_p.min(1.0));
+            let pause = pause.filter(|(p, _)| *p > 0.0 && rng.random_bool(p.min(1.0)));
+            if crash {
+                h.crash_requested = true;
+            }
+            (crash, pause.map(|(_, d)| d))
+        };
+        if crash {
+            trace.now(Event::Fault(format!("{who} crashes at {point:?}")));
+            std::future::pending::<()>().await;
+        }
+        if let Some(d) = pause {
+            trace.now(Event::Fault(format!(
+                "{who} paused {} ms at {point:?}",
+                d.as_millis()
+            )));
+            tokio::time::sleep(d).await;
+        }
+    }
+}
+
+/// Seeded entropy (SplitMix64).
+#[derive(Debug)]
+pub struct SimEntropy(AtomicU64);
+
+impl SimEntropy {
+    /// Entropy from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(AtomicU64::new(seed))
+    }
+}
+
+impl Entropy for SimEntropy {
+    fn next_u64(&self) -> u64 {
+        let mut z = self
+            .0
+            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+async fn connect(host: &str, port: u16) -> Result<turmoil::net::TcpStream, String> {
+    match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        turmoil::net::TcpStream::connect((host, port)),
+    )
+    .await
+    {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(e)) => Err(format!("connect to {host}: {e}")),
+        Err(_) => Err(format!("connect to {host}: timed out")),
+    }
+}
+
+/// A connection to the fake PostgreSQL, as one client (a drainer replica or
+/// the workload) uses it.
+pub struct PgClient {
+    client: String,
+    conn: tokio::sync::Mutex<Option<turmoil::net::TcpStream>>,
+    trace: Trace,
+}
+
+impl PgClient {
+    /// A lazily connecting client named `client` in the trace.
+    pub fn new(client: impl Into<String>, trace: Trace) -> Self {
+        Self {
+            client: client.into(),
+            conn: tokio::sync::Mutex::new(None),
+            trace,
+        }
+    }
+
+    /// Sends one request and waits (bounded) for its reply. Any transport
+    /// failure drops the connection, so the server rolls back what was open.
+    pub async fn call(&self, req: PgRequest) -> Result<PgReply, StoreError> {
+        let mut guard = self.conn.lock().await;
+        if guard.is_none() {
+            let mut s = connect("pg", PG_PORT)
+                .await
+                .map_err(StoreError::Unavailable)?;
+            let hello = PgRequest::Hello {
+                client: self.client.clone(),
+            };
+            exchange(&mut s, &hello)
+                .await
+                .map_err(StoreError::Unavailable)?;
+            *guard = Some(s);
+        }
+        let stream = guard.as_mut().expect("connected");
+        match exchange(stream, &req).await {
+            Ok(PgReply::Error(e)) => Err(StoreError::Statement(e)),
+            Ok(reply) => Ok(reply),
+            Err(e) => {
+                *guard = None;
+                Err(StoreError::Unavailable(e))
+            }
+        }
+    }
+
+    /// Drops the connection (the server rolls back an open transaction).
+    pub async fn disconnect(&self) {
+        *self.conn.lock().await = None;
+    }
+
+    /// Runs `BEGIN; body; COMMIT` recording the client's view of the
+    /// transaction in the trace. On any failure the connection is dropped,
+    /// which rolls the transaction back at the server.
+    pub async fn in_tx(&self, body: Vec<PgRequest>) -> Result<Vec<PgReply>, StoreError> {
+        self.trace.now(Event::TxBegin {
+            client: self.client.clone(),
+        });
+        let result = async {
+            self.call(PgRequest::Begin).await?;
+            let mut replies = Vec::with_capacity(body.len());
+            for req in body {
+                replies.push(self.call(req).await?);
+            }
+            self.call(PgRequest::Commit).await?;
+            Ok(replies)
+        }
+        .await;
+        if result.is_err() {
+            self.disconnect().await;
+        }
+        self.trace.now(Event::TxEnd {
+            client: self.client.clone(),
+        });
+        result
+    }
+}
+
+async fn exchange(s: &mut turmoil::net::TcpStream, req: &PgRequest) -> Result<PgReply, String> {
+    let io = async {
+        write_frame(s, req).await?;
+        read_frame::<_, PgReply>(s).await
+    };
+    match tokio::time::timeout(STORE_REQUEST_TIMEOUT, io).await {
+        Ok(Ok(Some(reply))) => Ok(reply),
+        Ok(Ok(None)) => Err("connection closed by the server".into()),
+        Ok(Err(e)) => Err(format!("connection lost: {e}")),
+        Err(_) => Err("request timed out".into()),
+    }
+}
+
+fn unexpected(reply: PgReply) -> StoreError {
+    StoreError::Statement(format!("unexpected reply {reply:?}"))
+}
+
+/// The `OutboxStore` port over the fake PostgreSQL.
+pub struct SimStore {
+    pg: PgClient,
+    replica: String,
+    hooks: Hooks,
+    trace: Trace,
+}
+
+impl SimStore {
+    /// A store for `replica`.
+    pub fn new(replica: impl Into<String>, trace: Trace, hooks: Hooks) -> Self {
+        let replica = replica.into();
+        Self {
+            pg: PgClient::new(replica.clone(), trace.clone()),
+            replica,
+            hooks,
+            trace,
+        }
+    }
+}
+
+impl OutboxStore for SimStore {
+    async fn outbox_claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
+        // Like the PostgreSQL adapter: one short transaction around the claim.
+        let mut replies = self
+            .pg
+            .in_tx(vec![PgRequest::Claim {
+                replica: p.replica_id.to_owned(),
+                batch_size: p.batch_size,
+                lease_ttl_ms: p.lease_ttl.as_millis() as u64,
+            }])
+            .await?;
+        let rows = match replies.pop() {
+            Some(PgReply::Rows(rows)) => rows,
+            Some(other) => return Err(unexpected(other)),
+            None => return Err(StoreError::Statement("no reply".into())),
+        };
+        if !rows.is_empty() {
+            self.hooks
+                .at(Point::AfterClaim, &self.replica, &self.trace)
+                .await;
+        }
+        Ok(rows
+            .into_iter()
+            .map(|r| ClaimedRow {
+                id: r.id,
+                routing_key: r.routing_key,
+                body: r.body,
+                attempts: r.attempts,
+            })
+            .collect())
+    }
+
+    async fn outbox_mark_published(
+        &self,
+        replica_id: &str,
+        ids: &[Uuid],
+    ) -> Result<u64, StoreError> {
+        self.hooks
+            .at(Point::BeforeMark, &self.replica, &self.trace)
+            .await;
+        let reply = self
+            .pg
+            .call(PgRequest::MarkPublished {
+                replica: replica_id.to_owned(),
+                ids: ids.to_vec(),
+            })
+            .await?;
+        self.hooks
+            .at(Point::MidMark, &self.replica, &self.trace)
+            .await;
+        match reply {
+            PgReply::Count(n) => Ok(n),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_mark_failed(
+        &self,
+        replica_id: &str,
+        failures: &[RowFailure],
+        max_attempts: u32,
+    ) -> Result<FailOutcome, StoreError> {
+        let reply = self
+            .pg
+            .call(PgRequest::MarkFailed {
+                replica: replica_id.to_owned(),
+                failures: failures.iter().map(|f| (f.id, f.error.clone())).collect(),
+                max_attempts,
+            })
+            .await?;
+        match reply {
+            PgReply::Failed { recorded, parked } => Ok(FailOutcome { recorded, parked }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_release(&self, replica_id: &str, ids: &[Uuid]) -> Result<u64, StoreError> {
+        match self
+            .pg
+            .call(PgRequest::Release {
+                replica: replica_id.to_owned(),
+                ids: ids.to_vec(),
+            })
+            .await?
+        {
+            PgReply::Count(n) => Ok(n),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
+        match self.pg.call(PgRequest::Stats).await? {
+            PgReply::Stats {
+                pending,
+                oldest_age_ms,
+                parked,
+            } => Ok(OutboxStats {
+                pending,
+                oldest_unpublished_age_secs: oldest_age_ms as f64 / 1000.0,
+                parked,
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_delete_published(
+        &self,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        match self
+            .pg
+            .call(PgRequest::DeletePublished {
+                older_than_ms: older_than.as_millis() as u64,
+                limit,
+            })
+            .await?
+        {
+            PgReply::Count(n) => Ok(n),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_list_parked(&self, limit: u32) -> Result<Vec<ParkedRow>, StoreError> {
+        let epoch = time::OffsetDateTime::UNIX_EPOCH;
+        match self.pg.call(PgRequest::ListParked { limit }).await? {
+            PgReply::Parked(rows) => Ok(rows
+                .into_iter()
+                .map(|r| ParkedRow {
+                    id: r.id,
+                    routing_key: r.routing_key,
+                    attempts: r.attempts,
+                    last_error: r.last_error,
+                    enqueued_at: epoch + Duration::from_millis(r.enqueued_ms),
+                    parked_at: epoch + Duration::from_millis(r.parked_ms),
+                })
+                .collect()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_unpark(&self, selector: &UnparkSelector) -> Result<u64, StoreError> {
+        let ids = match selector {
+            UnparkSelector::Ids(ids) => Some(ids.clone()),
+            UnparkSelector::All => None,
+        };
+        match self.pg.call(PgRequest::Unpark { ids }).await? {
+            PgReply::Count(n) => Ok(n),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+/// One live connection to the fake broker.
+struct MqConn {
+    writer: tokio::sync::Mutex<turmoil::net::tcp::OwnedWriteHalf>,
+    waiters: Arc<Mutex<Waiters>>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct Waiters {
+    ok: BTreeMap<u32, oneshot::Sender<()>>,
+    confirms: BTreeMap<(u32, u64), oneshot::Sender<bool>>,
+    dead: bool,
+}
+
+impl Drop for MqConn {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl MqConn {
+    async fn send(&self, req: &MqRequest) -> Result<(), BrokerError> {
+        let mut w = self.writer.lock().await;
+        write_frame(&mut *w, req)
+            .await
+            .map_err(|e| BrokerError::Connection(format!("send failed: {e}")))
+    }
+}
+
+/// The `Broker` port over the fake RabbitMQ.
+pub struct SimBroker {
+    client: String,
+    conn: tokio::sync::Mutex<Option<Arc<MqConn>>>,
+    generation: AtomicU64,
+    next_channel: AtomicU32,
+    hooks: Hooks,
+    trace: Trace,
+}
+
+impl SimBroker {
+    /// A lazily connecting broker client for `client`.
+    pub fn new(client: impl Into<String>, trace: Trace, hooks: Hooks) -> Self {
+        Self {
+            client: client.into(),
+            conn: tokio::sync::Mutex::new(None),
+            generation: AtomicU64::new(0),
+            next_channel: AtomicU32::new(1),
+            hooks,
+            trace,
+        }
+    }
+
+    async fn connect(&self) -> Result<Arc<MqConn>, BrokerError> {
+        let stream = connect("rabbit", MQ_PORT)
+            .await
+            .map_err(BrokerError::Connection)?;
+        let (mut r, mut w) = stream.into_split();
+        write_frame(
+            &mut w,
+            &MqRequest::Hello {
+                client: self.client.clone(),
+            },
+        )
+        .await
+        .map_err(|e| BrokerError::Connection(e.to_string()))?;
+        let waiters: Arc<Mutex<Waiters>> = Arc::default();
+        let reader_waiters = waiters.clone();
+        let reader = tokio::spawn(async move {
+            while let Ok(Some(frame)) = read_frame::<_, MqReply>(&mut r).await {
+                let mut w = reader_waiters.lock().expect("waiters");
+                match frame {
+                    MqReply::Ok { channel } => {
+                        if let Some(tx) = w.ok.remove(&channel) {
+                            let _ = tx.send(());
+                        }
+                    }
+                    MqReply::Confirm { channel, seq, ack } => {
+                        if let Some(tx) = w.confirms.remove(&(channel, seq)) {
+                            let _ = tx.send(ack);
+                        }
+                    }
+                    MqReply::ChannelClosed { channel, .. } => {
+                        w.ok.remove(&channel);
+                        w.confirms.retain(|(c, _), _| *c != channel);
+                    }
+                }
+            }
+            // Connection gone: every waiter fails.
+            let mut w = reader_waiters.lock().expect("waiters");
+            w.dead = true;
+            w.ok.clear();
+            w.confirms.clear();
+        });
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        Ok(Arc::new(MqConn {
+            writer: tokio::sync::Mutex::new(w),
+            waiters,
+            reader,
+        }))
+    }
+
+    async fn live_conn(&self) -> Result<Arc<MqConn>, BrokerError> {
+        let mut guard = self.conn.lock().await;
+        if let Some(c) = guard.as_ref()
+            && !c.waiters.lock().expect("waiters").dead
+        {
+            return Ok(c.clone());
+        }
+        *guard = None;
+        let c = self.connect().await?;
+        *guard = Some(c.clone());
+        Ok(c)
+    }
+}
+
+impl Broker for SimBroker {
+    type Channel = SimChannel;
+
+    fn connection_generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    async fn channel_open(&self) -> Result<SimChannel, BrokerError> {
+        let conn = self.live_conn().await?;
+        let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut w = conn.waiters.lock().expect("waiters");
+            if w.dead {
+                return Err(BrokerError::Connection("connection lost".into()));
+            }
+            w.ok.insert(channel, tx);
+        }
+        conn.send(&MqRequest::ChannelOpen { channel }).await?;
+        rx.await
+            .map_err(|_| BrokerError::Channel("channel open failed".into()))?;
+        Ok(SimChannel {
+            conn,
+            channel,
+            seq: 0,
+            published: 0,
+            client: self.client.clone(),
+            hooks: self.hooks.clone(),
+            trace: self.trace.clone(),
+        })
+    }
+
+    async fn connection_reconnect(&self, generation: u64) -> Result<(), BrokerError> {
+        let mut guard = self.conn.lock().await;
+        if self.generation.load(Ordering::SeqCst) != generation {
+            return Ok(());
+        }
+        *guard = None;
+        let c = self.connect().await?;
+        *guard = Some(c);
+        Ok(())
+    }
+}
+
+/// A channel of [`SimBroker`].
+pub struct SimChannel {
+    conn: Arc<MqConn>,
+    channel: u32,
+    seq: u64,
+    published: u64,
+    client: String,
+    hooks: Hooks,
+    trace: Trace,
+}
+
+impl PublishChannel for SimChannel {
+    type Confirm = SimConfirm;
+
+    async fn channel_confirm_select(&mut self) -> Result<(), BrokerError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut w = self.conn.waiters.lock().expect("waiters");
+            if w.dead {
+                return Err(BrokerError::Connection("connection lost".into()));
+            }
+            w.ok.insert(self.channel, tx);
+        }
+        self.conn
+            .send(&MqRequest::ConfirmSelect {
+                channel: self.channel,
+            })
+            .await?;
+        rx.await
+            .map_err(|_| BrokerError::Channel("confirm.select failed".into()))
+    }
+
+    async fn channel_publish(&mut self, m: OutgoingMessage<'_>) -> Result<SimConfirm, BrokerError> {
+        if self.published > 0 {
+            self.hooks
+                .at(Point::MidPublish, &self.client, &self.trace)
+                .await;
+        }
+        self.seq += 1;
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut w = self.conn.waiters.lock().expect("waiters");
+            if w.dead {
+                return Err(BrokerError::Connection("connection lost".into()));
+            }
+            w.confirms.insert((self.channel, self.seq), tx);
+        }
+        self.trace.now(Event::PublishSent {
+            client: self.client.clone(),
+            message_id: m.message_id,
+        });
+        self.conn
+            .send(&MqRequest::Publish {
+                channel: self.channel,
+                exchange: m.exchange.to_owned(),
+                routing_key: m.routing_key.to_owned(),
+                message_id: m.message_id,
+                body: m.body.to_vec(),
+            })
+            .await?;
+        self.published += 1;
+        Ok(SimConfirm(rx))
+    }
+
+    async fn channel_close(self) {
+        let _ = self
+            .conn
+            .send(&MqRequest::ChannelClose {
+                channel: self.channel,
+            })
+            .await;
+    }
+}
+
+/// A pending confirm of [`SimChannel`].
+pub struct SimConfirm(oneshot::Receiver<bool>);
+
+impl Future for SimConfirm {
+    type Output = Result<Confirm, BrokerError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0).poll(cx).map(|r| match r {
+            Ok(true) => Ok(Confirm::Ack),
+            Ok(false) => Ok(Confirm::Nack(
+                "basic.nack (simulated reject-publish)".into(),
+            )),
+            Err(_) => Err(BrokerError::Connection(
+                "connection lost before the confirm".into(),
+            )),
+        })
+    }
+}

@@ -1,0 +1,263 @@
+//! `sim`: run one scenario with one seed, or sweep scenarios over a seed
+//! range. The seed comes first in every report; every failure prints the
+//! exact command that reproduces it.
+//!
+//! ```text
+//! sim run broker_blackhole --seed 7 [--trace trace.txt]
+//! sim sweep [SCENARIO...] --seeds 0..200 [--jobs 2] [--scenarios DIR]
+//! ```
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use sim::scenario::Scenario;
+use sim::world::{self, RunOutcome};
+
+const USAGE: &str = "usage:
+  sim run SCENARIO --seed N [--trace FILE] [--scenarios DIR]
+  sim sweep [SCENARIO...] --seeds A..B [--jobs J] [--scenarios DIR]";
+
+fn default_scenarios_dir() -> PathBuf {
+    let here = Path::new("scenarios");
+    if here.is_dir() {
+        return here.to_owned();
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios")
+}
+
+fn load(dir: &Path, name: &str) -> Result<Scenario, String> {
+    let as_path = Path::new(name);
+    let path = if as_path.extension().is_some_and(|e| e == "toml") {
+        as_path.to_owned()
+    } else {
+        dir.join(format!("{name}.toml"))
+    };
+    Scenario::load(&path).map_err(|e| e.to_string())
+}
+
+fn parse_range(s: &str) -> Result<std::ops::Range<u64>, String> {
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("--seeds takes A..B, got {s:?}"))?;
+    let a: u64 = a.parse().map_err(|_| format!("bad range start in {s:?}"))?;
+    let b: u64 = b.parse().map_err(|_| format!("bad range end in {s:?}"))?;
+    if a >= b {
+        return Err(format!("empty seed range {s:?}"));
+    }
+    Ok(a..b)
+}
+
+fn reproduce(o: &RunOutcome) -> String {
+    format!(
+        "cargo run --release -p sim -- run {} --seed {} --trace {}-{}.trace",
+        o.scenario, o.seed, o.scenario, o.seed
+    )
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("run") => cmd_run(&args[1..]),
+        Some("sweep") => cmd_sweep(&args[1..]),
+        _ => Err(USAGE.to_owned()),
+    };
+    match result {
+        Ok(code) => code,
+        Err(msg) => {
+            eprintln!("{msg}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
+    let mut name = None;
+    let mut seed = None;
+    let mut trace_file = None;
+    let mut dir = default_scenarios_dir();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--seed" => {
+                let v = it.next().ok_or("--seed needs a value")?;
+                seed = Some(v.parse::<u64>().map_err(|_| format!("bad seed {v:?}"))?);
+            }
+            "--trace" => trace_file = Some(it.next().ok_or("--trace needs a file")?.clone()),
+            "--scenarios" => dir = PathBuf::from(it.next().ok_or("--scenarios needs a folder")?),
+            other if name.is_none() && !other.starts_with('-') => name = Some(other.to_owned()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    let name = name.ok_or(USAGE)?;
+    let seed = seed.ok_or("--seed is required")?;
+    println!("seed {seed}");
+    let scenario = load(&dir, &name)?;
+    let started = Instant::now();
+    let o = world::run(&scenario, seed);
+    let v = &o.verdict;
+    println!("scenario {} ({})", o.scenario, scenario.description.trim());
+    for f in &o.faults {
+        println!("fault    {f}");
+    }
+    println!(
+        "verdict  {}\ntrace    {:016x} ({} events)\ncounts   committed {} rolled back {} published {} duplicates {} parked {}\ntime     {:.1} simulated s in {:.2} s",
+        if v.ok() { "PASS" } else { "FAIL" },
+        o.trace_hash,
+        o.trace.events().len(),
+        v.committed,
+        v.rolled_back,
+        v.published,
+        v.duplicates,
+        v.parked,
+        o.sim_secs,
+        started.elapsed().as_secs_f64()
+    );
+    for violation in &v.violations {
+        println!("violated {violation}");
+    }
+    if let Some(file) = trace_file {
+        std::fs::write(&file, o.trace.render()).map_err(|e| format!("cannot write {file}: {e}"))?;
+        println!("trace written to {file}");
+    }
+    Ok(if v.ok() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
+    let mut names = Vec::new();
+    let mut range = None;
+    let mut jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut dir = default_scenarios_dir();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--seeds" => range = Some(parse_range(it.next().ok_or("--seeds needs A..B")?)?),
+            "--jobs" => {
+                let v = it.next().ok_or("--jobs needs a value")?;
+                jobs = v.parse().map_err(|_| format!("bad --jobs {v:?}"))?;
+            }
+            "--scenarios" => dir = PathBuf::from(it.next().ok_or("--scenarios needs a folder")?),
+            other if !other.starts_with('-') => names.push(other.to_owned()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    let range = range.ok_or("--seeds A..B is required")?;
+    let scenarios: Vec<Scenario> = if names.is_empty() {
+        Scenario::load_dir(&dir).map_err(|e| e.to_string())?
+    } else {
+        names
+            .iter()
+            .map(|n| load(&dir, n))
+            .collect::<Result<_, _>>()?
+    };
+    println!(
+        "seeds {}..{} over {} scenarios",
+        range.start,
+        range.end,
+        scenarios.len()
+    );
+    let mut work: Vec<(usize, u64)> = Vec::new();
+    for (i, s) in scenarios.iter().enumerate() {
+        let mut seeds: Vec<u64> = range.clone().collect();
+        for pinned in &s.seeds {
+            if !range.contains(pinned) {
+                seeds.push(*pinned);
+            }
+        }
+        work.extend(seeds.into_iter().map(|seed| (i, seed)));
+    }
+    let total = work.len();
+    let work = Arc::new(Mutex::new(work.into_iter()));
+    let done = Arc::new(AtomicUsize::new(0));
+    let results: Arc<Mutex<Vec<RunOutcome>>> = Arc::default();
+    let scenarios = Arc::new(scenarios);
+    let started = Instant::now();
+    let tty = std::io::stderr().is_terminal();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.max(1) {
+            let (work, done, results, scenarios) = (&work, &done, &results, &scenarios);
+            scope.spawn(move || {
+                loop {
+                    let next = work.lock().expect("work").next();
+                    let Some((i, seed)) = next else { break };
+                    let o = world::run(&scenarios[i], seed);
+                    if !o.verdict.ok() {
+                        eprintln!(
+                            "\nFAIL seed {seed} {}: {}",
+                            o.scenario, o.verdict.violations[0]
+                        );
+                    }
+                    results.lock().expect("results").push(o);
+                    let n = done.fetch_add(1, Ordering::SeqCst) + 1;
+                    progress(n, total, tty);
+                }
+            });
+        }
+    });
+    eprintln!();
+    let mut results = std::mem::take(&mut *results.lock().expect("results"));
+    results.sort_by(|a, b| (a.scenario.as_str(), a.seed).cmp(&(b.scenario.as_str(), b.seed)));
+    println!(
+        "{:<34} {:>6} {:>6} {:>10} {:>10} {:>8} {:>7}",
+        "scenario", "seeds", "fail", "committed", "published", "dups", "parked"
+    );
+    let mut failures = Vec::new();
+    for s in scenarios.iter() {
+        let rs: Vec<&RunOutcome> = results.iter().filter(|r| r.scenario == s.name).collect();
+        let fails = rs.iter().filter(|r| !r.verdict.ok()).count();
+        let sum = |f: fn(&RunOutcome) -> usize| rs.iter().map(|r| f(r)).sum::<usize>();
+        println!(
+            "{:<34} {:>6} {:>6} {:>10} {:>10} {:>8} {:>7}",
+            s.name,
+            rs.len(),
+            fails,
+            sum(|r| r.verdict.committed),
+            sum(|r| r.verdict.published),
+            sum(|r| r.verdict.duplicates),
+            sum(|r| r.verdict.parked),
+        );
+        failures.extend(rs.into_iter().filter(|r| !r.verdict.ok()));
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "{} runs in {:.1} s ({:.0} runs/min), {} failed",
+        total,
+        secs,
+        total as f64 * 60.0 / secs.max(1e-9),
+        failures.len()
+    );
+    for f in &failures {
+        println!("\nFAIL {} seed {}", f.scenario, f.seed);
+        for v in &f.verdict.violations {
+            println!("  {v}");
+        }
+        println!("  reproduce: {}", reproduce(f));
+    }
+    Ok(if failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn progress(n: usize, total: usize, tty: bool) {
+    const WIDTH: usize = 40;
+    let filled = n * WIDTH / total.max(1);
+    let step = (total / 20).max(1);
+    if tty || n == total || n.is_multiple_of(step) {
+        let bar = format!("{}{}", "#".repeat(filled), " ".repeat(WIDTH - filled));
+        let mut err = std::io::stderr();
+        let _ = write!(err, "\r[{bar}] {n}/{total}");
+        if !tty {
+            let _ = writeln!(err);
+        }
+        let _ = err.flush();
+    }
+}

@@ -1,0 +1,212 @@
+//! The fake RabbitMQ: connections, channels, confirm mode, per-message
+//! ack/nack, and one persistent queue bound to every routing key (the
+//! checker's view of what the broker stored), served on the simulated
+//! `rabbit` host. The queue is the "disk": it survives a crash of the host;
+//! connections and channels do not.
+//!
+//! Faults (each survivable, and why):
+//! - **black-hole** (the world holds the link between a drainer and
+//!   `rabbit`): confirms never arrive; the Phase-2 deadline fires, claims are
+//!   released without blame, the reconnect replaces the connection.
+//! - **connection drop** (`drop_conn_prob` per publish): the broker closes the
+//!   connection mid-batch, before or after storing the message; outstanding
+//!   confirms fail, claims are released, stored messages are republished
+//!   later (duplicates, never losses).
+//! - **poison nack** (`nack_prefix`): every publish whose routing key starts
+//!   with the prefix is nacked, as `reject-publish` does; the row is blamed,
+//!   parks at the budget, and publishes once unparked and healed.
+//! - **confirm delay** (`confirm_delay_ms`): confirms are held back; beyond
+//!   the deadline this is a black-hole, below it a slow broker.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use uuid::Uuid;
+
+use crate::trace::{Event, Trace};
+use crate::wire::{MqReply, MqRequest, read_frame, write_frame};
+
+/// The fake's port.
+pub const MQ_PORT: u16 = 5672;
+
+/// Fault settings, changed by the world while the simulation runs.
+#[derive(Debug, Clone, Default)]
+pub struct MqFaults {
+    /// Routing-key prefix that the broker nacks.
+    pub nack_prefix: Option<String>,
+    /// Probability, per publish, that the broker drops the connection.
+    pub drop_conn_prob: f64,
+    /// Extra delay before each confirm is sent.
+    pub confirm_delay_ms: u64,
+}
+
+/// What the broker stored: every acked message, in order.
+#[derive(Debug, Default)]
+pub struct Stored {
+    pub messages: Vec<(Uuid, String)>,
+}
+
+impl Stored {
+    /// How many times each message id was stored.
+    pub fn counts(&self) -> BTreeMap<Uuid, u32> {
+        let mut m = BTreeMap::new();
+        for (id, _) in &self.messages {
+            *m.entry(*id).or_insert(0) += 1;
+        }
+        m
+    }
+}
+
+/// Everything the fake shares with the world.
+#[derive(Debug, Clone)]
+pub struct MqState {
+    pub stored: Arc<Mutex<Stored>>,
+    pub faults: Arc<Mutex<MqFaults>>,
+    rng: Arc<Mutex<SmallRng>>,
+    trace: Trace,
+}
+
+impl MqState {
+    /// A fresh broker with an empty queue.
+    pub fn new(seed: u64, trace: Trace) -> Self {
+        Self {
+            stored: Arc::default(),
+            faults: Arc::default(),
+            rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
+            trace,
+        }
+    }
+
+    fn roll(&self, p: f64) -> bool {
+        p > 0.0 && self.rng.lock().expect("rng").random_bool(p.min(1.0))
+    }
+}
+
+/// Runs the server until the host crashes.
+pub async fn serve(state: MqState) -> turmoil::Result {
+    let listener = turmoil::net::TcpListener::bind(("0.0.0.0", MQ_PORT)).await?;
+    loop {
+        let (stream, _) = listener.accept().await?;
+        tokio::spawn(connection(state.clone(), stream));
+    }
+}
+
+#[derive(Debug, Default)]
+struct Channel {
+    confirm: bool,
+    seq: u64,
+}
+
+async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
+    let (mut r, w) = stream.into_split();
+    // Confirms are written by a task of their own, so a confirm delay holds
+    // back confirms without holding back the reading of publishes.
+    let (out_tx, mut out_rx) = tokio::sync::mpsc::unbounded_channel::<(Duration, MqReply)>();
+    let writer = tokio::spawn(async move {
+        let mut w = w;
+        while let Some((not_before, frame)) = out_rx.recv().await {
+            let now = crate::sim_now();
+            if not_before > now {
+                tokio::time::sleep(not_before - now).await;
+            }
+            if write_frame(&mut w, &frame).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut client = String::from("?");
+    let mut channels: BTreeMap<u32, Channel> = BTreeMap::new();
+    while let Ok(Some(req)) = read_frame::<_, MqRequest>(&mut r).await {
+        let now = crate::sim_now();
+        let reply = match req {
+            MqRequest::Hello { client: c } => {
+                client = c;
+                None
+            }
+            MqRequest::ChannelOpen { channel } => {
+                channels.insert(channel, Channel::default());
+                Some(MqReply::Ok { channel })
+            }
+            MqRequest::ConfirmSelect { channel } => match channels.get_mut(&channel) {
+                Some(ch) => {
+                    ch.confirm = true;
+                    Some(MqReply::Ok { channel })
+                }
+                None => Some(MqReply::ChannelClosed {
+                    channel,
+                    reason: "no such channel".into(),
+                }),
+            },
+            MqRequest::ChannelClose { channel } => {
+                channels.remove(&channel);
+                None
+            }
+            MqRequest::Publish {
+                channel,
+                routing_key,
+                message_id,
+                ..
+            } => {
+                let faults = state.faults.lock().expect("faults").clone();
+                let Some(ch) = channels.get_mut(&channel) else {
+                    let _ = out_tx.send((
+                        now,
+                        MqReply::ChannelClosed {
+                            channel,
+                            reason: "no such channel".into(),
+                        },
+                    ));
+                    continue;
+                };
+                ch.seq += 1;
+                let seq = ch.seq;
+                // A drop may come before or after the message is stored.
+                let drop_before = state.roll(faults.drop_conn_prob / 2.0);
+                if drop_before {
+                    state.trace.now(Event::Fault(format!(
+                        "broker drops {client}'s connection before storing"
+                    )));
+                    break;
+                }
+                let ack = !faults
+                    .nack_prefix
+                    .as_ref()
+                    .is_some_and(|p| routing_key.starts_with(p.as_str()));
+                if ack {
+                    state
+                        .stored
+                        .lock()
+                        .expect("stored")
+                        .messages
+                        .push((message_id, routing_key.clone()));
+                }
+                state.trace.now(Event::Confirmed {
+                    client: client.clone(),
+                    message_id,
+                    ack,
+                });
+                if state.roll(faults.drop_conn_prob / 2.0) {
+                    state.trace.now(Event::Fault(format!(
+                        "broker drops {client}'s connection after storing"
+                    )));
+                    break;
+                }
+                if !ch.confirm {
+                    continue;
+                }
+                let _ = out_tx.send((
+                    now + Duration::from_millis(faults.confirm_delay_ms),
+                    MqReply::Confirm { channel, seq, ack },
+                ));
+                continue;
+            }
+        };
+        if let Some(reply) = reply {
+            let _ = out_tx.send((now, reply));
+        }
+    }
+    writer.abort();
+}

@@ -1,0 +1,307 @@
+//! Scenarios are data: one TOML file per scenario in `scenarios/`, holding a
+//! workload, a topology, drainer configuration overrides, a fault schedule
+//! (timed faults, or a probabilistic swarm that each seed turns on and off)
+//! and pinned seeds.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::adapters::Point;
+
+/// One scenario file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Set from the file name.
+    #[serde(skip)]
+    pub name: String,
+    /// What the scenario exercises and why the system should survive it.
+    pub description: String,
+    /// Seeds that once failed or matter: always run.
+    #[serde(default)]
+    pub seeds: Vec<u64>,
+    pub workload: Workload,
+    #[serde(default)]
+    pub topology: Topology,
+    #[serde(default)]
+    pub config: ConfigOverrides,
+    pub timing: Timing,
+    #[serde(default, rename = "fault")]
+    pub faults: Vec<Fault>,
+    /// Probabilistic faults drawn per seed.
+    #[serde(default)]
+    pub swarm: Option<Swarm>,
+}
+
+/// What the producer does.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    /// Domain transactions to run.
+    pub transactions: u32,
+    /// Envelopes per transaction, inclusive range.
+    #[serde(default = "one_to_three")]
+    pub envelopes_per_tx: [u32; 2],
+    /// Fraction of transactions rolled back.
+    #[serde(default)]
+    pub rollback_ratio: f64,
+    /// Pause between transactions in ms, inclusive range.
+    #[serde(default = "interval")]
+    pub interval_ms: [u64; 2],
+    /// Fraction of envelopes whose routing key starts with `poison.`.
+    #[serde(default)]
+    pub poison_ratio: f64,
+}
+
+fn one_to_three() -> [u32; 2] {
+    [1, 3]
+}
+
+fn interval() -> [u64; 2] {
+    [1, 20]
+}
+
+/// Hosts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Topology {
+    /// Drainer replicas (`drainer-1..N`).
+    pub drainers: u32,
+}
+
+impl Default for Topology {
+    fn default() -> Self {
+        Self { drainers: 1 }
+    }
+}
+
+/// Drainer configuration overrides (builder settings; unset ones keep the
+/// defaults used by every scenario, which are scaled down for simulation).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigOverrides {
+    pub tick_ms: Option<u64>,
+    pub batch_size: Option<u32>,
+    pub lease_ttl_secs: Option<u64>,
+    pub pipeline_depth: Option<u32>,
+    pub confirm_timeout_secs: Option<u64>,
+    pub max_attempts: Option<u32>,
+    pub retention_secs: Option<u64>,
+    pub janitor_interval_secs: Option<u64>,
+}
+
+/// Phases of a run.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Timing {
+    /// Faults happen in `[0, fault_phase_secs)`; then everything heals.
+    pub fault_phase_secs: f64,
+    /// After healing (and the workload finishing), every committed envelope
+    /// must be confirmed by the broker within this bound.
+    pub liveness_secs: f64,
+}
+
+/// One timed fault.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Fault {
+    /// Hold the links between `target` and `rabbit`: bytes stop, sockets stay.
+    Blackhole {
+        target: String,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Drop everything between `a` and `b` (connections die silently).
+    Partition {
+        a: String,
+        b: String,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Crash `target`; restart it `restart_after_secs` later.
+    Crash {
+        target: String,
+        at_secs: f64,
+        restart_after_secs: f64,
+    },
+    /// Every drainer crashes at `point` with probability `prob` while active.
+    CrashPoint {
+        point: Point,
+        prob: f64,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Every drainer pauses `ms` at `point` with probability `prob`.
+    Pause {
+        point: Point,
+        prob: f64,
+        ms: u64,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Store faults.
+    Pg {
+        #[serde(default)]
+        lose_reply_prob: f64,
+        #[serde(default)]
+        fail_prob: f64,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Broker faults.
+    Mq {
+        #[serde(default)]
+        drop_conn_prob: f64,
+        #[serde(default)]
+        confirm_delay_ms: u64,
+        #[serde(default)]
+        nack_prefix: Option<String>,
+        at_secs: f64,
+        for_secs: f64,
+    },
+}
+
+impl Fault {
+    /// When it starts and how long it lasts (crashes last until restart).
+    pub fn window(&self) -> (f64, f64) {
+        match self {
+            Fault::Blackhole {
+                at_secs, for_secs, ..
+            }
+            | Fault::Partition {
+                at_secs, for_secs, ..
+            }
+            | Fault::CrashPoint {
+                at_secs, for_secs, ..
+            }
+            | Fault::Pause {
+                at_secs, for_secs, ..
+            }
+            | Fault::Pg {
+                at_secs, for_secs, ..
+            }
+            | Fault::Mq {
+                at_secs, for_secs, ..
+            } => (*at_secs, *for_secs),
+            Fault::Crash {
+                at_secs,
+                restart_after_secs,
+                ..
+            } => (*at_secs, *restart_after_secs),
+        }
+    }
+}
+
+/// Swarm testing: each seed turns each listed fault family on with
+/// probability one half and draws its occurrences.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Swarm {
+    /// Fault families to draw from: `blackhole`, `partition_rabbit`,
+    /// `partition_pg`, `crash`, `crash_point`, `pause`, `pg`, `mq_drop`,
+    /// `confirm_delay`.
+    pub families: Vec<String>,
+    /// Most occurrences of one family in a run.
+    #[serde(default = "three")]
+    pub max_occurrences: u32,
+}
+
+fn three() -> u32 {
+    3
+}
+
+/// Why a scenario file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a valid scenario: {message}")]
+    Parse { path: String, message: String },
+}
+
+/// Known swarm families.
+pub const SWARM_FAMILIES: &[&str] = &[
+    "blackhole",
+    "partition_rabbit",
+    "partition_pg",
+    "crash",
+    "crash_point",
+    "pause",
+    "pg",
+    "mq_drop",
+    "confirm_delay",
+];
+
+impl Scenario {
+    /// Loads and checks one scenario file.
+    pub fn load(path: &Path) -> Result<Self, ScenarioError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read {
+            path: p.clone(),
+            source,
+        })?;
+        let mut s: Scenario = toml::from_str(&text).map_err(|e| ScenarioError::Parse {
+            path: p.clone(),
+            message: e.to_string(),
+        })?;
+        s.name = path
+            .file_stem()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        s.check()
+            .map_err(|message| ScenarioError::Parse { path: p, message })?;
+        Ok(s)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let w = &self.workload;
+        if w.envelopes_per_tx[0] == 0 || w.envelopes_per_tx[0] > w.envelopes_per_tx[1] {
+            return Err("workload.envelopes_per_tx must be [min, max] with 1 <= min <= max".into());
+        }
+        if w.interval_ms[0] > w.interval_ms[1] {
+            return Err("workload.interval_ms must be [min, max]".into());
+        }
+        for p in [w.rollback_ratio, w.poison_ratio] {
+            if !(0.0..=1.0).contains(&p) {
+                return Err("ratios must be within [0, 1]".into());
+            }
+        }
+        if self.topology.drainers == 0 || self.topology.drainers > 16 {
+            return Err("topology.drainers must be 1..=16".into());
+        }
+        for f in &self.faults {
+            let (at, len) = f.window();
+            if at < 0.0 || len < 0.0 || at + len > self.timing.fault_phase_secs + 1e-9 {
+                return Err(format!("fault {f:?} falls outside the fault phase"));
+            }
+        }
+        if let Some(swarm) = &self.swarm {
+            for fam in &swarm.families {
+                if !SWARM_FAMILIES.contains(&fam.as_str()) {
+                    return Err(format!(
+                        "unknown swarm family {fam:?}; known: {SWARM_FAMILIES:?}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every `*.toml` in `dir`, sorted by name.
+    pub fn load_dir(dir: &Path) -> Result<Vec<Scenario>, ScenarioError> {
+        let mut paths: Vec<_> = std::fs::read_dir(dir)
+            .map_err(|source| ScenarioError::Read {
+                path: dir.display().to_string(),
+                source,
+            })?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+            .collect();
+        paths.sort();
+        paths.iter().map(|p| Scenario::load(p)).collect()
+    }
+}

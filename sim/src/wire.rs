@@ -1,0 +1,173 @@
+//! The wire protocol between the simulation adapters and the fakes: one
+//! length-prefixed JSON frame per request and per reply, over
+//! `turmoil::net::TcpStream`, so every request crosses the simulated network
+//! and is subject to its faults (held links black-hole, partitions and
+//! crashes break connections).
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use uuid::Uuid;
+
+/// Largest frame accepted, a bound on what a corrupt length could make us
+/// allocate.
+pub const FRAME_MAX_BYTES: u32 = 16 * 1024 * 1024;
+
+/// Writes one frame.
+pub async fn write_frame<W: AsyncWrite + Unpin, T: Serialize>(
+    w: &mut W,
+    msg: &T,
+) -> std::io::Result<()> {
+    let body = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
+    let len = u32::try_from(body.len()).map_err(std::io::Error::other)?;
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(&body);
+    w.write_all(&frame).await?;
+    w.flush().await
+}
+
+/// Reads one frame; `Ok(None)` on a clean end of stream.
+pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
+    r: &mut R,
+) -> std::io::Result<Option<T>> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = u32::from_be_bytes(len);
+    if len > FRAME_MAX_BYTES {
+        return Err(std::io::Error::other(format!("frame of {len} bytes")));
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body).await?;
+    serde_json::from_slice(&body)
+        .map(Some)
+        .map_err(std::io::Error::other)
+}
+
+/// A request to the fake PostgreSQL.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum PgRequest {
+    /// Names the client (replica or workload) for the trace.
+    Hello {
+        client: String,
+    },
+    Begin,
+    Commit,
+    Rollback,
+    /// `publish_tx`: must be inside a transaction.
+    Insert {
+        id: Uuid,
+        routing_key: String,
+        body: Vec<u8>,
+    },
+    /// Phase 1; inside a transaction (the adapter brackets it like the real one).
+    Claim {
+        replica: String,
+        batch_size: u32,
+        lease_ttl_ms: u64,
+    },
+    MarkPublished {
+        replica: String,
+        ids: Vec<Uuid>,
+    },
+    MarkFailed {
+        replica: String,
+        failures: Vec<(Uuid, String)>,
+        max_attempts: u32,
+    },
+    Release {
+        replica: String,
+        ids: Vec<Uuid>,
+    },
+    Stats,
+    DeletePublished {
+        older_than_ms: u64,
+        limit: u32,
+    },
+    ListParked {
+        limit: u32,
+    },
+    /// `None`: every parked row.
+    Unpark {
+        ids: Option<Vec<Uuid>>,
+    },
+}
+
+/// One claimed row on the wire.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireRow {
+    pub id: Uuid,
+    pub routing_key: String,
+    pub body: Vec<u8>,
+    pub attempts: i32,
+}
+
+/// A parked row on the wire (times in simulated milliseconds).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireParked {
+    pub id: Uuid,
+    pub routing_key: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub enqueued_ms: u64,
+    pub parked_ms: u64,
+}
+
+/// A reply from the fake PostgreSQL.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum PgReply {
+    Ok,
+    Count(u64),
+    Rows(Vec<WireRow>),
+    Failed {
+        recorded: u64,
+        parked: u64,
+    },
+    Stats {
+        pending: u64,
+        oldest_age_ms: u64,
+        parked: u64,
+    },
+    Parked(Vec<WireParked>),
+    /// The statement failed (duplicate key, no transaction, injected failure).
+    Error(String),
+}
+
+/// A request to the fake RabbitMQ.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum MqRequest {
+    Hello {
+        client: String,
+    },
+    ChannelOpen {
+        channel: u32,
+    },
+    ConfirmSelect {
+        channel: u32,
+    },
+    Publish {
+        channel: u32,
+        exchange: String,
+        routing_key: String,
+        message_id: Uuid,
+        body: Vec<u8>,
+    },
+    ChannelClose {
+        channel: u32,
+    },
+}
+
+/// A frame from the fake RabbitMQ.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum MqReply {
+    /// Reply to ChannelOpen / ConfirmSelect / ChannelClose.
+    Ok { channel: u32 },
+    /// Publisher confirm of the `seq`-th publish on `channel` (1-based).
+    Confirm { channel: u32, seq: u64, ack: bool },
+    /// The broker closed the channel.
+    ChannelClosed { channel: u32, reason: String },
+}

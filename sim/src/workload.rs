@@ -1,0 +1,100 @@
+//! The producer workload: domain transactions that write envelopes into the
+//! fake PostgreSQL, some committed, some rolled back, at seeded intervals.
+//! Connection failures leave a transaction in doubt; the fake (not this
+//! client) is the judge of what committed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use outbox::{EnvelopeLimits, EventEnvelope};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::adapters::PgClient;
+use crate::scenario::Workload;
+use crate::trace::Trace;
+use crate::wire::PgRequest;
+
+/// Most attempts at one transaction before the workload moves on.
+const TX_RETRIES_MAX: u32 = 50;
+
+/// Runs the workload to its end, then sets `done`.
+pub async fn run(
+    spec: Workload,
+    seed: u64,
+    trace: Trace,
+    done: Arc<AtomicBool>,
+) -> turmoil::Result {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let pg = PgClient::new("workload", trace);
+    for n in 0..spec.transactions {
+        let count = rng.random_range(spec.envelopes_per_tx[0]..=spec.envelopes_per_tx[1]);
+        let rollback = rng.random_bool(spec.rollback_ratio);
+        let mut body = Vec::with_capacity(count as usize);
+        for k in 0..count {
+            let poison = spec.poison_ratio > 0.0 && rng.random_bool(spec.poison_ratio);
+            let key = if poison {
+                "poison.event"
+            } else {
+                "domain.event"
+            };
+            let env = envelope(&mut rng, key, n, k);
+            let encoded = env
+                .encode(&EnvelopeLimits::default())
+                .expect("workload envelopes are valid");
+            body.push(PgRequest::Insert {
+                id: env.id,
+                routing_key: env.routing_key,
+                body: encoded.into_bytes(),
+            });
+        }
+        for _ in 0..TX_RETRIES_MAX {
+            let result = if rollback {
+                rolled_back(&pg, body.clone()).await
+            } else {
+                pg.in_tx(body.clone()).await.map(drop)
+            };
+            match result {
+                Ok(()) => break,
+                // In doubt or refused: try the same envelopes again; a
+                // duplicate id (the commit did apply) ends the retries.
+                Err(outbox::StoreError::Statement(e)) if e.contains("duplicate key") => break,
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+        let pause = rng.random_range(spec.interval_ms[0]..=spec.interval_ms[1]);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+    }
+    done.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+async fn rolled_back(pg: &PgClient, body: Vec<PgRequest>) -> Result<(), outbox::StoreError> {
+    pg.call(PgRequest::Begin).await?;
+    for req in body {
+        if let Err(e) = pg.call(req).await {
+            pg.disconnect().await;
+            return Err(e);
+        }
+    }
+    let r = pg.call(PgRequest::Rollback).await.map(drop);
+    if r.is_err() {
+        pg.disconnect().await;
+    }
+    r
+}
+
+/// A UUID v7 from simulated time and seeded randomness.
+fn envelope(rng: &mut SmallRng, key: &str, n: u32, k: u32) -> EventEnvelope {
+    let ms = crate::sim_now_ms() + 1_767_225_600_000; // 2026-01-01 as the epoch of the run
+    let random: [u8; 10] = rng.random();
+    let id = uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid();
+    EventEnvelope {
+        id,
+        routing_key: key.to_owned(),
+        occurred_at: time::OffsetDateTime::UNIX_EPOCH + Duration::from_millis(ms),
+        headers: Default::default(),
+        payload: serde_json::json!({ "tx": n, "k": k }),
+    }
+}
