@@ -38,6 +38,9 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// connection must not wedge the drainer).
 pub const STORE_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The claim transaction's idle timeout, as in `pg/sql/outbox_claim_plan.sql`.
+pub const CLAIM_IDLE_IN_TX_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Where in a tick a crash or pause can be injected.
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Deserialize, serde::Serialize,
@@ -289,14 +292,20 @@ impl SimStore {
 
 impl OutboxStore for SimStore {
     async fn outbox_claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
-        // Like the PostgreSQL adapter: one short transaction around the claim.
+        // Like the PostgreSQL adapter: one short transaction around the
+        // claim, with the same idle-in-transaction timeout.
         let mut replies = self
             .pg
-            .in_tx(vec![PgRequest::Claim {
-                replica: p.replica_id.to_owned(),
-                batch_size: p.batch_size,
-                lease_ttl_ms: p.lease_ttl.as_millis() as u64,
-            }])
+            .in_tx(vec![
+                PgRequest::SetIdleInTxTimeout {
+                    ms: CLAIM_IDLE_IN_TX_TIMEOUT.as_millis() as u64,
+                },
+                PgRequest::Claim {
+                    replica: p.replica_id.to_owned(),
+                    batch_size: p.batch_size,
+                    lease_ttl_ms: p.lease_ttl.as_millis() as u64,
+                },
+            ])
             .await?;
         let rows = match replies.pop() {
             Some(PgReply::Rows(rows)) => rows,

@@ -61,6 +61,8 @@ pub fn check(
     events: &[(std::time::Duration, Event)],
     stored: &BTreeMap<Uuid, u32>,
     still_parked: &BTreeSet<Uuid>,
+    final_attempts: &BTreeMap<Uuid, i32>,
+    max_attempts: u32,
 ) -> Verdict {
     let mut v = Verdict::default();
     let mut committed = BTreeSet::new();
@@ -92,7 +94,17 @@ pub fn check(
                     ));
                 }
             }
-            Event::Claimed { replica, ids } => {
+            Event::Claimed {
+                replica,
+                ids,
+                attempts,
+            } => {
+                for (id, a) in ids.iter().zip(attempts) {
+                    let expected = bumps.get(id).copied().unwrap_or(0);
+                    if *a as u32 != expected {
+                        blame.push(format!("{id} claimed at {t:.3}s with attempts {a}, but {expected} failures were recorded"));
+                    }
+                }
                 for id in ids {
                     if parked.contains(id) {
                         parked_claims.push(format!("{replica} claimed parked row {id} at {t:.3}s"));
@@ -129,6 +141,13 @@ pub fn check(
                             "{id} bumped to {} at {t:.3}s after {} nacks",
                             bumps[id],
                             nacks.get(id).copied().unwrap_or(0)
+                        ));
+                    }
+                    if p.contains(id) != (bumps[id] >= max_attempts) {
+                        blame.push(format!(
+                            "{id} at {} failures of a budget of {max_attempts}: parked is {} at {t:.3}s",
+                            bumps[id],
+                            p.contains(id)
                         ));
                     }
                 }
@@ -176,6 +195,14 @@ pub fn check(
         }
     }
 
+    for (id, a) in final_attempts {
+        let expected = bumps.get(id).copied().unwrap_or(0);
+        if *a as u32 != expected {
+            blame.push(format!(
+                "{id} ends with attempts {a}, but {expected} failures were recorded"
+            ));
+        }
+    }
     let lost: Vec<String> = committed
         .iter()
         .filter(|id| !stored.contains_key(id))
@@ -221,4 +248,196 @@ pub fn check(
         .sum();
     v.parked = still_parked.len();
     v
+}
+
+#[cfg(test)]
+mod tests {
+    //! The checker catches each violation on a hand-made trace, and passes a
+    //! correct one: it is not a test that cannot fail.
+
+    use std::time::Duration;
+
+    use super::*;
+
+    fn id(n: u128) -> Uuid {
+        Uuid::from_u128(n)
+    }
+
+    fn at(events: Vec<Event>) -> Vec<(Duration, Event)> {
+        events
+            .into_iter()
+            .enumerate()
+            .map(|(i, e)| (Duration::from_millis(i as u64), e))
+            .collect()
+    }
+
+    fn stored(ids: &[u128]) -> BTreeMap<Uuid, u32> {
+        ids.iter().map(|n| (id(*n), 1)).collect()
+    }
+
+    fn run(events: Vec<Event>, st: &[u128]) -> Verdict {
+        check(
+            &at(events),
+            &stored(st),
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+            3,
+        )
+    }
+
+    fn happy() -> Vec<Event> {
+        vec![
+            Event::Committed {
+                client: "w".into(),
+                ids: vec![id(1)],
+            },
+            Event::TxBegin { client: "a".into() },
+            Event::Claimed {
+                replica: "a".into(),
+                ids: vec![id(1)],
+                attempts: vec![0],
+            },
+            Event::TxEnd { client: "a".into() },
+            Event::PublishSent {
+                client: "a".into(),
+                message_id: id(1),
+            },
+            Event::Confirmed {
+                client: "a".into(),
+                message_id: id(1),
+                ack: true,
+            },
+            Event::MarkedPublished {
+                replica: "a".into(),
+                ids: vec![id(1)],
+            },
+            Event::Deleted { ids: vec![id(1)] },
+        ]
+    }
+
+    fn kinds(v: &Verdict) -> Vec<String> {
+        v.violations
+            .iter()
+            .map(|s| s.split(':').next().unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn a_correct_trace_passes() {
+        let v = run(happy(), &[1]);
+        assert!(v.ok(), "{:?}", v.violations);
+        assert_eq!((v.committed, v.published, v.duplicates), (1, 1, 0));
+    }
+
+    #[test]
+    fn a_committed_envelope_never_stored_is_lost() {
+        assert_eq!(kinds(&run(happy(), &[])), ["lost"]);
+    }
+
+    #[test]
+    fn a_stored_envelope_never_committed_is_caught() {
+        let mut e = happy();
+        e.push(Event::RolledBack {
+            client: "w".into(),
+            ids: vec![id(2)],
+        });
+        assert_eq!(kinds(&run(e, &[1, 2])), ["uncommitted published"]);
+    }
+
+    #[test]
+    fn a_publish_inside_a_transaction_is_caught() {
+        let mut e = happy();
+        e.swap(3, 4); // publish before TxEnd
+        assert_eq!(kinds(&run(e, &[1])), ["broker I/O in a transaction"]);
+    }
+
+    #[test]
+    fn a_mark_without_the_lease_is_caught() {
+        let mut e = happy();
+        e.insert(
+            4,
+            Event::Claimed {
+                replica: "b".into(),
+                ids: vec![id(1)],
+                attempts: vec![0],
+            },
+        );
+        assert_eq!(kinds(&run(e, &[1])), ["stale mark"]);
+    }
+
+    #[test]
+    fn attempts_without_a_nack_or_out_of_step_are_caught() {
+        let mut e = happy();
+        e.insert(
+            5,
+            Event::MarkedFailed {
+                replica: "a".into(),
+                ids: vec![id(1)],
+                parked: vec![],
+            },
+        );
+        let k = kinds(&run(e, &[1]));
+        assert!(k.contains(&"attempts without a nack".to_owned()), "{k:?}");
+        // A claim that reports attempts the trace does not explain.
+        let mut e = happy();
+        e[2] = Event::Claimed {
+            replica: "a".into(),
+            ids: vec![id(1)],
+            attempts: vec![1],
+        };
+        assert_eq!(kinds(&run(e, &[1])), ["attempts without a nack"]);
+    }
+
+    #[test]
+    fn parking_off_budget_and_claiming_a_parked_row_are_caught() {
+        let nack = |c: &str| Event::Confirmed {
+            client: c.into(),
+            message_id: id(1),
+            ack: false,
+        };
+        let claim = |a: i32| Event::Claimed {
+            replica: "a".into(),
+            ids: vec![id(1)],
+            attempts: vec![a],
+        };
+        let fail = |parked: bool| Event::MarkedFailed {
+            replica: "a".into(),
+            ids: vec![id(1)],
+            parked: if parked { vec![id(1)] } else { vec![] },
+        };
+        let e = vec![
+            Event::Committed {
+                client: "w".into(),
+                ids: vec![id(1)],
+            },
+            claim(0),
+            nack("a"),
+            fail(true), // parked after 1 of 3
+        ];
+        assert_eq!(kinds(&run(e, &[])), ["lost", "attempts without a nack"]);
+        let e = vec![
+            Event::Committed {
+                client: "w".into(),
+                ids: vec![id(1)],
+            },
+            claim(0),
+            nack("a"),
+            fail(false),
+            claim(1),
+            nack("a"),
+            fail(false),
+            claim(2),
+            nack("a"),
+            fail(true),
+            claim(3), // parked, not unparked
+        ];
+        assert_eq!(kinds(&run(e, &[])), ["lost", "parked row claimed"]);
+    }
+
+    #[test]
+    fn the_janitor_deleting_an_unpublished_row_is_caught() {
+        let mut e = happy();
+        e.push(Event::Deleted { ids: vec![id(9)] });
+        assert_eq!(kinds(&run(e, &[1])), ["janitor deleted an unpublished row"]);
+    }
 }

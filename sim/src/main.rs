@@ -6,6 +6,8 @@
 //! sim run broker_blackhole --seed 7 [--trace trace.txt]
 //! sim sweep [SCENARIO...] --seeds 0..200 [--jobs 2] [--scenarios DIR]
 //! ```
+//! A sweep without names runs every scenario in `scenarios/` and the clean
+//! twin (`NAME.clean`) of each faulty one.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -30,13 +32,7 @@ fn default_scenarios_dir() -> PathBuf {
 }
 
 fn load(dir: &Path, name: &str) -> Result<Scenario, String> {
-    let as_path = Path::new(name);
-    let path = if as_path.extension().is_some_and(|e| e == "toml") {
-        as_path.to_owned()
-    } else {
-        dir.join(format!("{name}.toml"))
-    };
-    Scenario::load(&path).map_err(|e| e.to_string())
+    Scenario::find(dir, name).map_err(|e| e.to_string())
 }
 
 fn parse_range(s: &str) -> Result<std::ops::Range<u64>, String> {
@@ -150,7 +146,7 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
     }
     let range = range.ok_or("--seeds A..B is required")?;
     let scenarios: Vec<Scenario> = if names.is_empty() {
-        Scenario::load_dir(&dir).map_err(|e| e.to_string())?
+        Scenario::load_dir_with_twins(&dir).map_err(|e| e.to_string())?
     } else {
         names
             .iter()

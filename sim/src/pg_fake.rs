@@ -163,6 +163,17 @@ impl PgState {
             .collect()
     }
 
+    /// Every committed row's id and attempts.
+    pub fn attempts(&self) -> BTreeMap<Uuid, i32> {
+        self.table
+            .lock()
+            .expect("table")
+            .rows
+            .values()
+            .map(|r| (r.id, r.attempts))
+            .collect()
+    }
+
     /// Committed rows not yet published.
     pub fn unpublished(&self) -> usize {
         self.table.lock().expect("table").pending.len()
@@ -196,6 +207,8 @@ struct Session {
     id: u64,
     client: String,
     tx: Option<Tx>,
+    /// Idle-in-transaction timeout of the open transaction, if set.
+    idle_tx_timeout: Option<std::time::Duration>,
 }
 
 impl Session {
@@ -205,12 +218,30 @@ impl Session {
             id,
             client: format!("session-{id}"),
             tx: None,
+            idle_tx_timeout: None,
         }
     }
 
     async fn run(mut self, stream: turmoil::net::TcpStream) {
         let (mut r, mut w) = stream.into_split();
-        while let Ok(Some(req)) = read_frame::<_, PgRequest>(&mut r).await {
+        loop {
+            let next = match self.idle_tx_timeout.filter(|_| self.tx.is_some()) {
+                Some(limit) => {
+                    match tokio::time::timeout(limit, read_frame::<_, PgRequest>(&mut r)).await {
+                        Ok(next) => next,
+                        Err(_) => {
+                            self.state.trace.now(Event::Fault(format!(
+                                "pg terminates {}'s session: idle in transaction past {} ms",
+                                self.client,
+                                limit.as_millis()
+                            )));
+                            break; // Drop rolls the transaction back
+                        }
+                    }
+                }
+                None => read_frame::<_, PgRequest>(&mut r).await,
+            };
+            let Ok(Some(req)) = next else { break };
             let fail = !matches!(req, PgRequest::Hello { .. })
                 && self
                     .state
@@ -252,6 +283,14 @@ impl Session {
                     return PgReply::Error("already in a transaction".into());
                 }
                 self.tx = Some(Tx::default());
+                self.idle_tx_timeout = None;
+                PgReply::Ok
+            }
+            PgRequest::SetIdleInTxTimeout { ms } => {
+                if self.tx.is_none() {
+                    return PgReply::Error("SET LOCAL outside a transaction".into());
+                }
+                self.idle_tx_timeout = Some(std::time::Duration::from_millis(*ms));
                 PgReply::Ok
             }
             PgRequest::Commit => {
@@ -345,6 +384,7 @@ impl Session {
                 trace.now(Event::Claimed {
                     replica: replica.clone(),
                     ids: out.iter().map(|r| r.id).collect(),
+                    attempts: out.iter().map(|r| r.attempts).collect(),
                 });
                 PgReply::Rows(out)
             }
@@ -536,6 +576,7 @@ fn request_name(req: &PgRequest) -> &'static str {
     match req {
         PgRequest::Hello { .. } => "hello",
         PgRequest::Begin => "begin",
+        PgRequest::SetIdleInTxTimeout { .. } => "set_idle_in_tx_timeout",
         PgRequest::Commit => "commit",
         PgRequest::Rollback => "rollback",
         PgRequest::Insert { .. } => "insert",

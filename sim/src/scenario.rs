@@ -291,6 +291,48 @@ impl Scenario {
         Ok(())
     }
 
+    /// The clean twin of a faulty scenario: the same workload, topology,
+    /// configuration and seeds with no faults, named `NAME.clean`. A failure
+    /// of the twin points at the workload or the checker, not the faults.
+    pub fn clean_twin(&self) -> Option<Scenario> {
+        if self.faults.is_empty() && self.swarm.is_none() {
+            return None;
+        }
+        let mut twin = self.clone();
+        twin.name = format!("{}.clean", self.name);
+        twin.description = format!("Clean twin of {}: {}", self.name, self.description);
+        twin.faults.clear();
+        twin.swarm = None;
+        Some(twin)
+    }
+
+    /// Loads `NAME` (or its twin, `NAME.clean`) from `dir`, or a path.
+    pub fn find(dir: &Path, name: &str) -> Result<Scenario, ScenarioError> {
+        let as_path = Path::new(name);
+        if as_path.extension().is_some_and(|e| e == "toml") {
+            return Scenario::load(as_path);
+        }
+        if let Some(base) = name.strip_suffix(".clean") {
+            let s = Scenario::load(&dir.join(format!("{base}.toml")))?;
+            return s.clean_twin().ok_or_else(|| ScenarioError::Parse {
+                path: name.to_owned(),
+                message: format!("{base} has no faults, so no clean twin"),
+            });
+        }
+        Scenario::load(&dir.join(format!("{name}.toml")))
+    }
+
+    /// Every scenario in `dir` followed by its clean twin, sorted by name.
+    pub fn load_dir_with_twins(dir: &Path) -> Result<Vec<Scenario>, ScenarioError> {
+        let mut out = Vec::new();
+        for s in Scenario::load_dir(dir)? {
+            let twin = s.clean_twin();
+            out.push(s);
+            out.extend(twin);
+        }
+        Ok(out)
+    }
+
     /// Every `*.toml` in `dir`, sorted by name.
     pub fn load_dir(dir: &Path) -> Result<Vec<Scenario>, ScenarioError> {
         let mut paths: Vec<_> = std::fs::read_dir(dir)

@@ -23,8 +23,13 @@ pub enum Event {
     /// A client's transaction ended: commit or rollback answered, or the
     /// client abandoned the connection (recorded by the client).
     TxEnd { client: String },
-    /// The store applied a claim.
-    Claimed { replica: String, ids: Vec<Uuid> },
+    /// The store applied a claim; `attempts` are the claimed rows' attempts
+    /// as the store returned them, in the same order.
+    Claimed {
+        replica: String,
+        ids: Vec<Uuid>,
+        attempts: Vec<i32>,
+    },
     /// The store applied a mark; `ids` are the rows it changed.
     MarkedPublished { replica: String, ids: Vec<Uuid> },
     /// The store bumped attempts; `parked` are the rows that parked.

@@ -56,6 +56,11 @@ pub enum PgRequest {
         client: String,
     },
     Begin,
+    /// `SET LOCAL idle_in_transaction_session_timeout`: the server ends the
+    /// session if the open transaction sits idle longer than this.
+    SetIdleInTxTimeout {
+        ms: u64,
+    },
     Commit,
     Rollback,
     /// `publish_tx`: must be inside a transaction.

@@ -440,7 +440,14 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     }
 
     let stored = env.mq.stored.lock().expect("stored").counts();
-    let verdict = checker::check(&trace.events(), &stored, &env.pg.parked_ids());
+    let max_attempts = drainer_config(scenario, "check").max_attempts;
+    let verdict = checker::check(
+        &trace.events(),
+        &stored,
+        &env.pg.parked_ids(),
+        &env.pg.attempts(),
+        max_attempts,
+    );
     RunOutcome {
         scenario: scenario.name.clone(),
         seed,
