@@ -197,16 +197,20 @@ impl PgClient {
     /// failure drops the connection, so the server rolls back what was open.
     pub async fn call(&self, req: PgRequest) -> Result<PgReply, StoreError> {
         let mut guard = self.conn.lock().await;
+        self.call_on(&mut guard, req).await
+    }
+
+    async fn call_on(
+        &self,
+        guard: &mut Option<turmoil::net::TcpStream>,
+        req: PgRequest,
+    ) -> Result<PgReply, StoreError> {
         if guard.is_none() {
-            let mut s = connect("pg", PG_PORT)
-                .await
-                .map_err(StoreError::Unavailable)?;
+            let mut s = connect("pg", PG_PORT).await.map_err(StoreError::Unavailable)?;
             let hello = PgRequest::Hello {
                 client: self.client.clone(),
             };
-            exchange(&mut s, &hello)
-                .await
-                .map_err(StoreError::Unavailable)?;
+            exchange(&mut s, &hello).await.map_err(StoreError::Unavailable)?;
             *guard = Some(s);
         }
         let stream = guard.as_mut().expect("connected");
@@ -225,25 +229,27 @@ impl PgClient {
         *self.conn.lock().await = None;
     }
 
-    /// Runs `BEGIN; body; COMMIT` recording the client's view of the
-    /// transaction in the trace. On any failure the connection is dropped,
-    /// which rolls the transaction back at the server.
+    /// Runs `BEGIN; body; COMMIT` on one connection, held for the whole
+    /// transaction (as a pooled connection is), recording the client's view
+    /// of the transaction in the trace. On any failure the connection is
+    /// dropped, which rolls the transaction back at the server.
     pub async fn in_tx(&self, body: Vec<PgRequest>) -> Result<Vec<PgReply>, StoreError> {
+        let mut guard = self.conn.lock().await;
         self.trace.now(Event::TxBegin {
             client: self.client.clone(),
         });
         let result = async {
-            self.call(PgRequest::Begin).await?;
+            self.call_on(&mut guard, PgRequest::Begin).await?;
             let mut replies = Vec::with_capacity(body.len());
             for req in body {
-                replies.push(self.call(req).await?);
+                replies.push(self.call_on(&mut guard, req).await?);
             }
-            self.call(PgRequest::Commit).await?;
+            self.call_on(&mut guard, PgRequest::Commit).await?;
             Ok(replies)
         }
         .await;
         if result.is_err() {
-            self.disconnect().await;
+            *guard = None;
         }
         self.trace.now(Event::TxEnd {
             client: self.client.clone(),

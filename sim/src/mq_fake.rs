@@ -66,6 +66,8 @@ pub struct MqState {
     pub stored: Arc<Mutex<Stored>>,
     pub faults: Arc<Mutex<MqFaults>>,
     rng: Arc<Mutex<SmallRng>>,
+    /// Bumped to close every connection (`rabbitmqctl close_all_connections`).
+    close_all: Arc<tokio::sync::watch::Sender<u64>>,
     trace: Trace,
 }
 
@@ -76,8 +78,16 @@ impl MqState {
             stored: Arc::default(),
             faults: Arc::default(),
             rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
+            close_all: Arc::new(tokio::sync::watch::channel(0).0),
             trace,
         }
+    }
+
+    /// Closes every client connection, as `rabbitmqctl close_all_connections`
+    /// does: clients see the connection end.
+    pub fn close_all_connections(&self) {
+        self.trace.now(Event::Fault("broker closes every connection".into()));
+        self.close_all.send_modify(|g| *g += 1);
     }
 
     fn roll(&self, p: f64) -> bool {
@@ -119,7 +129,14 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
     });
     let mut client = String::from("?");
     let mut channels: BTreeMap<u32, Channel> = BTreeMap::new();
-    while let Ok(Some(req)) = read_frame::<_, MqRequest>(&mut r).await {
+    let mut close_all = state.close_all.subscribe();
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = close_all.changed() => break,
+            next = read_frame::<_, MqRequest>(&mut r) => next,
+        };
+        let Ok(Some(req)) = next else { break };
         let now = crate::sim_now();
         let reply = match req {
             MqRequest::Hello { client: c } => {

@@ -36,6 +36,14 @@ use crate::wire::{PgReply, PgRequest, WireParked, WireRow, read_frame, write_fra
 /// The fake's port.
 pub const PG_PORT: u16 = 5432;
 
+/// The fake's clock starts a day after the simulation's zero, so rows can be
+/// backdated (retention tests) without underflow.
+const CLOCK_OFFSET_MS: u64 = 86_400_000;
+
+fn now_ms() -> u64 {
+    crate::sim_now_ms() + CLOCK_OFFSET_MS
+}
+
 /// One outbox row (times in simulated milliseconds).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Row {
@@ -163,6 +171,14 @@ impl PgState {
             .collect()
     }
 
+    /// Moves a row's publication `by` into the past (conformance tests).
+    pub fn backdate_published(&self, id: Uuid, by: std::time::Duration) {
+        let mut table = self.table.lock().expect("table");
+        if let Some(p) = table.rows.get_mut(&id).and_then(|r| r.published_ms.as_mut()) {
+            *p = p.saturating_sub(by.as_millis() as u64);
+        }
+    }
+
     /// Every committed row's id and attempts.
     pub fn attempts(&self) -> BTreeMap<Uuid, i32> {
         self.table
@@ -174,9 +190,15 @@ impl PgState {
             .collect()
     }
 
-    /// Committed rows not yet published.
+    /// Committed rows not yet published, parked ones included.
     pub fn unpublished(&self) -> usize {
-        self.table.lock().expect("table").pending.len()
+        self.table
+            .lock()
+            .expect("table")
+            .rows
+            .values()
+            .filter(|r| r.published_ms.is_none())
+            .count()
     }
 }
 
@@ -270,7 +292,7 @@ impl Session {
     }
 
     fn apply(&mut self, req: &PgRequest) -> PgReply {
-        let now = crate::sim_now_ms();
+        let now = now_ms();
         let trace = self.state.trace.clone();
         let mut table = self.state.table.lock().expect("table");
         match req {

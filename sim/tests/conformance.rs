@@ -1,0 +1,491 @@
+//! Conformance: the same test bodies run against the fake and the real
+//! service. "If both arms pass, consumers can rely on the sim" (turmoil).
+//!
+//! Store arm: `PgOutboxStore` on the local PostgreSQL (a fresh database per
+//! test) vs `SimStore` on the fake PostgreSQL inside a turmoil simulation.
+//! Broker arm: `LapinBroker` on the local RabbitMQ vs `SimBroker` on the fake.
+
+#[path = "../../outbox/tests/common/mod.rs"]
+mod common;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::core::ports::{
+    Broker, ClaimParams, Confirm, OutboxStore, OutgoingMessage, PublishChannel, RowFailure,
+    UnparkSelector,
+};
+use outbox::{EventEnvelope, PgOutboxStore, Publisher};
+use sim::adapters::{Hooks, PgClient, SimBroker, SimStore};
+use sim::mq_fake::{self, MqFaults, MqState};
+use sim::pg_fake::{self, PgState};
+use sim::trace::Trace;
+use sim::wire::PgRequest;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// What a store test can see of a row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RowView {
+    attempts: i32,
+    published: bool,
+    parked: bool,
+    claimed_by: Option<String>,
+}
+
+/// One side of the store conformance suite.
+trait StoreArm {
+    type S: OutboxStore;
+    fn store(&self) -> &Self::S;
+    /// Commits one envelope per transaction, in order; returns their ids.
+    async fn insert(&self, n: usize, key: &str) -> Vec<Uuid>;
+    async fn row(&self, id: Uuid) -> Option<RowView>;
+    /// Moves a row's `published_at` `secs` into the past.
+    async fn backdate_published(&self, id: Uuid, secs: u64);
+}
+
+struct RealStore {
+    store: PgOutboxStore,
+    pool: PgPool,
+}
+
+impl StoreArm for RealStore {
+    type S = PgOutboxStore;
+    fn store(&self) -> &PgOutboxStore {
+        &self.store
+    }
+    async fn insert(&self, n: usize, key: &str) -> Vec<Uuid> {
+        let p = Publisher::new(self.pool.clone());
+        let mut ids = Vec::new();
+        for i in 0..n {
+            let e = EventEnvelope::new(key, serde_json::json!({ "i": i }));
+            p.publish(&e).await.unwrap();
+            ids.push(e.id);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        ids
+    }
+    async fn row(&self, id: Uuid) -> Option<RowView> {
+        sqlx::query_as::<_, (i32, bool, bool, Option<String>)>(
+            "SELECT attempts, published_at IS NOT NULL, parked_at IS NOT NULL, claimed_by
+             FROM event_outbox WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .unwrap()
+        .map(|(attempts, published, parked, claimed_by)| RowView {
+            attempts,
+            published,
+            parked,
+            claimed_by,
+        })
+    }
+    async fn backdate_published(&self, id: Uuid, secs: u64) {
+        sqlx::query("UPDATE event_outbox SET published_at = published_at - make_interval(secs => $2) WHERE id = $1")
+            .bind(id)
+            .bind(secs as f64)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+    }
+}
+
+struct FakeStore {
+    store: SimStore,
+    client: PgClient,
+    state: PgState,
+}
+
+impl StoreArm for FakeStore {
+    type S = SimStore;
+    fn store(&self) -> &SimStore {
+        &self.store
+    }
+    async fn insert(&self, n: usize, key: &str) -> Vec<Uuid> {
+        let mut ids = Vec::new();
+        for i in 0..n {
+            let e = EventEnvelope::new(key, serde_json::json!({ "i": i }));
+            let body = e.encode(&Default::default()).unwrap().into_bytes();
+            self.client
+                .in_tx(vec![PgRequest::Insert {
+                    id: e.id,
+                    routing_key: key.to_owned(),
+                    body,
+                }])
+                .await
+                .unwrap();
+            ids.push(e.id);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        ids
+    }
+    async fn row(&self, id: Uuid) -> Option<RowView> {
+        let table = self.state.table.lock().unwrap();
+        table.rows().find(|r| r.id == id).map(|r| RowView {
+            attempts: r.attempts,
+            published: r.published_ms.is_some(),
+            parked: r.parked_ms.is_some(),
+            claimed_by: r.claimed_by.clone(),
+        })
+    }
+    async fn backdate_published(&self, id: Uuid, secs: u64) {
+        self.state.backdate_published(id, Duration::from_secs(secs));
+    }
+}
+
+/// Runs `body` against the fake PostgreSQL inside a turmoil simulation.
+fn with_fake_store<F, Fut>(body: F)
+where
+    F: FnOnce(FakeStore) -> Fut + 'static,
+    Fut: Future<Output = ()> + 'static,
+{
+    let trace = Trace::default();
+    let state = PgState::new(7, trace.clone());
+    let mut sim = turmoil::Builder::new()
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    let server = state.clone();
+    sim.host("pg", move || pg_fake::serve(server.clone()));
+    sim.client("test", async move {
+        let arm = FakeStore {
+            store: SimStore::new("conformance", trace.clone(), Hooks::new(1)),
+            client: PgClient::new("writer", trace),
+            state,
+        };
+        body(arm).await;
+        Ok(())
+    });
+    sim.run().unwrap();
+}
+
+fn params(replica: &str, batch: u32, ttl_ms: u64) -> ClaimParams<'_> {
+    ClaimParams {
+        replica_id: replica,
+        batch_size: batch,
+        lease_ttl: Duration::from_millis(ttl_ms),
+    }
+}
+
+// ---- store bodies ------------------------------------------------------
+
+async fn claim_takes_oldest_first_stamps_the_lease_and_never_bumps<A: StoreArm>(arm: A) {
+    let ids = arm.insert(5, "k").await;
+    let rows = arm.store().outbox_claim(params("a", 3, 60_000)).await.unwrap();
+    let claimed: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+    assert_eq!(claimed, ids[..3], "oldest first, batch-limited");
+    assert!(rows.iter().all(|r| r.attempts == 0 && r.routing_key == "k"));
+    let env = EventEnvelope::decode(&rows[0].body).unwrap();
+    assert_eq!(env.id, ids[0], "the body is the encoded envelope");
+    let v = arm.row(ids[0]).await.unwrap();
+    assert_eq!((v.claimed_by.as_deref(), v.attempts), (Some("a"), 0));
+    // Leased rows are not claimed again; the rest are.
+    let rows = arm.store().outbox_claim(params("b", 10, 60_000)).await.unwrap();
+    let claimed: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+    assert_eq!(claimed, ids[3..]);
+    assert!(arm.store().outbox_claim(params("c", 10, 60_000)).await.unwrap().is_empty());
+}
+
+async fn an_expired_lease_is_reclaimed_without_a_bump<A: StoreArm>(arm: A) {
+    let ids = arm.insert(2, "k").await;
+    assert_eq!(arm.store().outbox_claim(params("a", 10, 1_000)).await.unwrap().len(), 2);
+    assert!(arm.store().outbox_claim(params("b", 10, 1_000)).await.unwrap().is_empty());
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let rows = arm.store().outbox_claim(params("b", 10, 1_000)).await.unwrap();
+    assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), ids);
+    assert!(rows.iter().all(|r| r.attempts == 0));
+    assert_eq!(arm.row(ids[0]).await.unwrap().claimed_by.as_deref(), Some("b"));
+}
+
+async fn marks_and_releases_are_guarded_by_claimed_by<A: StoreArm>(arm: A) {
+    let ids = arm.insert(3, "k").await;
+    arm.store().outbox_claim(params("a", 10, 1_000)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    arm.store().outbox_claim(params("b", 1, 1_000)).await.unwrap(); // b takes ids[0]
+    // a's lease on ids[0] is gone: its mark changes nothing there.
+    assert_eq!(arm.store().outbox_mark_published("a", &ids[..2]).await.unwrap(), 1);
+    assert!(!arm.row(ids[0]).await.unwrap().published);
+    assert!(arm.row(ids[1]).await.unwrap().published);
+    assert_eq!(arm.store().outbox_release("a", &ids[..1]).await.unwrap(), 0);
+    assert_eq!(arm.store().outbox_release("a", &ids[2..]).await.unwrap(), 1);
+    assert_eq!(arm.row(ids[2]).await.unwrap().claimed_by, None);
+    let f = arm
+        .store()
+        .outbox_mark_failed("a", &[RowFailure { id: ids[0], error: "x".into() }], 3)
+        .await
+        .unwrap();
+    assert_eq!(f.recorded, 0, "a stale failure mark changes nothing");
+    assert_eq!(arm.store().outbox_mark_published("b", &ids[..1]).await.unwrap(), 1);
+}
+
+async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm>(arm: A) {
+    let ids = arm.insert(2, "k").await;
+    for round in 1..=3 {
+        let rows = arm.store().outbox_claim(params("a", 1, 60_000)).await.unwrap();
+        assert_eq!(rows[0].id, ids[0], "round {round}: the failing row is claimed first");
+        assert_eq!(rows[0].attempts, round - 1);
+        let f = arm
+            .store()
+            .outbox_mark_failed("a", &[RowFailure { id: ids[0], error: format!("nack {round}") }], 3)
+            .await
+            .unwrap();
+        assert_eq!((f.recorded, f.parked), (1, u64::from(round == 3)));
+        let v = arm.row(ids[0]).await.unwrap();
+        assert_eq!((v.attempts, v.parked, v.claimed_by), (round, round == 3, None));
+    }
+    // Parked: skipped by the claim.
+    let rows = arm.store().outbox_claim(params("a", 10, 60_000)).await.unwrap();
+    assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), [ids[1]]);
+    let stats = arm.store().outbox_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.parked), (1, 1));
+    let parked = arm.store().outbox_list_parked(10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!((parked[0].id, parked[0].attempts), (ids[0], 3));
+    assert_eq!(parked[0].last_error.as_deref(), Some("nack 3"));
+    assert_eq!(arm.store().outbox_unpark(&UnparkSelector::Ids(vec![ids[1]])).await.unwrap(), 0);
+    assert_eq!(arm.store().outbox_unpark(&UnparkSelector::All).await.unwrap(), 1);
+    let v = arm.row(ids[0]).await.unwrap();
+    assert_eq!((v.attempts, v.parked), (0, false));
+    let rows = arm.store().outbox_claim(params("b", 10, 60_000)).await.unwrap();
+    assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), [ids[0]]);
+}
+
+async fn the_retention_sweep_deletes_only_old_published_rows<A: StoreArm>(arm: A) {
+    let ids = arm.insert(4, "k").await;
+    arm.store().outbox_claim(params("a", 3, 60_000)).await.unwrap();
+    arm.store().outbox_mark_published("a", &ids[..3]).await.unwrap();
+    arm.backdate_published(ids[0], 100).await;
+    arm.backdate_published(ids[1], 100).await;
+    let older = Duration::from_secs(50);
+    assert_eq!(arm.store().outbox_delete_published(older, 1).await.unwrap(), 1);
+    assert_eq!(arm.store().outbox_delete_published(older, 10).await.unwrap(), 1);
+    assert_eq!(arm.store().outbox_delete_published(older, 10).await.unwrap(), 0);
+    assert!(arm.row(ids[0]).await.is_none() && arm.row(ids[1]).await.is_none());
+    assert!(arm.row(ids[2]).await.is_some(), "recently published stays");
+    assert!(arm.row(ids[3]).await.is_some(), "unpublished stays");
+}
+
+async fn two_concurrent_claimers_never_share_a_row<A: StoreArm>(arm: A) {
+    arm.insert(40, "k").await;
+    let s = arm.store();
+    let (a, b) = futures_lite::future::zip(
+        s.outbox_claim(params("a", 15, 60_000)),
+        s.outbox_claim(params("b", 15, 60_000)),
+    )
+    .await;
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.len() + b.len(), 30);
+    assert!(a.iter().all(|r| !b.iter().any(|x| x.id == r.id)), "SKIP LOCKED / leases keep claims disjoint");
+}
+
+macro_rules! store_conformance {
+    ($($name:ident),* $(,)?) => {
+        mod store {
+            use super::*;
+            $(
+                mod $name {
+                    use super::*;
+                    #[sqlx::test(migrator = "outbox::MIGRATOR")]
+                    async fn postgres(pool: PgPool) {
+                        super::super::$name(RealStore { store: PgOutboxStore::new(pool.clone()), pool }).await;
+                    }
+                    #[test]
+                    fn fake() {
+                        with_fake_store(super::super::$name);
+                    }
+                }
+            )*
+        }
+    };
+}
+
+store_conformance!(
+    claim_takes_oldest_first_stamps_the_lease_and_never_bumps,
+    an_expired_lease_is_reclaimed_without_a_bump,
+    marks_and_releases_are_guarded_by_claimed_by,
+    failures_bump_attempts_park_at_the_budget_and_unpark_resets,
+    the_retention_sweep_deletes_only_old_published_rows,
+    two_concurrent_claimers_never_share_a_row,
+);
+
+// ---- broker ------------------------------------------------------------
+
+/// One side of the broker conformance suite.
+trait BrokerArm {
+    type B: Broker;
+    fn broker(&self) -> &Self::B;
+    fn exchange(&self) -> &str;
+    /// Makes the broker nack what is published with routing keys `prefix.*`.
+    async fn nack_prefix(&self, prefix: &str);
+    /// Breaks every connection of the broker client.
+    async fn cut(&self);
+}
+
+struct RealBroker {
+    broker: Arc<outbox::LapinBroker>,
+    exchange: String,
+    proxy: common::Proxy,
+    admin: lapin::Connection,
+}
+
+impl BrokerArm for RealBroker {
+    type B = outbox::LapinBroker;
+    fn broker(&self) -> &outbox::LapinBroker {
+        &self.broker
+    }
+    fn exchange(&self) -> &str {
+        &self.exchange
+    }
+    async fn nack_prefix(&self, prefix: &str) {
+        common::declare_rejecting_queue(&self.admin, &self.exchange, &format!("{prefix}.#")).await;
+    }
+    async fn cut(&self) {
+        self.proxy.cut();
+    }
+}
+
+struct FakeBroker {
+    broker: SimBroker,
+    state: MqState,
+}
+
+impl BrokerArm for FakeBroker {
+    type B = SimBroker;
+    fn broker(&self) -> &SimBroker {
+        &self.broker
+    }
+    fn exchange(&self) -> &str {
+        "canopy.events"
+    }
+    async fn nack_prefix(&self, prefix: &str) {
+        *self.state.faults.lock().unwrap() = MqFaults {
+            nack_prefix: Some(format!("{prefix}.")),
+            ..MqFaults::default()
+        };
+    }
+    async fn cut(&self) {
+        self.state.close_all_connections();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn with_fake_broker<F, Fut>(body: F)
+where
+    F: FnOnce(FakeBroker) -> Fut + 'static,
+    Fut: Future<Output = ()> + 'static,
+{
+    let trace = Trace::default();
+    let state = MqState::new(3, trace.clone());
+    let mut sim = turmoil::Builder::new()
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    let server = state.clone();
+    sim.host("rabbit", move || mq_fake::serve(server.clone()));
+    sim.client("test", async move {
+        body(FakeBroker {
+            broker: SimBroker::new("conformance", trace, Hooks::new(1)),
+            state,
+        })
+        .await;
+        Ok(())
+    });
+    sim.run().unwrap();
+}
+
+async fn with_real_broker<F, Fut>(body: F)
+where
+    F: FnOnce(RealBroker) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let proxy = common::Proxy::start("127.0.0.1:5672").await;
+    let admin = common::connect().await;
+    let exchange = common::unique("conf");
+    let ch = admin.create_channel().await.unwrap();
+    common::declare_exchange(&ch, &exchange).await;
+    let broker = Arc::new(outbox::LapinBroker::new(proxy.amqp_url()));
+    body(RealBroker { broker, exchange, proxy, admin }).await;
+}
+
+/// Opens a channel, publishes one message and awaits its confirm, all under
+/// a deadline as the drainer's Phase 2 is.
+async fn publish_one<B: Broker>(b: &B, exchange: &str, key: &str) -> Result<Confirm, outbox::BrokerError> {
+    tokio::time::timeout(Duration::from_secs(5), publish_one_unbounded(b, exchange, key))
+        .await
+        .unwrap_or_else(|_| Err(outbox::BrokerError::Connection("deadline".into())))
+}
+
+async fn publish_one_unbounded<B: Broker>(b: &B, exchange: &str, key: &str) -> Result<Confirm, outbox::BrokerError> {
+    let mut ch = b.channel_open().await?;
+    ch.channel_confirm_select().await?;
+    let confirm = ch
+        .channel_publish(OutgoingMessage {
+            exchange,
+            routing_key: key,
+            message_id: Uuid::now_v7(),
+            body: b"{}",
+        })
+        .await?;
+    let r = confirm.await;
+    ch.channel_close().await;
+    r
+}
+
+async fn a_publish_is_confirmed_even_with_no_queue_bound<A: BrokerArm>(arm: A) {
+    let r = publish_one(arm.broker(), arm.exchange(), "nobody.listens").await.unwrap();
+    assert_eq!(r, Confirm::Ack, "mandatory is unset: unroutable is not a failure");
+}
+
+async fn a_rejecting_queue_nacks_and_others_still_ack<A: BrokerArm>(arm: A) {
+    arm.nack_prefix("poison").await;
+    let r = publish_one(arm.broker(), arm.exchange(), "poison.x").await.unwrap();
+    assert!(matches!(r, Confirm::Nack(_)), "{r:?}");
+    let r = publish_one(arm.broker(), arm.exchange(), "fine.x").await.unwrap();
+    assert_eq!(r, Confirm::Ack);
+}
+
+async fn a_lost_connection_fails_and_a_reconnect_recovers<A: BrokerArm>(arm: A) {
+    let b = arm.broker();
+    publish_one(b, arm.exchange(), "k").await.unwrap();
+    let generation = b.connection_generation();
+    arm.cut().await;
+    // The old connection is unusable: opening a channel or confirming fails,
+    // or (if the client noticed the loss already) a new connection is made.
+    let r = publish_one(b, arm.exchange(), "k").await;
+    if r.is_err() {
+        b.connection_reconnect(generation).await.unwrap();
+        // A second reconnect for the same generation is a no-op.
+        let g2 = b.connection_generation();
+        b.connection_reconnect(generation).await.unwrap();
+        assert_eq!(b.connection_generation(), g2, "single-flight");
+    }
+    assert_eq!(publish_one(b, arm.exchange(), "k").await.unwrap(), Confirm::Ack);
+    assert!(b.connection_generation() > generation, "a new connection was made");
+}
+
+macro_rules! broker_conformance {
+    ($($name:ident),* $(,)?) => {
+        mod broker {
+            use super::*;
+            $(
+                mod $name {
+                    use super::*;
+                    #[tokio::test]
+                    async fn rabbitmq() {
+                        with_real_broker(super::super::$name).await;
+                    }
+                    #[test]
+                    fn fake() {
+                        with_fake_broker(super::super::$name);
+                    }
+                }
+            )*
+        }
+    };
+}
+
+broker_conformance!(
+    a_publish_is_confirmed_even_with_no_queue_bound,
+    a_rejecting_queue_nacks_and_others_still_ack,
+    a_lost_connection_fails_and_a_reconnect_recovers,
+);
