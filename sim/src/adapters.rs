@@ -328,7 +328,7 @@ impl OutboxStore for SimStore {
             .map(|r| ClaimedRow {
                 id: r.id,
                 routing_key: r.routing_key,
-                body: r.body,
+                body: r.body.into_bytes(),
                 attempts: r.attempts,
             })
             .collect())
@@ -671,7 +671,7 @@ impl PublishChannel for SimChannel {
                 exchange: m.exchange.to_owned(),
                 routing_key: m.routing_key.to_owned(),
                 message_id: m.message_id,
-                body: m.body.to_vec(),
+                body: String::from_utf8_lossy(m.body).into_owned(),
             })
             .await?;
         self.published += 1;

@@ -49,7 +49,7 @@ fn now_ms() -> u64 {
 pub struct Row {
     pub id: Uuid,
     pub routing_key: String,
-    pub body: Vec<u8>,
+    pub body: String,
     pub enqueued_ms: u64,
     pub published_ms: Option<u64>,
     pub attempts: i32,

@@ -67,7 +67,7 @@ pub enum PgRequest {
     Insert {
         id: Uuid,
         routing_key: String,
-        body: Vec<u8>,
+        body: String,
     },
     /// Phase 1; inside a transaction (the adapter brackets it like the real one).
     Claim {
@@ -107,7 +107,9 @@ pub enum PgRequest {
 pub struct WireRow {
     pub id: Uuid,
     pub routing_key: String,
-    pub body: Vec<u8>,
+    /// The encoded envelope (JSON text: bodies travel as strings, not as
+    /// arrays of numbers).
+    pub body: String,
     pub attempts: i32,
 }
 
@@ -159,7 +161,7 @@ pub enum MqRequest {
         exchange: String,
         routing_key: String,
         message_id: Uuid,
-        body: Vec<u8>,
+        body: String,
     },
     ChannelClose {
         channel: u32,

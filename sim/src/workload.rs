@@ -46,7 +46,7 @@ pub async fn run(
             body.push(PgRequest::Insert {
                 id: env.id,
                 routing_key: env.routing_key,
-                body: encoded.into_bytes(),
+                body: encoded,
             });
         }
         for _ in 0..TX_RETRIES_MAX {

@@ -107,7 +107,7 @@ impl StoreArm for FakeStore {
         let mut ids = Vec::new();
         for i in 0..n {
             let e = EventEnvelope::new(key, serde_json::json!({ "i": i }));
-            let body = e.encode(&Default::default()).unwrap().into_bytes();
+            let body = e.encode(&Default::default()).unwrap();
             self.client
                 .in_tx(vec![PgRequest::Insert {
                     id: e.id,
