@@ -19,7 +19,7 @@ use crate::scenario::{Fault, Scenario};
 use crate::trace::{Event, Trace};
 
 /// Simulated time per turmoil step.
-pub const STEP: Duration = Duration::from_millis(1);
+pub const STEP: Duration = Duration::from_millis(2);
 /// Steps between checks for quiescence in the liveness phase.
 const QUIESCENCE_CHECK_STEPS: u32 = 50;
 /// Steps between operator unparks in the liveness phase.
