@@ -33,10 +33,10 @@ use crate::wire::{MqReply, MqRequest, PgReply, PgRequest, read_frame, write_fram
 
 /// Bound on establishing a simulated connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// Bound on one store request (a real deployment sets `statement_timeout`
-/// and TCP keepalives for the same reason: a black-holed database
-/// connection must not wedge the drainer).
-pub const STORE_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bound on one store request: the production adapter's bound
+/// (`outbox::pg::STORE_CALL_TIMEOUT`), so a black-holed database connection
+/// wedges the simulated drainer exactly as long as the real one.
+pub const STORE_REQUEST_TIMEOUT: Duration = outbox::pg::STORE_CALL_TIMEOUT;
 
 /// The claim transaction's idle timeout, as in `pg/sql/outbox_claim_plan.sql`.
 pub const CLAIM_IDLE_IN_TX_TIMEOUT: Duration = Duration::from_secs(10);
@@ -206,11 +206,15 @@ impl PgClient {
         req: PgRequest,
     ) -> Result<PgReply, StoreError> {
         if guard.is_none() {
-            let mut s = connect("pg", PG_PORT).await.map_err(StoreError::Unavailable)?;
+            let mut s = connect("pg", PG_PORT)
+                .await
+                .map_err(StoreError::Unavailable)?;
             let hello = PgRequest::Hello {
                 client: self.client.clone(),
             };
-            exchange(&mut s, &hello).await.map_err(StoreError::Unavailable)?;
+            exchange(&mut s, &hello)
+                .await
+                .map_err(StoreError::Unavailable)?;
             *guard = Some(s);
         }
         let stream = guard.as_mut().expect("connected");

@@ -86,7 +86,8 @@ impl MqState {
     /// Closes every client connection, as `rabbitmqctl close_all_connections`
     /// does: clients see the connection end.
     pub fn close_all_connections(&self) {
-        self.trace.now(Event::Fault("broker closes every connection".into()));
+        self.trace
+            .now(Event::Fault("broker closes every connection".into()));
         self.close_all.send_modify(|g| *g += 1);
     }
 

@@ -174,7 +174,11 @@ impl PgState {
     /// Moves a row's publication `by` into the past (conformance tests).
     pub fn backdate_published(&self, id: Uuid, by: std::time::Duration) {
         let mut table = self.table.lock().expect("table");
-        if let Some(p) = table.rows.get_mut(&id).and_then(|r| r.published_ms.as_mut()) {
+        if let Some(p) = table
+            .rows
+            .get_mut(&id)
+            .and_then(|r| r.published_ms.as_mut())
+        {
             *p = p.saturating_sub(by.as_millis() as u64);
         }
     }

@@ -172,7 +172,11 @@ fn params(replica: &str, batch: u32, ttl_ms: u64) -> ClaimParams<'_> {
 
 async fn claim_takes_oldest_first_stamps_the_lease_and_never_bumps<A: StoreArm>(arm: A) {
     let ids = arm.insert(5, "k").await;
-    let rows = arm.store().outbox_claim(params("a", 3, 60_000)).await.unwrap();
+    let rows = arm
+        .store()
+        .outbox_claim(params("a", 3, 60_000))
+        .await
+        .unwrap();
     let claimed: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
     assert_eq!(claimed, ids[..3], "oldest first, batch-limited");
     assert!(rows.iter().all(|r| r.attempts == 0 && r.routing_key == "k"));
@@ -181,30 +185,72 @@ async fn claim_takes_oldest_first_stamps_the_lease_and_never_bumps<A: StoreArm>(
     let v = arm.row(ids[0]).await.unwrap();
     assert_eq!((v.claimed_by.as_deref(), v.attempts), (Some("a"), 0));
     // Leased rows are not claimed again; the rest are.
-    let rows = arm.store().outbox_claim(params("b", 10, 60_000)).await.unwrap();
+    let rows = arm
+        .store()
+        .outbox_claim(params("b", 10, 60_000))
+        .await
+        .unwrap();
     let claimed: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
     assert_eq!(claimed, ids[3..]);
-    assert!(arm.store().outbox_claim(params("c", 10, 60_000)).await.unwrap().is_empty());
+    assert!(
+        arm.store()
+            .outbox_claim(params("c", 10, 60_000))
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 async fn an_expired_lease_is_reclaimed_without_a_bump<A: StoreArm>(arm: A) {
     let ids = arm.insert(2, "k").await;
-    assert_eq!(arm.store().outbox_claim(params("a", 10, 1_000)).await.unwrap().len(), 2);
-    assert!(arm.store().outbox_claim(params("b", 10, 1_000)).await.unwrap().is_empty());
+    assert_eq!(
+        arm.store()
+            .outbox_claim(params("a", 10, 1_000))
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+    assert!(
+        arm.store()
+            .outbox_claim(params("b", 10, 1_000))
+            .await
+            .unwrap()
+            .is_empty()
+    );
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let rows = arm.store().outbox_claim(params("b", 10, 1_000)).await.unwrap();
+    let rows = arm
+        .store()
+        .outbox_claim(params("b", 10, 1_000))
+        .await
+        .unwrap();
     assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), ids);
     assert!(rows.iter().all(|r| r.attempts == 0));
-    assert_eq!(arm.row(ids[0]).await.unwrap().claimed_by.as_deref(), Some("b"));
+    assert_eq!(
+        arm.row(ids[0]).await.unwrap().claimed_by.as_deref(),
+        Some("b")
+    );
 }
 
 async fn marks_and_releases_are_guarded_by_claimed_by<A: StoreArm>(arm: A) {
     let ids = arm.insert(3, "k").await;
-    arm.store().outbox_claim(params("a", 10, 1_000)).await.unwrap();
+    arm.store()
+        .outbox_claim(params("a", 10, 1_000))
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    arm.store().outbox_claim(params("b", 1, 1_000)).await.unwrap(); // b takes ids[0]
+    arm.store()
+        .outbox_claim(params("b", 1, 1_000))
+        .await
+        .unwrap(); // b takes ids[0]
     // a's lease on ids[0] is gone: its mark changes nothing there.
-    assert_eq!(arm.store().outbox_mark_published("a", &ids[..2]).await.unwrap(), 1);
+    assert_eq!(
+        arm.store()
+            .outbox_mark_published("a", &ids[..2])
+            .await
+            .unwrap(),
+        1
+    );
     assert!(!arm.row(ids[0]).await.unwrap().published);
     assert!(arm.row(ids[1]).await.unwrap().published);
     assert_eq!(arm.store().outbox_release("a", &ids[..1]).await.unwrap(), 0);
@@ -212,30 +258,64 @@ async fn marks_and_releases_are_guarded_by_claimed_by<A: StoreArm>(arm: A) {
     assert_eq!(arm.row(ids[2]).await.unwrap().claimed_by, None);
     let f = arm
         .store()
-        .outbox_mark_failed("a", &[RowFailure { id: ids[0], error: "x".into() }], 3)
+        .outbox_mark_failed(
+            "a",
+            &[RowFailure {
+                id: ids[0],
+                error: "x".into(),
+            }],
+            3,
+        )
         .await
         .unwrap();
     assert_eq!(f.recorded, 0, "a stale failure mark changes nothing");
-    assert_eq!(arm.store().outbox_mark_published("b", &ids[..1]).await.unwrap(), 1);
+    assert_eq!(
+        arm.store()
+            .outbox_mark_published("b", &ids[..1])
+            .await
+            .unwrap(),
+        1
+    );
 }
 
 async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm>(arm: A) {
     let ids = arm.insert(2, "k").await;
     for round in 1..=3 {
-        let rows = arm.store().outbox_claim(params("a", 1, 60_000)).await.unwrap();
-        assert_eq!(rows[0].id, ids[0], "round {round}: the failing row is claimed first");
+        let rows = arm
+            .store()
+            .outbox_claim(params("a", 1, 60_000))
+            .await
+            .unwrap();
+        assert_eq!(
+            rows[0].id, ids[0],
+            "round {round}: the failing row is claimed first"
+        );
         assert_eq!(rows[0].attempts, round - 1);
         let f = arm
             .store()
-            .outbox_mark_failed("a", &[RowFailure { id: ids[0], error: format!("nack {round}") }], 3)
+            .outbox_mark_failed(
+                "a",
+                &[RowFailure {
+                    id: ids[0],
+                    error: format!("nack {round}"),
+                }],
+                3,
+            )
             .await
             .unwrap();
         assert_eq!((f.recorded, f.parked), (1, u64::from(round == 3)));
         let v = arm.row(ids[0]).await.unwrap();
-        assert_eq!((v.attempts, v.parked, v.claimed_by), (round, round == 3, None));
+        assert_eq!(
+            (v.attempts, v.parked, v.claimed_by),
+            (round, round == 3, None)
+        );
     }
     // Parked: skipped by the claim.
-    let rows = arm.store().outbox_claim(params("a", 10, 60_000)).await.unwrap();
+    let rows = arm
+        .store()
+        .outbox_claim(params("a", 10, 60_000))
+        .await
+        .unwrap();
     assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), [ids[1]]);
     let stats = arm.store().outbox_stats().await.unwrap();
     assert_eq!((stats.pending, stats.parked), (1, 1));
@@ -243,24 +323,61 @@ async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm
     assert_eq!(parked.len(), 1);
     assert_eq!((parked[0].id, parked[0].attempts), (ids[0], 3));
     assert_eq!(parked[0].last_error.as_deref(), Some("nack 3"));
-    assert_eq!(arm.store().outbox_unpark(&UnparkSelector::Ids(vec![ids[1]])).await.unwrap(), 0);
-    assert_eq!(arm.store().outbox_unpark(&UnparkSelector::All).await.unwrap(), 1);
+    assert_eq!(
+        arm.store()
+            .outbox_unpark(&UnparkSelector::Ids(vec![ids[1]]))
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        arm.store()
+            .outbox_unpark(&UnparkSelector::All)
+            .await
+            .unwrap(),
+        1
+    );
     let v = arm.row(ids[0]).await.unwrap();
     assert_eq!((v.attempts, v.parked), (0, false));
-    let rows = arm.store().outbox_claim(params("b", 10, 60_000)).await.unwrap();
+    let rows = arm
+        .store()
+        .outbox_claim(params("b", 10, 60_000))
+        .await
+        .unwrap();
     assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), [ids[0]]);
 }
 
 async fn the_retention_sweep_deletes_only_old_published_rows<A: StoreArm>(arm: A) {
     let ids = arm.insert(4, "k").await;
-    arm.store().outbox_claim(params("a", 3, 60_000)).await.unwrap();
-    arm.store().outbox_mark_published("a", &ids[..3]).await.unwrap();
+    arm.store()
+        .outbox_claim(params("a", 3, 60_000))
+        .await
+        .unwrap();
+    arm.store()
+        .outbox_mark_published("a", &ids[..3])
+        .await
+        .unwrap();
     arm.backdate_published(ids[0], 100).await;
     arm.backdate_published(ids[1], 100).await;
     let older = Duration::from_secs(50);
-    assert_eq!(arm.store().outbox_delete_published(older, 1).await.unwrap(), 1);
-    assert_eq!(arm.store().outbox_delete_published(older, 10).await.unwrap(), 1);
-    assert_eq!(arm.store().outbox_delete_published(older, 10).await.unwrap(), 0);
+    assert_eq!(
+        arm.store().outbox_delete_published(older, 1).await.unwrap(),
+        1
+    );
+    assert_eq!(
+        arm.store()
+            .outbox_delete_published(older, 10)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        arm.store()
+            .outbox_delete_published(older, 10)
+            .await
+            .unwrap(),
+        0
+    );
     assert!(arm.row(ids[0]).await.is_none() && arm.row(ids[1]).await.is_none());
     assert!(arm.row(ids[2]).await.is_some(), "recently published stays");
     assert!(arm.row(ids[3]).await.is_some(), "unpublished stays");
@@ -276,7 +393,10 @@ async fn two_concurrent_claimers_never_share_a_row<A: StoreArm>(arm: A) {
     .await;
     let (a, b) = (a.unwrap(), b.unwrap());
     assert_eq!(a.len() + b.len(), 30);
-    assert!(a.iter().all(|r| !b.iter().any(|x| x.id == r.id)), "SKIP LOCKED / leases keep claims disjoint");
+    assert!(
+        a.iter().all(|r| !b.iter().any(|x| x.id == r.id)),
+        "SKIP LOCKED / leases keep claims disjoint"
+    );
 }
 
 macro_rules! store_conformance {
@@ -404,18 +524,35 @@ where
     let ch = admin.create_channel().await.unwrap();
     common::declare_exchange(&ch, &exchange).await;
     let broker = Arc::new(outbox::LapinBroker::new(proxy.amqp_url()));
-    body(RealBroker { broker, exchange, proxy, admin }).await;
+    body(RealBroker {
+        broker,
+        exchange,
+        proxy,
+        admin,
+    })
+    .await;
 }
 
 /// Opens a channel, publishes one message and awaits its confirm, all under
 /// a deadline as the drainer's Phase 2 is.
-async fn publish_one<B: Broker>(b: &B, exchange: &str, key: &str) -> Result<Confirm, outbox::BrokerError> {
-    tokio::time::timeout(Duration::from_secs(5), publish_one_unbounded(b, exchange, key))
-        .await
-        .unwrap_or_else(|_| Err(outbox::BrokerError::Connection("deadline".into())))
+async fn publish_one<B: Broker>(
+    b: &B,
+    exchange: &str,
+    key: &str,
+) -> Result<Confirm, outbox::BrokerError> {
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        publish_one_unbounded(b, exchange, key),
+    )
+    .await
+    .unwrap_or_else(|_| Err(outbox::BrokerError::Connection("deadline".into())))
 }
 
-async fn publish_one_unbounded<B: Broker>(b: &B, exchange: &str, key: &str) -> Result<Confirm, outbox::BrokerError> {
+async fn publish_one_unbounded<B: Broker>(
+    b: &B,
+    exchange: &str,
+    key: &str,
+) -> Result<Confirm, outbox::BrokerError> {
     let mut ch = b.channel_open().await?;
     ch.channel_confirm_select().await?;
     let confirm = ch
@@ -432,15 +569,25 @@ async fn publish_one_unbounded<B: Broker>(b: &B, exchange: &str, key: &str) -> R
 }
 
 async fn a_publish_is_confirmed_even_with_no_queue_bound<A: BrokerArm>(arm: A) {
-    let r = publish_one(arm.broker(), arm.exchange(), "nobody.listens").await.unwrap();
-    assert_eq!(r, Confirm::Ack, "mandatory is unset: unroutable is not a failure");
+    let r = publish_one(arm.broker(), arm.exchange(), "nobody.listens")
+        .await
+        .unwrap();
+    assert_eq!(
+        r,
+        Confirm::Ack,
+        "mandatory is unset: unroutable is not a failure"
+    );
 }
 
 async fn a_rejecting_queue_nacks_and_others_still_ack<A: BrokerArm>(arm: A) {
     arm.nack_prefix("poison").await;
-    let r = publish_one(arm.broker(), arm.exchange(), "poison.x").await.unwrap();
+    let r = publish_one(arm.broker(), arm.exchange(), "poison.x")
+        .await
+        .unwrap();
     assert!(matches!(r, Confirm::Nack(_)), "{r:?}");
-    let r = publish_one(arm.broker(), arm.exchange(), "fine.x").await.unwrap();
+    let r = publish_one(arm.broker(), arm.exchange(), "fine.x")
+        .await
+        .unwrap();
     assert_eq!(r, Confirm::Ack);
 }
 
@@ -459,8 +606,14 @@ async fn a_lost_connection_fails_and_a_reconnect_recovers<A: BrokerArm>(arm: A) 
         b.connection_reconnect(generation).await.unwrap();
         assert_eq!(b.connection_generation(), g2, "single-flight");
     }
-    assert_eq!(publish_one(b, arm.exchange(), "k").await.unwrap(), Confirm::Ack);
-    assert!(b.connection_generation() > generation, "a new connection was made");
+    assert_eq!(
+        publish_one(b, arm.exchange(), "k").await.unwrap(),
+        Confirm::Ack
+    );
+    assert!(
+        b.connection_generation() > generation,
+        "a new connection was made"
+    );
 }
 
 macro_rules! broker_conformance {

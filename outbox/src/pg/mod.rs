@@ -31,6 +31,26 @@ pub(crate) mod sql {
     pub const INSERT_MANY: &str = include_str!("sql/outbox_insert_many.sql");
 }
 
+/// Bound on one store call (acquiring a connection and running its
+/// statements). A database that stops answering (a black-holed connection, a
+/// wedged server) would otherwise hold the drainer's tick until TCP gives up,
+/// which takes many minutes; on expiry the call fails as `Unavailable` and the
+/// tick's claims are released or expire as with any store error.
+pub const STORE_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn bounded<T>(
+    fut: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(STORE_CALL_TIMEOUT, fut)
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(format!(
+                "no answer from the database within {} s",
+                STORE_CALL_TIMEOUT.as_secs()
+            )))
+        })
+}
+
 /// The outbox store on a PostgreSQL pool. Every method is one autocommit
 /// statement: no transaction is ever held open across broker I/O.
 #[derive(Debug, Clone)]
@@ -68,34 +88,37 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
 
 impl OutboxStore for PgOutboxStore {
     async fn outbox_claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
-        // One short transaction: planner settings, the claim CTE, commit.
-        // Nothing else happens while it is open.
-        let mut tx = self.pool.begin().await.map_err(map_err)?;
-        sqlx::raw_sql(sql::CLAIM_PLAN)
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?;
-        let rows = sqlx::query(sql::CLAIM)
-            .bind(p.replica_id)
-            .bind(p.lease_ttl.as_secs_f64())
-            .bind(i64::from(p.batch_size))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(map_err)?;
-        tx.commit().await.map_err(map_err)?;
-        rows.into_iter()
-            .map(|r| {
-                Ok(ClaimedRow {
-                    id: r.try_get("id").map_err(map_err)?,
-                    routing_key: r.try_get("routing_key").map_err(map_err)?,
-                    body: r
-                        .try_get::<String, _>("body")
-                        .map_err(map_err)?
-                        .into_bytes(),
-                    attempts: r.try_get("attempts").map_err(map_err)?,
+        bounded(async {
+            // One short transaction: planner settings, the claim CTE, commit.
+            // Nothing else happens while it is open.
+            let mut tx = self.pool.begin().await.map_err(map_err)?;
+            sqlx::raw_sql(sql::CLAIM_PLAN)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err)?;
+            let rows = sqlx::query(sql::CLAIM)
+                .bind(p.replica_id)
+                .bind(p.lease_ttl.as_secs_f64())
+                .bind(i64::from(p.batch_size))
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(map_err)?;
+            tx.commit().await.map_err(map_err)?;
+            rows.into_iter()
+                .map(|r| {
+                    Ok(ClaimedRow {
+                        id: r.try_get("id").map_err(map_err)?,
+                        routing_key: r.try_get("routing_key").map_err(map_err)?,
+                        body: r
+                            .try_get::<String, _>("body")
+                            .map_err(map_err)?
+                            .into_bytes(),
+                        attempts: r.try_get("attempts").map_err(map_err)?,
+                    })
                 })
-            })
-            .collect()
+                .collect()
+        })
+        .await
     }
 
     async fn outbox_mark_published(
@@ -103,13 +126,16 @@ impl OutboxStore for PgOutboxStore {
         replica_id: &str,
         ids: &[Uuid],
     ) -> Result<u64, StoreError> {
-        let done = sqlx::query(sql::MARK_PUBLISHED)
-            .bind(replica_id)
-            .bind(ids)
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        Ok(done.rows_affected())
+        bounded(async {
+            let done = sqlx::query(sql::MARK_PUBLISHED)
+                .bind(replica_id)
+                .bind(ids)
+                .execute(&self.pool)
+                .await
+                .map_err(map_err)?;
+            Ok(done.rows_affected())
+        })
+        .await
     }
 
     async fn outbox_mark_failed(
@@ -118,45 +144,54 @@ impl OutboxStore for PgOutboxStore {
         failures: &[RowFailure],
         max_attempts: u32,
     ) -> Result<FailOutcome, StoreError> {
-        let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
-        let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
-        let parked: Vec<bool> = sqlx::query_scalar(sql::MARK_FAILED)
-            .bind(replica_id)
-            .bind(&ids)
-            .bind(&errors)
-            .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)?;
-        Ok(FailOutcome {
-            recorded: parked.len() as u64,
-            parked: parked.iter().filter(|p| **p).count() as u64,
+        bounded(async {
+            let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+            let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+            let parked: Vec<bool> = sqlx::query_scalar(sql::MARK_FAILED)
+                .bind(replica_id)
+                .bind(&ids)
+                .bind(&errors)
+                .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(map_err)?;
+            Ok(FailOutcome {
+                recorded: parked.len() as u64,
+                parked: parked.iter().filter(|p| **p).count() as u64,
+            })
         })
+        .await
     }
 
     async fn outbox_release(&self, replica_id: &str, ids: &[Uuid]) -> Result<u64, StoreError> {
-        let done = sqlx::query(sql::RELEASE)
-            .bind(replica_id)
-            .bind(ids)
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        Ok(done.rows_affected())
+        bounded(async {
+            let done = sqlx::query(sql::RELEASE)
+                .bind(replica_id)
+                .bind(ids)
+                .execute(&self.pool)
+                .await
+                .map_err(map_err)?;
+            Ok(done.rows_affected())
+        })
+        .await
     }
 
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
-        let row = sqlx::query(sql::STATS)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(map_err)?;
-        let pending: i64 = row.try_get("pending").map_err(map_err)?;
-        let parked: i64 = row.try_get("parked").map_err(map_err)?;
-        let oldest: f64 = row.try_get("oldest_age_secs").map_err(map_err)?;
-        Ok(OutboxStats {
-            pending: pending.max(0) as u64,
-            oldest_unpublished_age_secs: oldest.max(0.0),
-            parked: parked.max(0) as u64,
+        bounded(async {
+            let row = sqlx::query(sql::STATS)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(map_err)?;
+            let pending: i64 = row.try_get("pending").map_err(map_err)?;
+            let parked: i64 = row.try_get("parked").map_err(map_err)?;
+            let oldest: f64 = row.try_get("oldest_age_secs").map_err(map_err)?;
+            Ok(OutboxStats {
+                pending: pending.max(0) as u64,
+                oldest_unpublished_age_secs: oldest.max(0.0),
+                parked: parked.max(0) as u64,
+            })
         })
+        .await
     }
 
     async fn outbox_delete_published(
@@ -164,45 +199,54 @@ impl OutboxStore for PgOutboxStore {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64, StoreError> {
-        let done = sqlx::query(sql::DELETE_PUBLISHED)
-            .bind(older_than.as_secs_f64())
-            .bind(i64::from(limit))
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        Ok(done.rows_affected())
+        bounded(async {
+            let done = sqlx::query(sql::DELETE_PUBLISHED)
+                .bind(older_than.as_secs_f64())
+                .bind(i64::from(limit))
+                .execute(&self.pool)
+                .await
+                .map_err(map_err)?;
+            Ok(done.rows_affected())
+        })
+        .await
     }
 
     async fn outbox_list_parked(&self, limit: u32) -> Result<Vec<ParkedRow>, StoreError> {
-        let rows = sqlx::query(sql::LIST_PARKED)
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(map_err)?;
-        rows.into_iter()
-            .map(|r| {
-                Ok(ParkedRow {
-                    id: r.try_get("id").map_err(map_err)?,
-                    routing_key: r.try_get("routing_key").map_err(map_err)?,
-                    attempts: r.try_get("attempts").map_err(map_err)?,
-                    last_error: r.try_get("last_error").map_err(map_err)?,
-                    enqueued_at: r.try_get("enqueued_at").map_err(map_err)?,
-                    parked_at: r.try_get("parked_at").map_err(map_err)?,
+        bounded(async {
+            let rows = sqlx::query(sql::LIST_PARKED)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(map_err)?;
+            rows.into_iter()
+                .map(|r| {
+                    Ok(ParkedRow {
+                        id: r.try_get("id").map_err(map_err)?,
+                        routing_key: r.try_get("routing_key").map_err(map_err)?,
+                        attempts: r.try_get("attempts").map_err(map_err)?,
+                        last_error: r.try_get("last_error").map_err(map_err)?,
+                        enqueued_at: r.try_get("enqueued_at").map_err(map_err)?,
+                        parked_at: r.try_get("parked_at").map_err(map_err)?,
+                    })
                 })
-            })
-            .collect()
+                .collect()
+        })
+        .await
     }
 
     async fn outbox_unpark(&self, selector: &UnparkSelector) -> Result<u64, StoreError> {
-        let ids: Option<&[Uuid]> = match selector {
-            UnparkSelector::Ids(ids) => Some(ids),
-            UnparkSelector::All => None,
-        };
-        let done = sqlx::query(sql::UNPARK)
-            .bind(ids)
-            .execute(&self.pool)
-            .await
-            .map_err(map_err)?;
-        Ok(done.rows_affected())
+        bounded(async {
+            let ids: Option<&[Uuid]> = match selector {
+                UnparkSelector::Ids(ids) => Some(ids),
+                UnparkSelector::All => None,
+            };
+            let done = sqlx::query(sql::UNPARK)
+                .bind(ids)
+                .execute(&self.pool)
+                .await
+                .map_err(map_err)?;
+            Ok(done.rows_affected())
+        })
+        .await
     }
 }
