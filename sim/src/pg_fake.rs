@@ -91,6 +91,27 @@ impl Table {
         }
     }
 
+    /// Unparks the parked rows among `ids` (all parked rows for `None`):
+    /// a fresh attempts budget and no lease. Returns the rows unparked.
+    fn unpark(&mut self, ids: Option<&[Uuid]>) -> Vec<Uuid> {
+        let targets: Vec<Uuid> = self
+            .rows
+            .values()
+            .filter(|r| r.published_ms.is_none() && r.parked_ms.is_some())
+            .filter(|r| ids.is_none_or(|ids| ids.contains(&r.id)))
+            .map(|r| r.id)
+            .collect();
+        for id in &targets {
+            let row = self.rows.get_mut(id).expect("listed above");
+            row.parked_ms = None;
+            row.attempts = 0;
+            row.claimed_ms = None;
+            row.claimed_by = None;
+            self.refresh_pending(*id);
+        }
+        targets
+    }
+
     fn guarded<'a>(&'a mut self, id: &Uuid, replica: &str, session: u64) -> Option<&'a mut Row> {
         if self.locks.get(id).is_some_and(|s| *s != session) {
             return None; // locked by another open transaction
@@ -139,21 +160,7 @@ impl PgState {
     /// An operator unparks every parked row, directly on the table (the
     /// liveness phase of poison scenarios).
     pub fn operator_unpark_all(&self) {
-        let mut table = self.table.lock().expect("table");
-        let ids: Vec<Uuid> = table
-            .rows
-            .values()
-            .filter(|r| r.published_ms.is_none() && r.parked_ms.is_some())
-            .map(|r| r.id)
-            .collect();
-        for id in &ids {
-            let row = table.rows.get_mut(id).expect("exists");
-            row.parked_ms = None;
-            row.attempts = 0;
-            row.claimed_ms = None;
-            row.claimed_by = None;
-            table.refresh_pending(*id);
-        }
+        let ids = self.table.lock().expect("table").unpark(None);
         if !ids.is_empty() {
             self.trace.now(Event::Unparked { ids });
         }
@@ -538,21 +545,7 @@ impl Session {
                 PgReply::Parked(parked)
             }
             PgRequest::Unpark { ids } => {
-                let targets: Vec<Uuid> = table
-                    .rows
-                    .values()
-                    .filter(|r| r.published_ms.is_none() && r.parked_ms.is_some())
-                    .filter(|r| ids.as_ref().is_none_or(|ids| ids.contains(&r.id)))
-                    .map(|r| r.id)
-                    .collect();
-                for id in &targets {
-                    let row = table.rows.get_mut(id).expect("exists");
-                    row.parked_ms = None;
-                    row.attempts = 0;
-                    row.claimed_ms = None;
-                    row.claimed_by = None;
-                    table.refresh_pending(*id);
-                }
+                let targets = table.unpark(ids.as_deref());
                 trace.now(Event::Unparked {
                     ids: targets.clone(),
                 });

@@ -135,6 +135,24 @@ impl StoreArm for FakeStore {
     }
 }
 
+/// Runs `client` in a turmoil simulation beside a fake server on `host`.
+fn in_sim<S, SF, C>(host: &str, serve: S, client: C)
+where
+    S: Fn() -> SF + 'static,
+    SF: Future<Output = turmoil::Result> + 'static,
+    C: Future<Output = ()> + 'static,
+{
+    let mut sim = turmoil::Builder::new()
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    sim.host(host, serve);
+    sim.client("test", async move {
+        client.await;
+        Ok(())
+    });
+    sim.run().unwrap();
+}
+
 /// Runs `body` against the fake PostgreSQL inside a turmoil simulation.
 fn with_fake_store<F, Fut>(body: F)
 where
@@ -143,21 +161,15 @@ where
 {
     let trace = Trace::default();
     let state = PgState::new(7, trace.clone());
-    let mut sim = turmoil::Builder::new()
-        .simulation_duration(Duration::from_secs(600))
-        .build();
     let server = state.clone();
-    sim.host("pg", move || pg_fake::serve(server.clone()));
-    sim.client("test", async move {
+    in_sim("pg", move || pg_fake::serve(server.clone()), async move {
         let arm = FakeStore {
             store: SimStore::new("conformance", trace.clone(), Hooks::new(1)),
             client: PgClient::new("writer", trace),
             state,
         };
         body(arm).await;
-        Ok(())
     });
-    sim.run().unwrap();
 }
 
 fn params(replica: &str, batch: u32, ttl_ms: u64) -> ClaimParams<'_> {
@@ -497,20 +509,18 @@ where
 {
     let trace = Trace::default();
     let state = MqState::new(3, trace.clone());
-    let mut sim = turmoil::Builder::new()
-        .simulation_duration(Duration::from_secs(600))
-        .build();
     let server = state.clone();
-    sim.host("rabbit", move || mq_fake::serve(server.clone()));
-    sim.client("test", async move {
-        body(FakeBroker {
-            broker: SimBroker::new("conformance", trace, Hooks::new(1)),
-            state,
-        })
-        .await;
-        Ok(())
-    });
-    sim.run().unwrap();
+    in_sim(
+        "rabbit",
+        move || mq_fake::serve(server.clone()),
+        async move {
+            body(FakeBroker {
+                broker: SimBroker::new("conformance", trace, Hooks::new(1)),
+                state,
+            })
+            .await;
+        },
+    );
 }
 
 async fn with_real_broker<F, Fut>(body: F)
