@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use uuid::Uuid;
 
+use crate::scenario::Expect;
 use crate::trace::Event;
 
 /// What a run found.
@@ -62,7 +63,9 @@ pub fn check(
     stored: &BTreeMap<Uuid, u32>,
     still_parked: &BTreeSet<Uuid>,
     final_attempts: &BTreeMap<Uuid, i32>,
+    unpublished: &BTreeSet<Uuid>,
     max_attempts: u32,
+    expect: &Expect,
 ) -> Verdict {
     let mut v = Verdict::default();
     let mut committed = BTreeSet::new();
@@ -75,6 +78,7 @@ pub fn check(
     let mut bumps: BTreeMap<Uuid, u32> = BTreeMap::new();
     let (mut io_in_tx, mut stale, mut parked_claims, mut bad_deletes, mut blame) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut releases, mut parks) = (0usize, 0usize);
 
     for (at, e) in events {
         let t = at.as_secs_f64();
@@ -151,6 +155,7 @@ pub fn check(
                         ));
                     }
                 }
+                parks += p.len();
                 parked.extend(p.iter().copied());
             }
             Event::LeasesRestored { owners } => {
@@ -162,6 +167,7 @@ pub fn check(
                 }
             }
             Event::Released { ids, .. } => {
+                releases += ids.len();
                 for id in ids {
                     owner.remove(id);
                 }
@@ -227,7 +233,31 @@ pub fn check(
             format!("{id} stored by the broker but {why}")
         })
         .collect();
+    let undrained: Vec<String> = unpublished
+        .iter()
+        .map(|id| format!("{id} is still unpublished in the store at the end"))
+        .collect();
+    let mut unmet = Vec::new();
+    let duplicates: usize = stored
+        .values()
+        .map(|c| (*c as usize).saturating_sub(1))
+        .sum();
+    for (wanted, seen, what) in [
+        (expect.releases, releases, "no claim was ever released"),
+        (expect.parks, parks, "no row ever parked"),
+        (
+            expect.duplicates,
+            duplicates,
+            "no envelope was ever republished",
+        ),
+    ] {
+        if wanted && seen == 0 {
+            unmet.push(what.to_owned());
+        }
+    }
     push_all(&mut v.violations, "lost", lost);
+    push_all(&mut v.violations, "not drained", undrained);
+    push_all(&mut v.violations, "expectation unmet", unmet);
     push_all(&mut v.violations, "uncommitted published", phantom);
     push_all(&mut v.violations, "broker I/O in a transaction", io_in_tx);
     push_all(&mut v.violations, "attempts without a nack", blame);
@@ -432,6 +462,34 @@ mod tests {
             claim(3), // parked, not unparked
         ];
         assert_eq!(kinds(&run(e, &[])), ["lost", "parked row claimed"]);
+    }
+
+    #[test]
+    fn an_undrained_row_and_unmet_expectations_are_caught() {
+        let expect = Expect {
+            releases: true,
+            parks: true,
+            duplicates: true,
+        };
+        let unpublished: BTreeSet<Uuid> = [id(1)].into();
+        let v = check(
+            &at(happy()),
+            &stored(&[1]),
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+            &unpublished,
+            3,
+            &expect,
+        );
+        assert_eq!(
+            kinds(&v),
+            [
+                "not drained",
+                "expectation unmet",
+                "expectation unmet",
+                "expectation unmet"
+            ]
+        );
     }
 
     #[test]

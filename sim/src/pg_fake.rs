@@ -202,14 +202,15 @@ impl PgState {
     }
 
     /// Committed rows not yet published, parked ones included.
-    pub fn unpublished(&self) -> usize {
+    pub fn unpublished(&self) -> BTreeSet<Uuid> {
         self.table
             .lock()
             .expect("table")
             .rows
             .values()
             .filter(|r| r.published_ms.is_none())
-            .count()
+            .map(|r| r.id)
+            .collect()
     }
 }
 

@@ -32,6 +32,26 @@ pub struct Scenario {
     /// Probabilistic faults drawn per seed.
     #[serde(default)]
     pub swarm: Option<Swarm>,
+    /// What the faults must have made happen, so a scenario cannot pass by
+    /// not exercising what it is about (FoundationDB's workloads check a
+    /// minimum rate in the same spirit).
+    #[serde(default)]
+    pub expect: Expect,
+}
+
+/// Minimum effects of a scenario's faults, checked on every seed.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    /// At least one claim was released without blame (a Phase-2 failure).
+    #[serde(default)]
+    pub releases: bool,
+    /// At least one row parked.
+    #[serde(default)]
+    pub parks: bool,
+    /// At least one envelope was stored twice (a republish).
+    #[serde(default)]
+    pub duplicates: bool,
 }
 
 /// What the producer does.
@@ -303,6 +323,7 @@ impl Scenario {
         twin.description = format!("Clean twin of {}: {}", self.name, self.description);
         twin.faults.clear();
         twin.swarm = None;
+        twin.expect = Expect::default();
         Some(twin)
     }
 

@@ -429,7 +429,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         steps += 1;
         if let Some(deadline) = liveness_deadline
             && steps.is_multiple_of(QUIESCENCE_CHECK_STEPS)
-            && (env.pg.unpublished() == 0 || now >= deadline)
+            && (env.pg.unpublished().is_empty() || now >= deadline)
         {
             break;
         }
@@ -446,7 +446,9 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         &stored,
         &env.pg.parked_ids(),
         &env.pg.attempts(),
+        &env.pg.unpublished(),
         max_attempts,
+        &scenario.expect,
     );
     RunOutcome {
         scenario: scenario.name.clone(),
