@@ -311,7 +311,9 @@ mod tests {
             &stored(st),
             &BTreeSet::new(),
             &BTreeMap::new(),
+            &BTreeSet::new(),
             3,
+            &Expect::default(),
         )
     }
 
