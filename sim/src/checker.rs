@@ -79,6 +79,7 @@ pub fn check(
     let (mut io_in_tx, mut stale, mut parked_claims, mut bad_deletes, mut blame) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut releases, mut parks) = (0usize, 0usize);
+    let mut unpublishable: BTreeSet<Uuid> = BTreeSet::new();
 
     for (at, e) in events {
         let t = at.as_secs_f64();
@@ -140,7 +141,10 @@ pub fn check(
                     }
                     owner.remove(id);
                     *bumps.entry(*id).or_insert(0) += 1;
-                    if bumps[id] > nacks.get(id).copied().unwrap_or(0) {
+                    // An unpublishable row is blamed by the drainer itself, without a nack.
+                    if !unpublishable.contains(id)
+                        && bumps[id] > nacks.get(id).copied().unwrap_or(0)
+                    {
                         blame.push(format!(
                             "{id} bumped to {} at {t:.3}s after {} nacks",
                             bumps[id],
@@ -196,6 +200,9 @@ pub fn check(
                     *nacks.entry(*message_id).or_insert(0) += 1;
                 }
             }
+            Event::Unpublishable { id } => {
+                unpublishable.insert(*id);
+            }
             Event::Fault(_) | Event::ReplyLost { .. } | Event::Tick { .. } | Event::Host { .. } => {
             }
         }
@@ -209,8 +216,20 @@ pub fn check(
             ));
         }
     }
+    let unparked_poison: Vec<String> = committed
+        .iter()
+        .filter(|id| unpublishable.contains(id))
+        .filter(|id| stored.contains_key(id) || !still_parked.contains(id))
+        .map(|id| {
+            format!(
+                "{id} has an unpublishable routing key but is not parked (stored: {})",
+                stored.contains_key(id)
+            )
+        })
+        .collect();
     let lost: Vec<String> = committed
         .iter()
+        .filter(|id| !unpublishable.contains(id))
         .filter(|id| !stored.contains_key(id))
         .map(|id| {
             let why = if still_parked.contains(id) {
@@ -235,6 +254,7 @@ pub fn check(
         .collect();
     let undrained: Vec<String> = unpublished
         .iter()
+        .filter(|id| !unpublishable.contains(id))
         .map(|id| format!("{id} is still unpublished in the store at the end"))
         .collect();
     let mut unmet = Vec::new();
@@ -257,6 +277,11 @@ pub fn check(
     }
     push_all(&mut v.violations, "lost", lost);
     push_all(&mut v.violations, "not drained", undrained);
+    push_all(
+        &mut v.violations,
+        "unpublishable row not parked",
+        unparked_poison,
+    );
     push_all(&mut v.violations, "expectation unmet", unmet);
     push_all(&mut v.violations, "uncommitted published", phantom);
     push_all(&mut v.violations, "broker I/O in a transaction", io_in_tx);

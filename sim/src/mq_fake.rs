@@ -181,6 +181,19 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                 };
                 ch.seq += 1;
                 let seq = ch.seq;
+                if routing_key.len() > 255 {
+                    // Not encodable as an AMQP shortstr: the broker closes
+                    // the channel, failing every confirm outstanding on it.
+                    channels.remove(&channel);
+                    let _ = out_tx.send((
+                        now,
+                        MqReply::ChannelClosed {
+                            channel,
+                            reason: "routing key longer than 255 bytes".into(),
+                        },
+                    ));
+                    continue;
+                }
                 // A drop may come before or after the message is stored.
                 let drop_before = state.roll(faults.drop_conn_prob / 2.0);
                 if drop_before {

@@ -159,8 +159,20 @@ impl PgState {
 
     /// An operator unparks every parked row, directly on the table (the
     /// liveness phase of poison scenarios).
+    /// Rows whose routing key no broker accepts are left parked: the
+    /// operator's fix cannot make them publishable.
     pub fn operator_unpark_all(&self) {
-        let ids = self.table.lock().expect("table").unpark(None);
+        let mut table = self.table.lock().expect("table");
+        let fixable: Vec<Uuid> = table
+            .rows
+            .values()
+            .filter(|r| {
+                r.parked_ms.is_some() && !r.routing_key.is_empty() && r.routing_key.len() <= 255
+            })
+            .map(|r| r.id)
+            .collect();
+        let ids = table.unpark(Some(&fixable));
+        drop(table);
         if !ids.is_empty() {
             self.trace.now(Event::Unparked { ids });
         }
@@ -199,6 +211,16 @@ impl PgState {
             .values()
             .map(|r| (r.id, r.attempts))
             .collect()
+    }
+
+    /// Whether every committed row is published, or parked for good (its
+    /// routing key no broker accepts): the run's quiescence.
+    pub fn drained(&self) -> bool {
+        self.table.lock().expect("table").rows.values().all(|r| {
+            r.published_ms.is_some()
+                || (r.parked_ms.is_some()
+                    && (r.routing_key.is_empty() || r.routing_key.len() > 255))
+        })
     }
 
     /// Committed rows not yet published, parked ones included.

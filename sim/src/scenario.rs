@@ -72,6 +72,10 @@ pub struct Workload {
     /// Fraction of envelopes whose routing key starts with `poison.`.
     #[serde(default)]
     pub poison_ratio: f64,
+    /// Fraction of rows written by hand, bypassing `publish_tx` validation,
+    /// with a routing key no broker accepts (empty, or over 255 bytes).
+    #[serde(default)]
+    pub unpublishable_ratio: f64,
 }
 
 fn one_to_three() -> [u32; 2] {
@@ -285,7 +289,7 @@ impl Scenario {
         if w.interval_ms[0] > w.interval_ms[1] {
             return Err("workload.interval_ms must be [min, max]".into());
         }
-        for p in [w.rollback_ratio, w.poison_ratio] {
+        for p in [w.rollback_ratio, w.poison_ratio, w.unpublishable_ratio] {
             if !(0.0..=1.0).contains(&p) {
                 return Err("ratios must be within [0, 1]".into());
             }

@@ -18,6 +18,8 @@ pub enum Event {
     /// A transaction holding these envelopes was rolled back (explicitly or
     /// because its connection died).
     RolledBack { client: String, ids: Vec<Uuid> },
+    /// The workload wrote a row no broker can accept (bypassing validation).
+    Unpublishable { id: Uuid },
     /// A client sent BEGIN (recorded by the client: its own view).
     TxBegin { client: String },
     /// A client's transaction ended: commit or rollback answered, or the

@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::adapters::PgClient;
 use crate::scenario::Workload;
-use crate::trace::Trace;
+use crate::trace::{Event, Trace};
 use crate::wire::PgRequest;
 
 /// Most attempts at one transaction before the workload moves on.
@@ -27,7 +27,7 @@ pub async fn run(
     done: Arc<AtomicBool>,
 ) -> turmoil::Result {
     let mut rng = SmallRng::seed_from_u64(seed);
-    let pg = PgClient::new("workload", trace);
+    let pg = PgClient::new("workload", trace.clone());
     for n in 0..spec.transactions {
         let count = rng.random_range(spec.envelopes_per_tx[0]..=spec.envelopes_per_tx[1]);
         let rollback = rng.random_bool(spec.rollback_ratio);
@@ -39,10 +39,22 @@ pub async fn run(
             } else {
                 "domain.event"
             };
-            let env = envelope(&mut rng, key, n, k);
-            let encoded = env
-                .encode(&EnvelopeLimits::default())
-                .expect("workload envelopes are valid");
+            let mut env = envelope(&mut rng, key, n, k);
+            let unpublishable =
+                spec.unpublishable_ratio > 0.0 && rng.random_bool(spec.unpublishable_ratio);
+            let encoded = if unpublishable {
+                // Written by hand, bypassing publish_tx's validation.
+                env.routing_key = if rng.random_bool(0.5) {
+                    String::new()
+                } else {
+                    "x".repeat(300)
+                };
+                trace.now(Event::Unpublishable { id: env.id });
+                serde_json::to_string(&env).expect("envelopes encode")
+            } else {
+                env.encode(&EnvelopeLimits::default())
+                    .expect("workload envelopes are valid")
+            };
             body.push(PgRequest::Insert {
                 id: env.id,
                 routing_key: env.routing_key,

@@ -429,7 +429,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         steps += 1;
         if let Some(deadline) = liveness_deadline
             && steps.is_multiple_of(QUIESCENCE_CHECK_STEPS)
-            && (env.pg.unpublished().is_empty() || now >= deadline)
+            && (env.pg.drained() || now >= deadline)
         {
             break;
         }
