@@ -223,6 +223,22 @@ impl PgState {
         })
     }
 
+    /// Published rows still present although published more than `age` ago.
+    pub fn published_before(&self, age: std::time::Duration) -> Vec<Uuid> {
+        let now = now_ms();
+        self.table
+            .lock()
+            .expect("table")
+            .rows
+            .values()
+            .filter(|r| {
+                r.published_ms
+                    .is_some_and(|p| p + (age.as_millis() as u64) < now)
+            })
+            .map(|r| r.id)
+            .collect()
+    }
+
     /// Committed rows not yet published, parked ones included.
     pub fn unpublished(&self) -> BTreeSet<Uuid> {
         self.table

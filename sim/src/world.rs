@@ -440,7 +440,14 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     }
 
     let stored = env.mq.stored.lock().expect("stored").counts();
-    let max_attempts = drainer_config(scenario, "check").max_attempts;
+    let config = drainer_config(scenario, "check");
+    let max_attempts = config.max_attempts;
+    // Retention liveness: a published row outlives its retention by at most
+    // two janitor intervals (one sweep may just have missed it), plus the
+    // adapter's store timeout should a sweep fail.
+    let overdue = env.pg.published_before(
+        config.retention + config.janitor_interval * 2 + crate::adapters::STORE_REQUEST_TIMEOUT,
+    );
     let verdict = checker::check(
         &trace.events(),
         &stored,
@@ -450,6 +457,12 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         max_attempts,
         &scenario.expect,
     );
+    let mut verdict = verdict;
+    for id in overdue.iter().take(5) {
+        verdict.violations.push(format!(
+            "retention: {id} was published long ago but the janitor kept it"
+        ));
+    }
     RunOutcome {
         scenario: scenario.name.clone(),
         seed,
