@@ -69,6 +69,26 @@ impl PgOutboxStore {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+
+    /// Runs one of the `claimed_by`-guarded bulk updates (`$1` replica id,
+    /// `$2` row ids) and returns how many rows it changed.
+    async fn guarded_update(
+        &self,
+        statement: &'static str,
+        replica_id: &str,
+        ids: &[Uuid],
+    ) -> Result<u64, StoreError> {
+        bounded(async {
+            let done = sqlx::query(statement)
+                .bind(replica_id)
+                .bind(ids)
+                .execute(&self.pool)
+                .await
+                .map_err(map_err)?;
+            Ok(done.rows_affected())
+        })
+        .await
+    }
 }
 
 /// Maps a sqlx error to a store error. Connection-level failures are
@@ -126,16 +146,8 @@ impl OutboxStore for PgOutboxStore {
         replica_id: &str,
         ids: &[Uuid],
     ) -> Result<u64, StoreError> {
-        bounded(async {
-            let done = sqlx::query(sql::MARK_PUBLISHED)
-                .bind(replica_id)
-                .bind(ids)
-                .execute(&self.pool)
-                .await
-                .map_err(map_err)?;
-            Ok(done.rows_affected())
-        })
-        .await
+        self.guarded_update(sql::MARK_PUBLISHED, replica_id, ids)
+            .await
     }
 
     async fn outbox_mark_failed(
@@ -164,16 +176,7 @@ impl OutboxStore for PgOutboxStore {
     }
 
     async fn outbox_release(&self, replica_id: &str, ids: &[Uuid]) -> Result<u64, StoreError> {
-        bounded(async {
-            let done = sqlx::query(sql::RELEASE)
-                .bind(replica_id)
-                .bind(ids)
-                .execute(&self.pool)
-                .await
-                .map_err(map_err)?;
-            Ok(done.rows_affected())
-        })
-        .await
+        self.guarded_update(sql::RELEASE, replica_id, ids).await
     }
 
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
