@@ -113,6 +113,7 @@ pub struct ConfigOverrides {
     pub max_attempts: Option<u32>,
     pub retention_secs: Option<u64>,
     pub janitor_interval_secs: Option<u64>,
+    pub janitor_batch: Option<u32>,
 }
 
 /// Phases of a run.

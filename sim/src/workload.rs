@@ -40,6 +40,10 @@ pub async fn run(
                 "domain.event"
             };
             let mut env = envelope(&mut rng, key, n, k);
+            // Now and then the longest routing key a broker accepts.
+            if !poison && rng.random_bool(0.02) {
+                env.routing_key = format!("domain.{}", "k".repeat(255 - "domain.".len()));
+            }
             let unpublishable =
                 spec.unpublishable_ratio > 0.0 && rng.random_bool(spec.unpublishable_ratio);
             let encoded = if unpublishable {

@@ -56,6 +56,7 @@ pub fn drainer_config(s: &Scenario, replica: &str) -> DrainerConfig {
         .max_attempts(c.max_attempts.unwrap_or(3))
         .retention(Duration::from_secs(c.retention_secs.unwrap_or(3)))
         .janitor_interval(Duration::from_secs(c.janitor_interval_secs.unwrap_or(2)))
+        .janitor_batch(c.janitor_batch.unwrap_or(1000))
         .build()
         .unwrap_or_else(|e| panic!("scenario {} has an invalid drainer config: {e}", s.name))
 }
