@@ -39,4 +39,4 @@ pub use error::{BrokerError, ConfigError, DrainError, PublishError, StoreError};
 pub use migrate::{MIGRATOR, migrator};
 pub use pg::PgOutboxStore;
 pub use pg::publisher::Publisher;
-pub use runtime::{DrainerHandle, OsEntropy, TokioClock};
+pub use runtime::{DrainerHandle, OsEntropy, SplitMix64, TokioClock};

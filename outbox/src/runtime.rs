@@ -39,23 +39,23 @@ impl Clock for TokioClock {
     }
 }
 
-/// OS-seeded entropy: a SplitMix64 sequence seeded from a UUID v7's random
-/// bits (which come from the OS).
+/// A seeded SplitMix64 sequence: the `Entropy` the simulation uses directly
+/// and the generator behind [`OsEntropy`].
 #[derive(Debug)]
-pub struct OsEntropy {
+pub struct SplitMix64 {
     state: std::sync::atomic::AtomicU64,
 }
 
-impl Default for OsEntropy {
-    fn default() -> Self {
-        let seed = uuid::Uuid::now_v7().as_u64_pair().1;
+impl SplitMix64 {
+    /// The sequence starting from `seed`.
+    pub fn new(seed: u64) -> Self {
         Self {
             state: std::sync::atomic::AtomicU64::new(seed),
         }
     }
 }
 
-impl Entropy for OsEntropy {
+impl Entropy for SplitMix64 {
     fn next_u64(&self) -> u64 {
         let mut z = self
             .state
@@ -64,6 +64,23 @@ impl Entropy for OsEntropy {
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
+    }
+}
+
+/// OS-seeded entropy: a [`SplitMix64`] seeded from a UUID v7's random bits
+/// (which come from the OS).
+#[derive(Debug)]
+pub struct OsEntropy(SplitMix64);
+
+impl Default for OsEntropy {
+    fn default() -> Self {
+        Self(SplitMix64::new(uuid::Uuid::now_v7().as_u64_pair().1))
+    }
+}
+
+impl Entropy for OsEntropy {
+    fn next_u64(&self) -> u64 {
+        self.0.next_u64()
     }
 }
 

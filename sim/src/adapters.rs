@@ -17,7 +17,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use outbox::core::ports::{
-    Broker, ClaimParams, ClaimedRow, Confirm, Entropy, FailOutcome, OutboxStats, OutboxStore,
+    Broker, ClaimParams, ClaimedRow, Confirm, FailOutcome, OutboxStats, OutboxStore,
     OutgoingMessage, ParkedRow, PublishChannel, RowFailure, UnparkSelector,
 };
 use outbox::{BrokerError, StoreError};
@@ -136,29 +136,6 @@ impl Hooks {
             )));
             tokio::time::sleep(d).await;
         }
-    }
-}
-
-/// Seeded entropy (SplitMix64).
-#[derive(Debug)]
-pub struct SimEntropy(AtomicU64);
-
-impl SimEntropy {
-    /// Entropy from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self(AtomicU64::new(seed))
-    }
-}
-
-impl Entropy for SimEntropy {
-    fn next_u64(&self) -> u64 {
-        let mut z = self
-            .0
-            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed)
-            .wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
     }
 }
 

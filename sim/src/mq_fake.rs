@@ -22,6 +22,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use outbox::envelope::ROUTING_KEY_MAX_BYTES;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use uuid::Uuid;
@@ -181,7 +182,7 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                 };
                 ch.seq += 1;
                 let seq = ch.seq;
-                if routing_key.len() > 255 {
+                if routing_key.len() > ROUTING_KEY_MAX_BYTES {
                     // Not encodable as an AMQP shortstr: the broker closes
                     // the channel, failing every confirm outstanding on it.
                     channels.remove(&channel);

@@ -26,6 +26,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
+use outbox::envelope::ROUTING_KEY_MAX_BYTES;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use uuid::Uuid;
@@ -39,6 +40,11 @@ pub const PG_PORT: u16 = 5432;
 /// The fake's clock starts a day after the simulation's zero, so rows can be
 /// backdated (retention tests) without underflow.
 const CLOCK_OFFSET_MS: u64 = 86_400_000;
+
+/// A routing key no broker accepts: the drainer blames and parks such rows.
+pub fn unpublishable_key(key: &str) -> bool {
+    key.is_empty() || key.len() > ROUTING_KEY_MAX_BYTES
+}
 
 fn now_ms() -> u64 {
     crate::sim_now_ms() + CLOCK_OFFSET_MS
@@ -166,9 +172,7 @@ impl PgState {
         let fixable: Vec<Uuid> = table
             .rows
             .values()
-            .filter(|r| {
-                r.parked_ms.is_some() && !r.routing_key.is_empty() && r.routing_key.len() <= 255
-            })
+            .filter(|r| r.parked_ms.is_some() && !unpublishable_key(&r.routing_key))
             .map(|r| r.id)
             .collect();
         let ids = table.unpark(Some(&fixable));
@@ -217,9 +221,7 @@ impl PgState {
     /// routing key no broker accepts): the run's quiescence.
     pub fn drained(&self) -> bool {
         self.table.lock().expect("table").rows.values().all(|r| {
-            r.published_ms.is_some()
-                || (r.parked_ms.is_some()
-                    && (r.routing_key.is_empty() || r.routing_key.len() > 255))
+            r.published_ms.is_some() || (r.parked_ms.is_some() && unpublishable_key(&r.routing_key))
         })
     }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use outbox::envelope::ROUTING_KEY_MAX_BYTES;
 use outbox::{EnvelopeLimits, EventEnvelope};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -42,7 +43,10 @@ pub async fn run(
             let mut env = envelope(&mut rng, key, n, k);
             // Now and then the longest routing key a broker accepts.
             if !poison && rng.random_bool(0.02) {
-                env.routing_key = format!("domain.{}", "k".repeat(255 - "domain.".len()));
+                env.routing_key = format!(
+                    "domain.{}",
+                    "k".repeat(ROUTING_KEY_MAX_BYTES - "domain.".len())
+                );
             }
             let unpublishable =
                 spec.unpublishable_ratio > 0.0 && rng.random_bool(spec.unpublishable_ratio);

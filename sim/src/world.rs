@@ -11,7 +11,7 @@ use outbox::{Drainer, DrainerConfig, TokioClock};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::adapters::{Hooks, Point, SimBroker, SimEntropy, SimStore};
+use crate::adapters::{Hooks, Point, SimBroker, SimStore};
 use crate::checker::{self, Verdict};
 use crate::mq_fake::{self, MqFaults, MqState};
 use crate::pg_fake::{self, PgFaults, PgState};
@@ -351,7 +351,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
                     store,
                     broker,
                     clock,
-                    Arc::new(SimEntropy::new(seed)),
+                    Arc::new(outbox::SplitMix64::new(seed)),
                     config,
                 );
                 drainer.run(rx).await;
