@@ -170,7 +170,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// `pipeline_depth` unconfirmed at a time, in claim order.
     async fn publish_batch(&self, rows: &[ClaimedRow]) -> Result<BatchOutcome, BrokerError> {
         let depth = self.config.pipeline_depth as usize;
-        let mut outcome = BatchOutcome::with_capacity(rows.len());
+        let mut outcome = BatchOutcome::default();
         let mut channel = self.broker.channel_open().await?;
         let result = async {
             channel.channel_confirm_select().await?;
@@ -281,15 +281,22 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// Exponential backoff from the busy tick, capped, with up to 25 % jitter
     /// so replicas that failed together do not retry in lockstep.
     fn backoff(&self, consecutive_errors: u32) -> Duration {
-        let exp = consecutive_errors.saturating_sub(1).min(16);
-        let base = self
-            .config
-            .tick
-            .saturating_mul(1u32 << exp)
-            .min(ERROR_BACKOFF_MAX);
-        let quarter_ms = (base.as_millis() as u64 / 4).max(1);
-        base + Duration::from_millis(self.entropy.next_u64() % quarter_ms)
+        backoff_delay(
+            self.config.tick,
+            consecutive_errors,
+            self.entropy.next_u64(),
+        )
     }
+}
+
+/// The pause after `consecutive_errors` failed ticks in a row: the tick
+/// doubled per further error, capped at [`ERROR_BACKOFF_MAX`], plus a jitter
+/// below a quarter of that drawn from `random`.
+fn backoff_delay(tick: Duration, consecutive_errors: u32, random: u64) -> Duration {
+    let exp = consecutive_errors.saturating_sub(1).min(16);
+    let base = tick.saturating_mul(1u32 << exp).min(ERROR_BACKOFF_MAX);
+    let quarter_ms = (base.as_millis() as u64 / 4).max(1);
+    base + Duration::from_millis(random % quarter_ms)
 }
 
 /// A row the broker could never accept: the row's own fault, found without
@@ -312,13 +319,6 @@ struct BatchOutcome {
 }
 
 impl BatchOutcome {
-    fn with_capacity(n: usize) -> Self {
-        Self {
-            acked: Vec::with_capacity(n),
-            failed: Vec::new(),
-        }
-    }
-
     fn record(&mut self, id: Uuid, confirm: Confirm) {
         match confirm {
             Confirm::Ack => self.acked.push(id),
@@ -332,4 +332,70 @@ impl BatchOutcome {
 
 fn truncate_chars(s: &str, max: usize) -> String {
     s.chars().take(max).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TICK: Duration = Duration::from_millis(250);
+
+    #[test]
+    fn backoff_doubles_from_the_tick_up_to_the_cap() {
+        let no_jitter = |errors| backoff_delay(TICK, errors, 0);
+        assert_eq!(no_jitter(0), TICK);
+        assert_eq!(no_jitter(1), TICK);
+        assert_eq!(no_jitter(2), TICK * 2);
+        assert_eq!(no_jitter(4), TICK * 8);
+        assert_eq!(no_jitter(7), ERROR_BACKOFF_MAX);
+        assert_eq!(no_jitter(u32::MAX), ERROR_BACKOFF_MAX);
+    }
+
+    #[test]
+    fn backoff_jitter_stays_below_a_quarter_and_follows_the_random_draw() {
+        for errors in [1, 3, 9] {
+            let base = backoff_delay(TICK, errors, 0);
+            let quarter = base.as_millis() as u64 / 4;
+            for random in [0, 1, quarter - 1, quarter, quarter + 7, u64::MAX] {
+                let d = backoff_delay(TICK, errors, random);
+                assert_eq!(d, base + Duration::from_millis(random % quarter));
+                assert!(d >= base && d < base + base / 4, "{d:?} for base {base:?}");
+            }
+        }
+        // Two draws can differ: replicas that failed together spread out.
+        assert_ne!(backoff_delay(TICK, 1, 1), backoff_delay(TICK, 1, 2));
+    }
+
+    #[test]
+    fn a_tick_too_short_to_jitter_backs_off_by_the_tick_alone() {
+        let tiny = Duration::from_millis(2);
+        for random in [0, 1, 5, u64::MAX] {
+            assert_eq!(backoff_delay(tiny, 1, random), tiny);
+        }
+    }
+
+    #[test]
+    fn truncate_chars_counts_characters_not_bytes() {
+        assert_eq!(truncate_chars("héllo", 2), "hé");
+        assert_eq!(truncate_chars("héllo", 5), "héllo");
+        assert_eq!(truncate_chars("héllo", 50), "héllo");
+        assert_eq!(truncate_chars("", 3), "");
+        let long = "é".repeat(LAST_ERROR_MAX_CHARS + 10);
+        assert_eq!(
+            truncate_chars(&long, LAST_ERROR_MAX_CHARS).chars().count(),
+            LAST_ERROR_MAX_CHARS
+        );
+    }
+
+    #[test]
+    fn a_nack_records_a_bounded_error_naming_the_broker() {
+        let mut outcome = BatchOutcome::default();
+        let id = Uuid::nil();
+        outcome.record(id, Confirm::Ack);
+        outcome.record(id, Confirm::Nack("x".repeat(LAST_ERROR_MAX_CHARS * 2)));
+        assert_eq!(outcome.acked, vec![id]);
+        let error = &outcome.failed[0].error;
+        assert!(error.starts_with("broker nack: x"), "{error}");
+        assert_eq!(error.chars().count(), LAST_ERROR_MAX_CHARS);
+    }
 }
