@@ -1,12 +1,12 @@
 //! Simulation sweep speed: one seed of the `swarm` scenario (60 simulated
 //! seconds of faults with three replicas, then healing and the liveness
-//! phase) per iteration, seeds rotating.
+//! phase) per iteration, seeds rotating, on one thread.
 //!
-//! Back of the envelope: a run is ~80k turmoil steps of 1 ms over five hosts
-//! (~2 µs per host step) plus ~20k traced events, so ~0.8 s per seed on one
-//! core: ~75 seeds/min per core, ~150 on this machine's two. Issue 3's
-//! target is 1000 seeds/min; criterion prints the time per seed (seeds/min =
-//! 60 / that) and the throughput in seeds/s.
+//! Back of the envelope: a run is ~6 000 turmoil steps of 10 ms over six
+//! hosts (~3 µs per host step, whether or not the host has work) plus ~12k
+//! traced events, so ~0.1 s per seed on one core. `sim sweep` runs one seed
+//! per core, so seeds/min on this machine = 2 x 60 / (time per seed). Issue
+//! 3's target is 1000 seeds/min.
 //!
 //! `cargo bench -p benches --bench sweep`
 

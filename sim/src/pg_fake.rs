@@ -394,23 +394,27 @@ impl Session {
                 self.rollback();
                 PgReply::Ok
             }
-            PgRequest::Insert {
-                id,
-                routing_key,
-                body,
-            } => {
+            PgRequest::Insert { rows } => {
                 let Some(tx) = self.tx.as_mut() else {
                     return PgReply::Error("insert outside a transaction".into());
                 };
-                if table.rows.contains_key(id) || tx.inserts.iter().any(|r| r.id == *id) {
-                    return PgReply::Error(format!(
-                        "duplicate key value violates event_outbox_pkey: {id}"
-                    ));
+                // One statement: a duplicate key (in the table, the open
+                // transaction or the statement itself) inserts nothing.
+                for (i, row) in rows.iter().enumerate() {
+                    if table.rows.contains_key(&row.id)
+                        || tx.inserts.iter().any(|r| r.id == row.id)
+                        || rows[..i].iter().any(|r| r.id == row.id)
+                    {
+                        return PgReply::Error(format!(
+                            "duplicate key value violates event_outbox_pkey: {}",
+                            row.id
+                        ));
+                    }
                 }
-                tx.inserts.push(Row {
-                    id: *id,
-                    routing_key: routing_key.clone(),
-                    body: body.clone(),
+                tx.inserts.extend(rows.iter().map(|row| Row {
+                    id: row.id,
+                    routing_key: row.routing_key.clone(),
+                    body: row.body.clone(),
                     enqueued_ms: now,
                     published_ms: None,
                     attempts: 0,
@@ -418,8 +422,8 @@ impl Session {
                     claimed_ms: None,
                     claimed_by: None,
                     parked_ms: None,
-                });
-                PgReply::Ok
+                }));
+                PgReply::Count(rows.len() as u64)
             }
             PgRequest::Claim {
                 replica,

@@ -63,11 +63,10 @@ pub enum PgRequest {
     },
     Commit,
     Rollback,
-    /// `publish_tx`: must be inside a transaction.
+    /// `publish_tx` / `publish_many_tx`: one statement inserting every row,
+    /// all or nothing; must be inside a transaction.
     Insert {
-        id: Uuid,
-        routing_key: String,
-        body: String,
+        rows: Vec<NewRow>,
     },
     /// Phase 1; inside a transaction (the adapter brackets it like the real one).
     Claim {
@@ -100,6 +99,15 @@ pub enum PgRequest {
     Unpark {
         ids: Option<Vec<Uuid>>,
     },
+}
+
+/// One envelope to insert.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NewRow {
+    pub id: Uuid,
+    pub routing_key: String,
+    /// The encoded envelope.
+    pub body: String,
 }
 
 /// One claimed row on the wire.

@@ -1,5 +1,6 @@
 //! The producer workload: domain transactions that write envelopes into the
-//! fake PostgreSQL, some committed, some rolled back, at seeded intervals.
+//! fake PostgreSQL, some committed, some rolled back, started at seeded
+//! intervals (open loop).
 //! Connection failures leave a transaction in doubt; the fake (not this
 //! client) is the judge of what committed.
 
@@ -15,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use crate::adapters::PgClient;
 use crate::scenario::Workload;
 use crate::trace::{Event, Trace};
-use crate::wire::PgRequest;
+use crate::wire::{NewRow, PgRequest};
 
 /// Most attempts at one transaction before the workload moves on.
 const TX_RETRIES_MAX: u32 = 50;
@@ -30,9 +31,14 @@ pub async fn run(
     let mut rng = SmallRng::seed_from_u64(seed);
     let pg = PgClient::new("workload", trace.clone());
     for n in 0..spec.transactions {
+        // Open loop: the interval runs from one transaction's start to the
+        // next, so the workload's length does not depend on how long the
+        // simulated network makes each round trip (a slow or retried
+        // transaction shortens the pause after it, never below zero).
+        let started = tokio::time::Instant::now();
         let count = rng.random_range(spec.envelopes_per_tx[0]..=spec.envelopes_per_tx[1]);
         let rollback = rng.random_bool(spec.rollback_ratio);
-        let mut body = Vec::with_capacity(count as usize);
+        let mut rows = Vec::with_capacity(count as usize);
         for k in 0..count {
             let poison = spec.poison_ratio > 0.0 && rng.random_bool(spec.poison_ratio);
             let key = if poison {
@@ -63,12 +69,14 @@ pub async fn run(
                 env.encode(&EnvelopeLimits::default())
                     .expect("workload envelopes are valid")
             };
-            body.push(PgRequest::Insert {
+            rows.push(NewRow {
                 id: env.id,
                 routing_key: env.routing_key,
                 body: encoded,
             });
         }
+        // One INSERT for the transaction's envelopes, as publish_many_tx.
+        let body = vec![PgRequest::Insert { rows }];
         for _ in 0..TX_RETRIES_MAX {
             let result = if rollback {
                 rolled_back(&pg, body.clone()).await
@@ -84,7 +92,7 @@ pub async fn run(
             }
         }
         let pause = rng.random_range(spec.interval_ms[0]..=spec.interval_ms[1]);
-        tokio::time::sleep(Duration::from_millis(pause)).await;
+        tokio::time::sleep_until(started + Duration::from_millis(pause)).await;
     }
     done.store(true, Ordering::SeqCst);
     Ok(())

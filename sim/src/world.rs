@@ -18,12 +18,23 @@ use crate::pg_fake::{self, PgFaults, PgState};
 use crate::scenario::{Fault, Scenario};
 use crate::trace::{Event, Trace};
 
-/// Simulated time per turmoil step.
-pub const STEP: Duration = Duration::from_millis(2);
+/// Simulated time per turmoil step: the scheduling quantum. Every host runs
+/// until idle once per step and a message sent in one step is delivered in a
+/// later one, so a round trip costs one or two steps. 10 ms keeps every
+/// timing the drainer relies on several steps long (the 50 ms tick, the 2 s
+/// confirm deadline, the 5 s lease) while a 60-second swarm seed costs about
+/// 6 000 steps; turmoil's cost is per host per step, whether or not anything
+/// happens, so the step is what bounds sweep speed.
+pub const STEP: Duration = Duration::from_millis(10);
+/// Steps in `d` (at least one).
+const fn steps_in(d: Duration) -> u32 {
+    let n = d.as_millis() / STEP.as_millis();
+    if n == 0 { 1 } else { n as u32 }
+}
 /// Steps between checks for quiescence in the liveness phase.
-const QUIESCENCE_CHECK_STEPS: u32 = 50;
+const QUIESCENCE_CHECK_STEPS: u32 = steps_in(Duration::from_millis(100));
 /// Steps between operator unparks in the liveness phase.
-const UNPARK_EVERY_STEPS: u32 = 1000;
+const UNPARK_EVERY_STEPS: u32 = steps_in(Duration::from_secs(2));
 /// A crash-point crash restarts the host after this long.
 const CRASH_RESTART_AFTER: Duration = Duration::from_secs(1);
 
@@ -309,8 +320,11 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     let mut sim = turmoil::Builder::new()
         .rng_seed(rng.random())
         .tick_duration(STEP)
-        .min_message_latency(Duration::from_micros(100))
-        .max_message_latency(Duration::from_millis(2))
+        // Hosts run in a seeded random order within each step, so a seed
+        // explores interleavings a fixed order would never produce.
+        .enable_random_order()
+        .min_message_latency(Duration::from_millis(1))
+        .max_message_latency(STEP)
         .tcp_capacity(1 << 16)
         // The run ends itself (quiescence or the liveness bound); this is a
         // backstop far beyond both.

@@ -12,16 +12,17 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox::core::janitor;
 use outbox::core::ports::{
     Broker, ClaimParams, Confirm, OutboxStore, OutgoingMessage, PublishChannel, RowFailure,
     UnparkSelector,
 };
-use outbox::{EventEnvelope, PgOutboxStore, Publisher};
+use outbox::{DrainerConfig, EventEnvelope, PgOutboxStore, Publisher};
 use sim::adapters::{Hooks, PgClient, SimBroker, SimStore};
 use sim::mq_fake::{self, MqFaults, MqState};
 use sim::pg_fake::{self, PgState};
 use sim::trace::Trace;
-use sim::wire::PgRequest;
+use sim::wire::{NewRow, PgRequest};
 use sqlx::PgPool;
 use uuid::Uuid;
 
@@ -110,9 +111,11 @@ impl StoreArm for FakeStore {
             let body = e.encode(&Default::default()).unwrap();
             self.client
                 .in_tx(vec![PgRequest::Insert {
-                    id: e.id,
-                    routing_key: key.to_owned(),
-                    body,
+                    rows: vec![NewRow {
+                        id: e.id,
+                        routing_key: key.to_owned(),
+                        body,
+                    }],
                 }])
                 .await
                 .unwrap();
@@ -376,13 +379,14 @@ async fn the_retention_sweep_deletes_only_old_published_rows<A: StoreArm>(arm: A
         arm.store().outbox_delete_published(older, 1).await.unwrap(),
         1
     );
-    assert_eq!(
-        arm.store()
-            .outbox_delete_published(older, 10)
-            .await
-            .unwrap(),
-        1
-    );
+    // The janitor's sweep loops over one-row batches and counts what it
+    // deleted.
+    let cfg = DrainerConfig::builder()
+        .retention(older)
+        .janitor_batch(1)
+        .build()
+        .unwrap();
+    assert_eq!(janitor::sweep(arm.store(), &cfg).await.unwrap(), 1);
     assert_eq!(
         arm.store()
             .outbox_delete_published(older, 10)
