@@ -116,6 +116,20 @@ impl EventEnvelope {
     pub fn decode(body: &[u8]) -> Result<Self, serde_json::Error> {
         serde_json::from_slice(body)
     }
+
+    /// Decodes a delivered body and checks what the inbox needs of it: a v7
+    /// id, a valid routing key, no NUL characters (PostgreSQL refuses them).
+    /// Size is not limited here: the broker already accepted the message.
+    /// The error says why, for the dead-letter log line.
+    pub fn decode_delivery(body: &[u8]) -> Result<Self, String> {
+        let envelope = Self::decode(body).map_err(|e| format!("not an envelope: {e}"))?;
+        envelope
+            .validate(&EnvelopeLimits {
+                max_envelope_bytes: usize::MAX,
+            })
+            .map_err(|e| format!("invalid envelope: {e}"))?;
+        Ok(envelope)
+    }
 }
 
 /// Checks a routing key: non-empty, at most 255 bytes, no NUL.

@@ -84,16 +84,17 @@ pub enum ConfigError {
     },
 }
 
-/// A failure of the outbox store. Always blameless for the rows involved:
-/// the drainer never bumps `attempts` because of one.
+/// A failure of the database (the outbox or the inbox store). Always
+/// blameless for the rows involved: neither the drainer nor the subscriber
+/// bumps `attempts` because of one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
     /// No connection could be had, or it broke mid-statement. Retry later.
-    #[error("outbox store unavailable: {0}")]
+    #[error("store unavailable: {0}")]
     Unavailable(String),
     /// The statement failed (timeout, serialization, constraint). Retry later.
-    #[error("outbox store statement failed: {0}")]
+    #[error("store statement failed: {0}")]
     Statement(String),
 }
 
@@ -137,5 +138,79 @@ impl DrainError {
     /// Whether the broker connection is implicated (and should be replaced).
     pub fn implicates_broker(&self) -> bool {
         matches!(self, Self::ConfirmTimeout { .. } | Self::Broker(_))
+    }
+}
+
+/// Why a subscription stopped or could not start.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubscribeError {
+    /// The broker refused the topology (queue, dead-letter queue, bindings)
+    /// or the consumer; for example a queue that already exists with other
+    /// arguments (`PRECONDITION_FAILED`).
+    #[error("subscription {queue} could not be set up: {source}")]
+    Setup {
+        /// The queue.
+        queue: String,
+        /// What the broker said.
+        #[source]
+        source: BrokerError,
+    },
+}
+
+/// What a handler returns when it cannot apply an event. The subscriber
+/// rolls back the handler's transaction, records the message in the inbox
+/// row's `last_error` and retries the delivery until the attempt budget is
+/// spent, then dead-letters it.
+#[derive(Debug)]
+pub struct HandlerError {
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl HandlerError {
+    /// A failure described by `message`.
+    pub fn msg(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// The message recorded in `last_error`.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl std::fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for HandlerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+impl From<sqlx::Error> for HandlerError {
+    fn from(e: sqlx::Error) -> Self {
+        Self {
+            message: e.to_string(),
+            source: Some(Box::new(e)),
+        }
+    }
+}
+
+impl From<serde_json::Error> for HandlerError {
+    fn from(e: serde_json::Error) -> Self {
+        Self {
+            message: format!("payload: {e}"),
+            source: Some(Box::new(e)),
+        }
     }
 }

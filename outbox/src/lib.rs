@@ -11,7 +11,8 @@
 //! - [`envelope`]: the envelope and its validation.
 //! - [`pg`]: the PostgreSQL adapter: [`Publisher`] and [`PgOutboxStore`]; all SQL.
 //! - [`amqp`]: the RabbitMQ adapter ([`LapinBroker`]).
-//! - [`core`]: the drainer, janitor and stats task, generic over [`core::ports`];
+//! - [`core`]: the drainer, janitor, stats task and subscriber, generic over
+//!   [`core::ports`];
 //!   the simulation runs this exact code with its own adapters.
 //! - [`config`]: `CANOPY_MQ_*` configuration and its boot asserts.
 //! - [`migrate`]: the embedded migrator and the byte-identity check.
@@ -34,9 +35,13 @@ pub use config::{DrainerConfig, DrainerConfigBuilder};
 pub use core::drainer::{Drainer, TickReport};
 pub use core::ports::{OutboxStats, ParkedRow, UnparkSelector};
 pub use core::stats::{OutboxHealth, Readiness, UnreadyReason};
+pub use core::subscriber::{Handler, Subscriber, SubscriberSettings};
 pub use envelope::{EnvelopeLimits, EventEnvelope};
-pub use error::{BrokerError, ConfigError, DrainError, PublishError, StoreError};
+pub use error::{
+    BrokerError, ConfigError, DrainError, HandlerError, PublishError, StoreError, SubscribeError,
+};
 pub use migrate::{MIGRATOR, migrator};
 pub use pg::PgOutboxStore;
+pub use pg::inbox::{PgInboxStore, PgTx};
 pub use pg::publisher::Publisher;
 pub use runtime::{DrainerHandle, OsEntropy, SplitMix64, TokioClock};

@@ -17,6 +17,10 @@ pub const FILES: &[(&str, &str)] = &[
         include_str!("../../migrations/20260506000000_create_event_outbox.sql"),
     ),
     (
+        "20260516000000_create_event_inbox.sql",
+        include_str!("../../migrations/20260516000000_create_event_inbox.sql"),
+    ),
+    (
         "20260518000000_add_event_outbox_lease.sql",
         include_str!("../../migrations/20260518000000_add_event_outbox_lease.sql"),
     ),

@@ -17,6 +17,8 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
 use crate::core::ports::{Broker, Confirm, OutgoingMessage, PublishChannel};
+
+pub mod consumer;
 use crate::error::BrokerError;
 
 /// Bound on establishing a connection (TCP + AMQP handshake).

@@ -19,7 +19,7 @@ use super::ports::{
     Broker, ClaimParams, ClaimedRow, Clock, Confirm, Entropy, OutboxStore, OutgoingMessage,
     PublishChannel, RowFailure,
 };
-use super::{sleep_or_shutdown, with_deadline};
+use super::{sleep_or_shutdown, truncate_chars, with_deadline};
 use crate::config::DrainerConfig;
 use crate::envelope::ROUTING_KEY_MAX_BYTES;
 use crate::error::{BrokerError, DrainError};
@@ -328,10 +328,6 @@ impl BatchOutcome {
             }),
         }
     }
-}
-
-fn truncate_chars(s: &str, max: usize) -> String {
-    s.chars().take(max).collect()
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ pub mod drainer;
 pub mod janitor;
 pub mod ports;
 pub mod stats;
+pub mod subscriber;
 
 use std::future::Future;
 use std::time::Duration;
@@ -46,4 +47,9 @@ pub(crate) async fn sleep_or_shutdown<C: Clock>(
         changed = shutdown.changed() => changed.is_err() || *shutdown.borrow(),
         () = clock.sleep(d) => false,
     }
+}
+
+/// The first `max` characters of `s` (never splitting a character).
+pub(crate) fn truncate_chars(s: &str, max: usize) -> String {
+    s.chars().take(max).collect()
 }

@@ -232,3 +232,226 @@ pub trait PublishChannel: Send {
     /// or detach the close handshake.
     fn channel_close(self) -> impl Future<Output = ()> + Send;
 }
+
+// ---------------------------------------------------------------------------
+// The consumer side (ADR-018 amendment #433).
+
+/// One inbox row as a delivery (or a replay) brings it.
+#[derive(Debug, Clone, Copy)]
+pub struct InboxEntry<'a> {
+    /// The envelope id: the inbox key.
+    pub event_id: Uuid,
+    /// The subscription (queue) it came through.
+    pub subscription: &'a str,
+    /// Its routing key.
+    pub routing_key: &'a str,
+    /// The encoded envelope (stored as `payload` for replay).
+    pub payload: &'a [u8],
+}
+
+/// What `inbox_try_insert` found, holding the row's lock until the
+/// transaction ends, so concurrent deliveries of one event serialize on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InsertOutcome {
+    /// First sight of this event: the row is new in this transaction.
+    Inserted,
+    /// The row exists, unprocessed: an earlier attempt failed (its attempts
+    /// were recorded) or a replay is re-running it.
+    InFlightRetry {
+        /// Failed attempts recorded so far.
+        attempts: i32,
+    },
+    /// The event already took effect: the handler must not run again.
+    AlreadyProcessed,
+}
+
+/// What recording a failed attempt did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttemptRecord {
+    /// Failed attempts recorded, this one included.
+    pub attempts: i32,
+    /// The budget is spent: the row is marked dead-lettered.
+    pub dead_lettered: bool,
+}
+
+/// An inbox row, for operators and replay.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct InboxRow {
+    /// Envelope id.
+    pub event_id: Uuid,
+    /// The subscription it came through.
+    pub subscription: String,
+    /// Routing key.
+    pub routing_key: String,
+    /// The encoded envelope.
+    #[serde(skip)]
+    pub payload: Vec<u8>,
+    /// Failed attempts recorded.
+    pub attempts: i32,
+    /// The last failure.
+    pub last_error: Option<String>,
+    /// When it was first received.
+    #[serde(with = "time::serde::rfc3339")]
+    pub received_at: OffsetDateTime,
+    /// When it was dead-lettered, if it was.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub dead_lettered_at: Option<OffsetDateTime>,
+}
+
+/// Which unprocessed inbox rows to list or replay.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InboxFilter {
+    /// Exactly these events (those still unprocessed).
+    #[serde(default)]
+    pub ids: Option<Vec<Uuid>>,
+    /// Only rows that came through this subscription.
+    #[serde(default)]
+    pub subscription: Option<String>,
+    /// Only rows with this routing key.
+    #[serde(default)]
+    pub routing_key: Option<String>,
+    /// Only rows that were dead-lettered.
+    #[serde(default)]
+    pub dead_lettered_only: bool,
+    /// At most this many rows, oldest first.
+    #[serde(default)]
+    pub limit: Option<u32>,
+}
+
+/// The inbox table.
+pub trait InboxStore: Send + Sync + 'static {
+    /// A transaction: the handler's, holding the inbox row until it ends.
+    type Tx: Send;
+
+    /// Begins the handler's transaction.
+    fn inbox_begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// Inserts the row if absent (`ON CONFLICT DO NOTHING`) and locks it,
+    /// waiting for a concurrent transaction that holds it.
+    fn inbox_try_insert(
+        &self,
+        tx: &mut Self::Tx,
+        entry: &InboxEntry<'_>,
+    ) -> impl Future<Output = Result<InsertOutcome, StoreError>> + Send;
+
+    /// Sets `processed_at` on the row, in the handler's transaction.
+    fn inbox_mark_processed(
+        &self,
+        tx: &mut Self::Tx,
+        event_id: Uuid,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Commits the handler's transaction.
+    fn inbox_commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Rolls the handler's transaction back (best effort: a broken
+    /// connection rolls back by itself).
+    fn inbox_rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
+
+    /// On a connection of its own (so it survives the rollback of the
+    /// attempt): inserts the row if absent, `attempts + 1`, `last_error`,
+    /// and marks it dead-lettered once attempts reach `max_attempts`.
+    fn inbox_record_failure(
+        &self,
+        entry: &InboxEntry<'_>,
+        error: &str,
+        max_attempts: u32,
+    ) -> impl Future<Output = Result<AttemptRecord, StoreError>> + Send;
+
+    /// Unprocessed rows matching `filter`, oldest first.
+    fn inbox_list_unprocessed(
+        &self,
+        filter: &InboxFilter,
+    ) -> impl Future<Output = Result<Vec<InboxRow>, StoreError>> + Send;
+
+    /// Gives unprocessed rows a fresh budget for replay: `attempts = 0`,
+    /// dead-letter mark cleared. Returns how many it reset.
+    fn inbox_reset_attempts(
+        &self,
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Deletes at most `limit` rows processed more than `older_than` ago;
+    /// never an unprocessed row. Returns how many it deleted.
+    fn inbox_delete_processed(
+        &self,
+        older_than: Duration,
+        limit: u32,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+/// What a subscription consumes, and how its dead-letter queue is named.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubscriptionSpec {
+    /// The durable queue (also the subscription's name in the inbox).
+    pub queue: String,
+    /// The topic exchange the queue is bound to.
+    pub exchange: String,
+    /// Binding keys (topic patterns).
+    pub bindings: Vec<String>,
+    /// Unacknowledged deliveries the broker may push (`basic.qos`).
+    pub prefetch: u16,
+}
+
+/// The dead-letter exchange every subscription's queue names.
+pub const DLQ_EXCHANGE: &str = "canopy.dlq";
+
+impl SubscriptionSpec {
+    /// `<queue>.dlq`: where deliveries nacked without requeue go.
+    pub fn dlq_name(&self) -> String {
+        format!("{}.dlq", self.queue)
+    }
+}
+
+/// One message pushed by the broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    /// The channel's tag for ack/nack.
+    pub tag: u64,
+    /// AMQP `message_id`, if set.
+    pub message_id: Option<String>,
+    /// Routing key it was published with.
+    pub routing_key: String,
+    /// AMQP body.
+    pub body: Vec<u8>,
+    /// The broker delivered it before (nacked with requeue, or its
+    /// consumer's channel closed unacknowledged).
+    pub redelivered: bool,
+}
+
+/// The message broker, as the subscriber uses it.
+pub trait ConsumerBroker: Send + Sync + 'static {
+    /// A running consumer on one channel.
+    type Consumer: DeliverySource;
+
+    /// Declares the topology (the queue with its dead-letter arguments, the
+    /// `canopy.dlq` exchange, `<queue>.dlq` and the bindings), sets the
+    /// prefetch and starts consuming.
+    fn subscription_open(
+        &self,
+        spec: &SubscriptionSpec,
+    ) -> impl Future<Output = Result<Self::Consumer, BrokerError>> + Send;
+}
+
+/// A running consumer; shared by the subscriber's workers.
+pub trait DeliverySource: Send + Sync + 'static {
+    /// The next delivery; `None` once the consumer has ended (channel or
+    /// connection lost, or closed), and forever after.
+    fn delivery_next(&self) -> impl Future<Output = Option<Delivery>> + Send;
+
+    /// Acknowledges a delivery.
+    fn delivery_ack(&self, tag: u64) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Rejects a delivery: back to the queue if `requeue`, else to the
+    /// dead-letter queue.
+    fn delivery_nack(
+        &self,
+        tag: u64,
+        requeue: bool,
+    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Stops consuming and closes the channel (bounded); unacknowledged
+    /// deliveries go back to the queue.
+    fn consumer_close(&self) -> impl Future<Output = ()> + Send;
+}

@@ -14,6 +14,7 @@ use crate::core::ports::{
 };
 use crate::error::StoreError;
 
+pub mod inbox;
 pub mod publisher;
 
 pub(crate) mod sql {
@@ -29,6 +30,13 @@ pub(crate) mod sql {
     pub const UNPARK: &str = include_str!("sql/outbox_unpark.sql");
     pub const INSERT: &str = include_str!("sql/outbox_insert.sql");
     pub const INSERT_MANY: &str = include_str!("sql/outbox_insert_many.sql");
+    pub const INBOX_TRY_INSERT: &str = include_str!("sql/inbox_try_insert.sql");
+    pub const INBOX_LOCK: &str = include_str!("sql/inbox_lock.sql");
+    pub const INBOX_MARK_PROCESSED: &str = include_str!("sql/inbox_mark_processed.sql");
+    pub const INBOX_RECORD_FAILURE: &str = include_str!("sql/inbox_record_failure.sql");
+    pub const INBOX_LIST_UNPROCESSED: &str = include_str!("sql/inbox_list_unprocessed.sql");
+    pub const INBOX_RESET_ATTEMPTS: &str = include_str!("sql/inbox_reset_attempts.sql");
+    pub const INBOX_DELETE_PROCESSED: &str = include_str!("sql/inbox_delete_processed.sql");
 }
 
 /// Bound on one store call (acquiring a connection and running its
@@ -38,7 +46,7 @@ pub(crate) mod sql {
 /// tick's claims are released or expire as with any store error.
 pub const STORE_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
-async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     fut: impl std::future::Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     tokio::time::timeout(STORE_CALL_TIMEOUT, fut)

@@ -1,0 +1,200 @@
+//! The consumer side of the RabbitMQ adapter: subscription topology with the
+//! auto-derived dead-letter queue (ADR-018 amendment #433), prefetch, and a
+//! consumer shared by the subscriber's workers.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures_core::Stream;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, ExchangeKind};
+
+use super::{CLOSE_TIMEOUT, LapinBroker, channel_err};
+use crate::core::ports::{
+    ConsumerBroker, DLQ_EXCHANGE, Delivery, DeliverySource, SubscriptionSpec,
+};
+use crate::error::BrokerError;
+
+/// Queue arguments naming the dead-letter exchange and routing key.
+fn dead_letter_arguments(queue: &str) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString(DLQ_EXCHANGE.into()),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(queue.into()),
+    );
+    args
+}
+
+impl LapinBroker {
+    /// Declares a subscription's topology on `channel`: the topic exchange,
+    /// `canopy.dlq` (direct), `<queue>.dlq` bound to it with the queue's name,
+    /// the queue with its dead-letter arguments, and the queue's bindings.
+    /// Idempotent; a queue that exists with other arguments is refused by
+    /// the broker (`PRECONDITION_FAILED`).
+    pub async fn declare_subscription(
+        channel: &Channel,
+        spec: &SubscriptionSpec,
+    ) -> Result<(), BrokerError> {
+        let durable_exchange = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let durable_queue = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .exchange_declare(
+                spec.exchange.as_str().into(),
+                ExchangeKind::Topic,
+                durable_exchange,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(channel_err)?;
+        channel
+            .exchange_declare(
+                DLQ_EXCHANGE.into(),
+                ExchangeKind::Direct,
+                durable_exchange,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(channel_err)?;
+        let dlq = spec.dlq_name();
+        channel
+            .queue_declare(dlq.as_str().into(), durable_queue, FieldTable::default())
+            .await
+            .map_err(channel_err)?;
+        channel
+            .queue_bind(
+                dlq.as_str().into(),
+                DLQ_EXCHANGE.into(),
+                spec.queue.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(channel_err)?;
+        channel
+            .queue_declare(
+                spec.queue.as_str().into(),
+                durable_queue,
+                dead_letter_arguments(&spec.queue),
+            )
+            .await
+            .map_err(channel_err)?;
+        for binding in &spec.bindings {
+            channel
+                .queue_bind(
+                    spec.queue.as_str().into(),
+                    spec.exchange.as_str().into(),
+                    binding.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(channel_err)?;
+        }
+        Ok(())
+    }
+}
+
+impl ConsumerBroker for LapinBroker {
+    type Consumer = LapinConsumer;
+
+    async fn subscription_open(
+        &self,
+        spec: &SubscriptionSpec,
+    ) -> Result<LapinConsumer, BrokerError> {
+        let conn = self.connection().await?;
+        let channel = conn.create_channel().await.map_err(channel_err)?;
+        Self::declare_subscription(&channel, spec).await?;
+        channel
+            .basic_qos(spec.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(channel_err)?;
+        let consumer = channel
+            .basic_consume(
+                spec.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(channel_err)?;
+        Ok(LapinConsumer {
+            channel,
+            consumer: tokio::sync::Mutex::new(consumer),
+            ended: AtomicBool::new(false),
+        })
+    }
+}
+
+/// A lapin consumer on its own channel, shared by the subscriber's workers.
+pub struct LapinConsumer {
+    channel: Channel,
+    consumer: tokio::sync::Mutex<lapin::Consumer>,
+    ended: AtomicBool,
+}
+
+impl DeliverySource for LapinConsumer {
+    async fn delivery_next(&self) -> Option<Delivery> {
+        if self.ended.load(Ordering::SeqCst) {
+            return None;
+        }
+        let mut consumer = self.consumer.lock().await;
+        let next = std::future::poll_fn(|cx| Pin::new(&mut *consumer).poll_next(cx)).await;
+        match next {
+            Some(Ok(d)) => Some(Delivery {
+                tag: d.delivery_tag,
+                message_id: d.properties.message_id().as_ref().map(|m| m.to_string()),
+                routing_key: d.routing_key.to_string(),
+                body: d.data,
+                redelivered: d.redelivered,
+            }),
+            Some(Err(e)) => {
+                tracing::warn!(error = %channel_err(e), "consumer failed");
+                self.ended.store(true, Ordering::SeqCst);
+                None
+            }
+            None => {
+                self.ended.store(true, Ordering::SeqCst);
+                None
+            }
+        }
+    }
+
+    async fn delivery_ack(&self, tag: u64) -> Result<(), BrokerError> {
+        self.channel
+            .basic_ack(tag, BasicAckOptions::default())
+            .await
+            .map_err(channel_err)
+    }
+
+    async fn delivery_nack(&self, tag: u64, requeue: bool) -> Result<(), BrokerError> {
+        self.channel
+            .basic_nack(
+                tag,
+                BasicNackOptions {
+                    requeue,
+                    ..BasicNackOptions::default()
+                },
+            )
+            .await
+            .map_err(channel_err)
+    }
+
+    async fn consumer_close(&self) {
+        self.ended.store(true, Ordering::SeqCst);
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, self.channel.close(200, "OK".into())).await;
+    }
+}

@@ -1,0 +1,540 @@
+//! The subscriber: the consumer half of ADR-018 (amendment #433), exactly
+//! once in effect over an at-least-once broker.
+//!
+//! Per delivery:
+//! 1. BEGIN; `inbox_try_insert` → [`InsertOutcome`].
+//! 2. `AlreadyProcessed`: commit, ack; the handler does not run.
+//! 3. Otherwise the handler runs with the transaction. Ok: mark processed,
+//!    commit, ack. Err: roll back, record the failure on a separate
+//!    connection (so the count survives the rollback), nack with requeue
+//!    while attempts < budget, then nack without requeue: the broker moves it
+//!    to `<queue>.dlq`.
+//!
+//! A delivery that is not an envelope goes to the dead-letter queue at once.
+//! Database trouble is nobody's fault: the delivery is retried in place with
+//! a backoff (no attempt is counted) until the database answers or the
+//! subscriber shuts down (then it is requeued). Broker trouble ends the
+//! consumer; the subscriber reopens it with a backoff, and the broker
+//! redelivers whatever was unacknowledged; the inbox absorbs the duplicates.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::drainer::LAST_ERROR_MAX_CHARS;
+use super::ports::{
+    AttemptRecord, Clock, ConsumerBroker, Delivery, DeliverySource, InboxEntry, InboxFilter,
+    InboxStore, InsertOutcome, SubscriptionSpec,
+};
+use super::{sleep_or_shutdown, truncate_chars, with_deadline};
+use crate::envelope::EventEnvelope;
+use crate::error::{BrokerError, HandlerError, StoreError, SubscribeError};
+
+/// Longest pause between retries of database or broker trouble.
+pub const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// First pause after database or broker trouble.
+pub const RETRY_BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// Bound on closing a consumer at shutdown or after it ended.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Applies one event inside the subscriber's transaction.
+///
+/// The transaction also holds the event's inbox row: commit happens only
+/// after the handler returned `Ok`, so the handler's writes and the
+/// "processed" mark commit together or not at all. A handler must not commit
+/// or roll back the transaction itself, and should keep its effects inside
+/// it (anything else, an HTTP call say, may be repeated on retry).
+pub trait Handler<Tx>: Send + Sync + 'static {
+    /// Applies `event`; an `Err` rolls everything back and counts an attempt.
+    fn handle(
+        &self,
+        tx: &mut Tx,
+        event: &EventEnvelope,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
+/// How one subscription behaves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubscriberSettings {
+    /// Queue, exchange, bindings, prefetch.
+    pub spec: SubscriptionSpec,
+    /// Deliveries handled at once (each in its own transaction).
+    pub concurrency: u32,
+    /// Failed attempts after which a delivery is dead-lettered.
+    pub max_attempts: u32,
+}
+
+/// What happened to one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeliveryOutcome {
+    /// The handler's effect committed; acked.
+    Processed,
+    /// The event had already taken effect; acked without the handler.
+    Duplicate,
+    /// The handler failed; nacked with requeue for another attempt.
+    Retrying {
+        /// Failed attempts so far.
+        attempts: i32,
+    },
+    /// The handler failed for the last time; nacked into `<queue>.dlq`.
+    DeadLettered {
+        /// Failed attempts.
+        attempts: i32,
+    },
+    /// Not an envelope; nacked into `<queue>.dlq` at once.
+    Undecodable {
+        /// Why it could not be decoded.
+        reason: String,
+    },
+    /// Shutdown came while the database was unavailable; requeued.
+    Requeued,
+}
+
+/// What a replay of one inbox row did.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum ReplayOutcome {
+    /// The handler's effect committed.
+    Applied,
+    /// It had taken effect meanwhile; the handler did not run.
+    AlreadyProcessed,
+    /// The handler failed again; the failure is recorded on the row.
+    Failed {
+        /// The handler's error.
+        error: String,
+    },
+    /// The stored payload is not an envelope.
+    Undecodable {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Counters of one subscriber since it started.
+#[derive(Debug, Default)]
+pub struct SubscriberCounters {
+    /// Deliveries whose effect committed.
+    pub processed: AtomicU64,
+    /// Deliveries absorbed as duplicates.
+    pub duplicates: AtomicU64,
+    /// Failed attempts requeued.
+    pub retried: AtomicU64,
+    /// Deliveries dead-lettered after the budget.
+    pub dead_lettered: AtomicU64,
+    /// Deliveries dead-lettered because they were not envelopes.
+    pub undecodable: AtomicU64,
+}
+
+/// A snapshot of [`SubscriberCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SubscriberStats {
+    /// Deliveries whose effect committed.
+    pub processed: u64,
+    /// Deliveries absorbed as duplicates.
+    pub duplicates: u64,
+    /// Failed attempts requeued.
+    pub retried: u64,
+    /// Deliveries dead-lettered after the budget.
+    pub dead_lettered: u64,
+    /// Deliveries dead-lettered because they were not envelopes.
+    pub undecodable: u64,
+}
+
+impl SubscriberCounters {
+    /// The counters now.
+    pub fn snapshot(&self) -> SubscriberStats {
+        SubscriberStats {
+            processed: self.processed.load(Ordering::Relaxed),
+            duplicates: self.duplicates.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            undecodable: self.undecodable.load(Ordering::Relaxed),
+        }
+    }
+
+    fn count(&self, outcome: &DeliveryOutcome) {
+        let counter = match outcome {
+            DeliveryOutcome::Processed => &self.processed,
+            DeliveryOutcome::Duplicate => &self.duplicates,
+            DeliveryOutcome::Retrying { .. } => &self.retried,
+            DeliveryOutcome::DeadLettered { .. } => &self.dead_lettered,
+            DeliveryOutcome::Undecodable { .. } => &self.undecodable,
+            DeliveryOutcome::Requeued => return,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The subscriber: the production code in production and in the simulation.
+pub struct Subscriber<S, B, C, H> {
+    store: Arc<S>,
+    broker: Arc<B>,
+    clock: Arc<C>,
+    handler: Arc<H>,
+    settings: SubscriberSettings,
+    counters: Arc<SubscriberCounters>,
+}
+
+impl<S, B, C, H> Subscriber<S, B, C, H>
+where
+    S: InboxStore,
+    B: ConsumerBroker,
+    C: Clock,
+    H: Handler<S::Tx>,
+{
+    /// Builds a subscriber from its ports, its handler and its settings.
+    pub fn new(
+        store: Arc<S>,
+        broker: Arc<B>,
+        clock: Arc<C>,
+        handler: Arc<H>,
+        settings: SubscriberSettings,
+    ) -> Self {
+        Self {
+            store,
+            broker,
+            clock,
+            handler,
+            settings,
+            counters: Arc::default(),
+        }
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &SubscriberSettings {
+        &self.settings
+    }
+
+    /// Its counters (shared; they keep counting).
+    pub fn counters(&self) -> Arc<SubscriberCounters> {
+        self.counters.clone()
+    }
+
+    /// Consumes until `shutdown` turns true: in-flight deliveries finish and
+    /// are acked or nacked, then the consumer closes. Reopens the consumer
+    /// with a backoff whenever the broker loses it.
+    ///
+    /// Fails only if the very first attempt to set the subscription up is
+    /// refused by the broker (not merely unreachable): a queue declared
+    /// elsewhere with other arguments, say. That is a deployment error to
+    /// see at boot, not to retry forever.
+    pub async fn run(&self, mut shutdown: watch::Receiver<bool>) -> Result<(), SubscribeError> {
+        let spec = &self.settings.spec;
+        let mut backoff = RETRY_BACKOFF_MIN;
+        let mut first = true;
+        loop {
+            if *shutdown.borrow() {
+                return Ok(());
+            }
+            match self.broker.subscription_open(spec).await {
+                Ok(consumer) => {
+                    first = false;
+                    backoff = RETRY_BACKOFF_MIN;
+                    tracing::info!(queue = %spec.queue, "subscriber consuming");
+                    self.consume(&consumer, &shutdown).await;
+                    let _ =
+                        with_deadline(&*self.clock, CLOSE_TIMEOUT, consumer.consumer_close()).await;
+                    if *shutdown.borrow() {
+                        tracing::info!(queue = %spec.queue, "subscriber stopped");
+                        return Ok(());
+                    }
+                    tracing::warn!(queue = %spec.queue, "consumer ended; reopening");
+                }
+                Err(source @ BrokerError::Channel(_)) if first => {
+                    return Err(SubscribeError::Setup {
+                        queue: spec.queue.clone(),
+                        source,
+                    });
+                }
+                Err(e) => {
+                    first = false;
+                    tracing::warn!(queue = %spec.queue, error = %e, "cannot open the subscription; retrying");
+                }
+            }
+            if sleep_or_shutdown(&*self.clock, backoff, &mut shutdown).await {
+                return Ok(());
+            }
+            backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+        }
+    }
+
+    /// Runs `concurrency` workers over one consumer until it ends or
+    /// shutdown.
+    async fn consume(&self, consumer: &B::Consumer, shutdown: &watch::Receiver<bool>) {
+        let workers = (0..self.settings.concurrency.max(1))
+            .map(|_| {
+                let mut shutdown = shutdown.clone();
+                Box::pin(async move {
+                    loop {
+                        if *shutdown.borrow() {
+                            return;
+                        }
+                        let next = tokio::select! {
+                            biased;
+                            _ = shutdown.changed() => return,
+                            next = consumer.delivery_next() => next,
+                        };
+                        let Some(delivery) = next else { return };
+                        self.deliver(consumer, delivery, &shutdown).await;
+                    }
+                }) as Pin<Box<dyn Future<Output = ()> + Send + '_>>
+            })
+            .collect();
+        JoinAll { futures: workers }.await;
+    }
+
+    /// Handles one delivery to the end: ack or nack included.
+    pub async fn deliver(
+        &self,
+        consumer: &B::Consumer,
+        delivery: Delivery,
+        shutdown: &watch::Receiver<bool>,
+    ) -> DeliveryOutcome {
+        let queue = &self.settings.spec.queue;
+        let outcome = match EventEnvelope::decode_delivery(&delivery.body) {
+            Err(reason) => {
+                tracing::error!(
+                    queue = %queue,
+                    message_id = delivery.message_id.as_deref().unwrap_or("-"),
+                    routing_key = %delivery.routing_key,
+                    error = %reason,
+                    "delivery is not an event envelope; dead-lettering it"
+                );
+                DeliveryOutcome::Undecodable { reason }
+            }
+            Ok(envelope) => {
+                if let Some(mid) = delivery.message_id.as_deref()
+                    && mid != envelope.id.to_string()
+                {
+                    tracing::warn!(
+                        queue = %queue,
+                        message_id = mid,
+                        event_id = %envelope.id,
+                        "message_id differs from the envelope id; the envelope id is the inbox key"
+                    );
+                }
+                let entry = InboxEntry {
+                    event_id: envelope.id,
+                    subscription: queue,
+                    routing_key: &envelope.routing_key,
+                    payload: &delivery.body,
+                };
+                self.attempt_until_decided(&entry, &envelope, shutdown)
+                    .await
+            }
+        };
+        let settle = match &outcome {
+            DeliveryOutcome::Processed | DeliveryOutcome::Duplicate => {
+                consumer.delivery_ack(delivery.tag).await
+            }
+            DeliveryOutcome::Retrying { .. } | DeliveryOutcome::Requeued => {
+                consumer.delivery_nack(delivery.tag, true).await
+            }
+            DeliveryOutcome::DeadLettered { .. } | DeliveryOutcome::Undecodable { .. } => {
+                consumer.delivery_nack(delivery.tag, false).await
+            }
+        };
+        if let Err(e) = settle {
+            // The broker will redeliver it; the inbox absorbs the repeat.
+            tracing::debug!(queue = %queue, error = %e, "ack/nack lost with the channel");
+        }
+        self.counters.count(&outcome);
+        outcome
+    }
+
+    /// One attempt, repeated in place while the database is unavailable.
+    async fn attempt_until_decided(
+        &self,
+        entry: &InboxEntry<'_>,
+        envelope: &EventEnvelope,
+        shutdown: &watch::Receiver<bool>,
+    ) -> DeliveryOutcome {
+        let mut backoff = RETRY_BACKOFF_MIN;
+        let mut shutdown = shutdown.clone();
+        loop {
+            let result = match self.attempt(entry, envelope).await {
+                Ok(Attempt::Applied) => return DeliveryOutcome::Processed,
+                Ok(Attempt::AlreadyProcessed) => return DeliveryOutcome::Duplicate,
+                Ok(Attempt::HandlerFailed(error)) => {
+                    self.record_failure(entry, &error, &mut shutdown).await
+                }
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(Some(record)) if record.dead_lettered => {
+                    tracing::warn!(
+                        queue = %entry.subscription,
+                        event_id = %entry.event_id,
+                        attempts = record.attempts,
+                        "handler failed for the last time; dead-lettering"
+                    );
+                    return DeliveryOutcome::DeadLettered {
+                        attempts: record.attempts,
+                    };
+                }
+                Ok(Some(record)) => {
+                    return DeliveryOutcome::Retrying {
+                        attempts: record.attempts,
+                    };
+                }
+                Ok(None) => return DeliveryOutcome::Requeued,
+                Err(e) => {
+                    tracing::warn!(
+                        queue = %entry.subscription,
+                        event_id = %entry.event_id,
+                        error = %e,
+                        "inbox unavailable; retrying the delivery in place"
+                    );
+                }
+            }
+            if sleep_or_shutdown(&*self.clock, backoff, &mut shutdown).await {
+                return DeliveryOutcome::Requeued;
+            }
+            backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+        }
+    }
+
+    /// Records a failed attempt, retrying while the database is unavailable;
+    /// `None` if shutdown came first.
+    async fn record_failure(
+        &self,
+        entry: &InboxEntry<'_>,
+        error: &HandlerError,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<Option<AttemptRecord>, StoreError> {
+        let text = truncate_chars(error.message(), LAST_ERROR_MAX_CHARS);
+        let mut backoff = RETRY_BACKOFF_MIN;
+        loop {
+            match self
+                .store
+                .inbox_record_failure(entry, &text, self.settings.max_attempts)
+                .await
+            {
+                Ok(record) => return Ok(Some(record)),
+                Err(e) => tracing::warn!(
+                    event_id = %entry.event_id,
+                    error = %e,
+                    "cannot record a failed attempt; retrying"
+                ),
+            }
+            if sleep_or_shutdown(&*self.clock, backoff, shutdown).await {
+                return Ok(None);
+            }
+            backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+        }
+    }
+
+    /// BEGIN, try_insert, the handler, mark, COMMIT.
+    async fn attempt(
+        &self,
+        entry: &InboxEntry<'_>,
+        envelope: &EventEnvelope,
+    ) -> Result<Attempt, StoreError> {
+        let mut tx = self.store.inbox_begin().await?;
+        let inserted = match self.store.inbox_try_insert(&mut tx, entry).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                self.store.inbox_rollback(tx).await;
+                return Err(e);
+            }
+        };
+        if inserted == InsertOutcome::AlreadyProcessed {
+            self.store.inbox_commit(tx).await?;
+            return Ok(Attempt::AlreadyProcessed);
+        }
+        if let Err(error) = self.handler.handle(&mut tx, envelope).await {
+            self.store.inbox_rollback(tx).await;
+            tracing::debug!(event_id = %entry.event_id, error = %error, "handler failed");
+            return Ok(Attempt::HandlerFailed(error));
+        }
+        if let Err(e) = self
+            .store
+            .inbox_mark_processed(&mut tx, entry.event_id)
+            .await
+        {
+            self.store.inbox_rollback(tx).await;
+            return Err(e);
+        }
+        // A commit whose outcome is unknown is retried like any store error:
+        // the next attempt finds the row processed if it did commit.
+        self.store.inbox_commit(tx).await?;
+        Ok(Attempt::Applied)
+    }
+
+    /// Re-runs the handler, with the inbox's semantics, for unprocessed
+    /// rows of this subscription matching `filter`, after giving them a
+    /// fresh budget. No broker is involved: a dead-lettered delivery stays in
+    /// `<queue>.dlq` for the record; its effect comes from here.
+    pub async fn replay(
+        &self,
+        filter: &InboxFilter,
+    ) -> Result<Vec<(uuid::Uuid, ReplayOutcome)>, StoreError> {
+        let mut filter = filter.clone();
+        filter.subscription = Some(self.settings.spec.queue.clone());
+        let rows = self.store.inbox_list_unprocessed(&filter).await?;
+        let ids: Vec<_> = rows.iter().map(|r| r.event_id).collect();
+        self.store.inbox_reset_attempts(&ids).await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let outcome = match EventEnvelope::decode_delivery(&row.payload) {
+                Err(reason) => ReplayOutcome::Undecodable { reason },
+                Ok(envelope) => {
+                    let entry = InboxEntry {
+                        event_id: row.event_id,
+                        subscription: &row.subscription,
+                        routing_key: &row.routing_key,
+                        payload: &row.payload,
+                    };
+                    match self.attempt(&entry, &envelope).await? {
+                        Attempt::Applied => {
+                            self.counters.processed.fetch_add(1, Ordering::Relaxed);
+                            ReplayOutcome::Applied
+                        }
+                        Attempt::AlreadyProcessed => ReplayOutcome::AlreadyProcessed,
+                        Attempt::HandlerFailed(error) => {
+                            let text = truncate_chars(error.message(), LAST_ERROR_MAX_CHARS);
+                            self.store
+                                .inbox_record_failure(&entry, &text, self.settings.max_attempts)
+                                .await?;
+                            ReplayOutcome::Failed { error: text }
+                        }
+                    }
+                }
+            };
+            out.push((row.event_id, outcome));
+        }
+        Ok(out)
+    }
+}
+
+enum Attempt {
+    Applied,
+    AlreadyProcessed,
+    HandlerFailed(HandlerError),
+}
+
+/// Polls every future, in order, until all are done: the workers of one
+/// consumer, without spawning (so the caller's runtime, real or simulated,
+/// schedules them deterministically).
+struct JoinAll<'a> {
+    futures: Vec<Pin<Box<dyn Future<Output = ()> + Send + 'a>>>,
+}
+
+impl Future for JoinAll<'_> {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.futures
+            .retain_mut(|f| f.as_mut().poll(cx).is_pending());
+        if self.futures.is_empty() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}

@@ -1,0 +1,13 @@
+-- Replay and operators: unprocessed rows, oldest first, filtered.
+-- $1 ids (NULL: any), $2 subscription (NULL: any), $3 routing key
+-- (NULL: any), $4 dead-lettered only, $5 limit.
+SELECT event_id, subscription, routing_key, payload::text AS payload,
+       attempts, last_error, received_at, dead_lettered_at
+FROM event_inbox
+WHERE processed_at IS NULL
+  AND ($1::uuid[] IS NULL OR event_id = ANY($1))
+  AND ($2::text IS NULL OR subscription = $2)
+  AND ($3::text IS NULL OR routing_key = $3)
+  AND (NOT $4 OR dead_lettered_at IS NOT NULL)
+ORDER BY received_at, event_id
+LIMIT $5

@@ -1,0 +1,311 @@
+//! The subscriber against the real local PostgreSQL and RabbitMQ: duplicates
+//! take effect once, failed attempts are retried then dead-lettered into
+//! `<queue>.dlq` with the attempts recorded, undecodable deliveries go to the
+//! dead-letter queue at once, and replay applies a dead-lettered event once.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{delete_queue, eventually, unique};
+use lapin::options::BasicGetOptions;
+use outbox::core::ports::{Broker, InboxFilter, OutgoingMessage, PublishChannel, SubscriptionSpec};
+use outbox::core::subscriber::{
+    Handler, ReplayOutcome, Subscriber, SubscriberCounters, SubscriberSettings,
+};
+use outbox::pg::inbox::{PgInboxStore, PgTx};
+use outbox::{EventEnvelope, HandlerError, LapinBroker, TokioClock};
+use sqlx::PgPool;
+use tokio::sync::watch;
+use uuid::Uuid;
+
+/// Writes one domain row per event it applies (no unique key: a second
+/// application would show as a second row). Fails the first attempt of
+/// every event when `fail_first`, every attempt when `always_fail`.
+struct Effects {
+    fail_first: bool,
+    always_fail: Arc<Mutex<bool>>,
+    seen: Mutex<BTreeSet<Uuid>>,
+}
+
+impl Handler<PgTx> for Effects {
+    async fn handle(&self, tx: &mut PgTx, event: &EventEnvelope) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO effects (event_id) VALUES ($1)")
+            .bind(event.id)
+            .execute(&mut **tx)
+            .await?;
+        if *self.always_fail.lock().unwrap() {
+            return Err(HandlerError::msg("downstream refused the event"));
+        }
+        if self.fail_first && self.seen.lock().unwrap().insert(event.id) {
+            return Err(HandlerError::msg("first attempt fails"));
+        }
+        Ok(())
+    }
+}
+
+struct Running {
+    pool: PgPool,
+    queue: String,
+    exchange: String,
+    broker: Arc<LapinBroker>,
+    subscriber: Arc<Subscriber<PgInboxStore, LapinBroker, TokioClock, Effects>>,
+    counters: Arc<SubscriberCounters>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+    always_fail: Arc<Mutex<bool>>,
+}
+
+async fn start(pool: PgPool, fail_first: bool, always_fail: bool) -> Running {
+    sqlx::query("CREATE TABLE effects (event_id UUID NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let queue = unique("sub");
+    let exchange = unique("sub.x");
+    let broker = Arc::new(LapinBroker::new(common::amqp_url()));
+    let always_fail = Arc::new(Mutex::new(always_fail));
+    let handler = Arc::new(Effects {
+        fail_first,
+        always_fail: always_fail.clone(),
+        seen: Mutex::default(),
+    });
+    let settings = SubscriberSettings {
+        spec: SubscriptionSpec {
+            queue: queue.clone(),
+            exchange: exchange.clone(),
+            bindings: vec!["orders.#".into()],
+            prefetch: 16,
+        },
+        concurrency: 4,
+        max_attempts: 3,
+    };
+    let subscriber = Arc::new(Subscriber::new(
+        Arc::new(PgInboxStore::new(pool.clone())),
+        broker.clone(),
+        Arc::new(TokioClock::default()),
+        handler,
+        settings,
+    ));
+    let counters = subscriber.counters();
+    let (stop, rx) = watch::channel(false);
+    let s = subscriber.clone();
+    let task = tokio::spawn(async move { s.run(rx).await.unwrap() });
+    // The queue exists once the subscriber has declared it.
+    let conn = common::connect().await;
+    let q = queue.clone();
+    eventually(Duration::from_secs(10), || {
+        let conn = &conn;
+        let q = q.clone();
+        async move {
+            let ch = conn.create_channel().await.unwrap();
+            ch.queue_declare(
+                q.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await
+            .is_ok()
+        }
+    })
+    .await;
+    Running {
+        pool,
+        queue,
+        exchange,
+        broker,
+        subscriber,
+        counters,
+        stop,
+        task,
+        always_fail,
+    }
+}
+
+impl Running {
+    async fn publish(&self, routing_key: &str, message_id: Uuid, body: &[u8]) {
+        let mut ch = self.broker.channel_open().await.unwrap();
+        ch.channel_confirm_select().await.unwrap();
+        let confirm = ch
+            .channel_publish(OutgoingMessage {
+                exchange: &self.exchange,
+                routing_key,
+                message_id,
+                body,
+            })
+            .await
+            .unwrap();
+        assert_eq!(confirm.await.unwrap(), outbox::core::ports::Confirm::Ack);
+    }
+
+    async fn publish_envelope(&self, e: &EventEnvelope) {
+        let body = e.encode(&Default::default()).unwrap();
+        self.publish(&e.routing_key, e.id, body.as_bytes()).await;
+    }
+
+    async fn effects(&self, id: Uuid) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn inbox(&self, id: Uuid) -> Option<(bool, i32, bool)> {
+        sqlx::query_as(
+            "SELECT processed_at IS NOT NULL, attempts, dead_lettered_at IS NOT NULL \
+             FROM event_inbox WHERE event_id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    async fn dlq_bodies(&self) -> Vec<Vec<u8>> {
+        let conn = common::connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        let mut out = Vec::new();
+        while let Some(m) = ch
+            .basic_get(
+                format!("{}.dlq", self.queue).as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+        {
+            out.push(m.delivery.data.clone());
+        }
+        out
+    }
+
+    async fn stop(self) {
+        self.stop.send(true).unwrap();
+        tokio::time::timeout(Duration::from_secs(15), self.task)
+            .await
+            .expect("the subscriber stops within 15 s")
+            .unwrap();
+        let conn = common::connect().await;
+        delete_queue(&conn, &self.queue).await;
+        delete_queue(&conn, &format!("{}.dlq", self.queue)).await;
+        self.broker.close().await;
+    }
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn duplicates_published_on_purpose_take_effect_once(pool: PgPool) {
+    let r = start(pool, false, false).await;
+    let e = EventEnvelope::new("orders.created", serde_json::json!({ "order": 1 }));
+    // The same message twice (a republish after a lost mark looks exactly
+    // like this to the consumer), and a second event.
+    r.publish_envelope(&e).await;
+    r.publish_envelope(&e).await;
+    let other = EventEnvelope::new("orders.paid", serde_json::json!({ "order": 1 }));
+    r.publish_envelope(&other).await;
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(20), || {
+        let s = c.snapshot();
+        async move { s.processed + s.duplicates == 3 }
+    })
+    .await;
+    let s = r.counters.snapshot();
+    assert_eq!((s.processed, s.duplicates), (2, 1), "{s:?}");
+    assert_eq!(r.effects(e.id).await, 1);
+    assert_eq!(r.effects(other.id).await, 1);
+    assert_eq!(r.inbox(e.id).await, Some((true, 0, false)));
+    r.stop().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_handler_failing_every_first_attempt_still_takes_effect_once(pool: PgPool) {
+    let r = start(pool, true, false).await;
+    let events: Vec<_> = (0..10)
+        .map(|i| EventEnvelope::new("orders.created", serde_json::json!({ "order": i })))
+        .collect();
+    for e in &events {
+        r.publish_envelope(e).await;
+    }
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(20), || {
+        let s = c.snapshot();
+        async move { s.processed == 10 }
+    })
+    .await;
+    assert_eq!(r.counters.snapshot().retried, 10);
+    for e in &events {
+        assert_eq!(r.effects(e.id).await, 1, "the failed attempt rolled back");
+        assert_eq!(
+            r.inbox(e.id).await,
+            Some((true, 1, false)),
+            "one attempt recorded"
+        );
+    }
+    r.stop().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_permanently_failing_event_ends_in_the_dlq_after_max_attempts_and_replays_once(
+    pool: PgPool,
+) {
+    let r = start(pool, false, true).await;
+    let e = EventEnvelope::new("orders.created", serde_json::json!({ "order": 7 }));
+    r.publish_envelope(&e).await;
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(20), || {
+        let s = c.snapshot();
+        async move { s.dead_lettered == 1 }
+    })
+    .await;
+    assert_eq!(r.counters.snapshot().retried, 2);
+    assert_eq!(r.effects(e.id).await, 0, "no failed attempt left an effect");
+    assert_eq!(r.inbox(e.id).await, Some((false, 3, true)));
+    let dlq = r.dlq_bodies().await;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(EventEnvelope::decode(&dlq[0]).unwrap().id, e.id);
+
+    // The downstream recovers; the operator replays the dead-lettered event.
+    *r.always_fail.lock().unwrap() = false;
+    let filter = InboxFilter {
+        dead_lettered_only: true,
+        ..InboxFilter::default()
+    };
+    let replayed = r.subscriber.replay(&filter).await.unwrap();
+    assert_eq!(replayed, vec![(e.id, ReplayOutcome::Applied)]);
+    assert_eq!(r.effects(e.id).await, 1);
+    assert_eq!(r.inbox(e.id).await, Some((true, 0, false)));
+    // A second replay finds nothing unprocessed.
+    assert!(r.subscriber.replay(&filter).await.unwrap().is_empty());
+    assert_eq!(r.effects(e.id).await, 1);
+    r.stop().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn an_undecodable_delivery_goes_to_the_dlq_at_once(pool: PgPool) {
+    let r = start(pool, false, false).await;
+    let id = Uuid::now_v7();
+    r.publish("orders.created", id, b"{not json").await;
+    // An envelope with a NUL in its payload: PostgreSQL could never store it.
+    let mut nul = EventEnvelope::new("orders.created", serde_json::json!({ "s": "a" }));
+    nul.payload = serde_json::json!({ "s": "a\u{0}b" });
+    let body = serde_json::to_vec(&nul).unwrap();
+    r.publish("orders.created", nul.id, &body).await;
+    let good = EventEnvelope::new("orders.created", serde_json::json!({ "order": 1 }));
+    r.publish_envelope(&good).await;
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(20), || {
+        let s = c.snapshot();
+        async move { s.undecodable == 2 && s.processed == 1 }
+    })
+    .await;
+    assert_eq!(r.counters.snapshot().retried, 0, "never requeued");
+    assert_eq!(r.dlq_bodies().await.len(), 2);
+    assert_eq!(r.inbox(id).await, None);
+    assert_eq!(r.inbox(nul.id).await, None);
+    assert_eq!(r.effects(good.id).await, 1);
+    r.stop().await;
+}
