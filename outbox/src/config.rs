@@ -45,6 +45,40 @@ pub mod vars {
     pub const OLDEST_WARN_SECS: &str = "CANOPY_MQ_OUTBOX_OLDEST_WARN_SECS";
     /// Pre-ADR-018 in-memory buffer size: accepted, ignored, warned about once.
     pub const BUFFER_MAX: &str = "CANOPY_MQ_BUFFER_MAX";
+    /// Days a processed inbox row is kept before the inbox janitor deletes it.
+    pub const INBOX_RETENTION_DAYS: &str = "CANOPY_MQ_INBOX_RETENTION_DAYS";
+}
+
+impl crate::core::janitor::InboxJanitorSettings {
+    /// Reads `CANOPY_MQ_INBOX_RETENTION_DAYS` (default 7); fails naming it.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Like [`Self::from_env`], reading variables through `lookup`.
+    ///
+    /// ```
+    /// use outbox::core::janitor::InboxJanitorSettings;
+    /// let s = InboxJanitorSettings::from_lookup(|_| Some("30".into())).unwrap();
+    /// assert_eq!(s.retention.as_secs(), 30 * 86_400);
+    /// let e = InboxJanitorSettings::from_lookup(|_| Some("soon".into())).unwrap_err();
+    /// assert!(e.to_string().starts_with("CANOPY_MQ_INBOX_RETENTION_DAYS=soon is invalid"));
+    /// ```
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let mut settings = Self::default();
+        if let Some(v) = lookup(vars::INBOX_RETENTION_DAYS) {
+            let days: u64 = parse(vars::INBOX_RETENTION_DAYS, &v)?;
+            if days > RETENTION_DAYS_MAX {
+                return Err(ConfigError::Invalid {
+                    var: vars::INBOX_RETENTION_DAYS,
+                    value: v,
+                    rule: format!("must be <= {RETENTION_DAYS_MAX}"),
+                });
+            }
+            settings.retention = Duration::from_secs(days * 86_400);
+        }
+        Ok(settings)
+    }
 }
 
 /// Everything the drainer, its janitor and its stats task need to know.

@@ -44,4 +44,4 @@ pub use migrate::{MIGRATOR, migrator};
 pub use pg::PgOutboxStore;
 pub use pg::inbox::{PgInboxStore, PgTx};
 pub use pg::publisher::Publisher;
-pub use runtime::{DrainerHandle, OsEntropy, SplitMix64, TokioClock};
+pub use runtime::{DrainerHandle, InboxDrainer, OsEntropy, SplitMix64, TokioClock};

@@ -10,10 +10,12 @@ use tokio::task::JoinHandle;
 use crate::amqp::LapinBroker;
 use crate::config::DrainerConfig;
 use crate::core::drainer::Drainer;
+use crate::core::janitor::InboxJanitorSettings;
 use crate::core::ports::{Clock, Entropy};
 use crate::core::stats::{OutboxHealth, Readiness};
 use crate::core::{janitor, stats};
 use crate::pg::PgOutboxStore;
+use crate::pg::inbox::PgInboxStore;
 
 /// Tokio's clock. Under `tokio::time::pause` (and turmoil) it is simulated.
 #[derive(Debug, Clone)]
@@ -178,5 +180,52 @@ impl DrainerHandle {
             }
         }
         self.broker.close().await;
+    }
+}
+
+/// The inbox janitor of amendment #433, running on its own task: deletes
+/// processed `event_inbox` rows past retention, hourly, in bounded batches;
+/// unprocessed rows stay for replay.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox::core::janitor::InboxJanitorSettings;
+/// let settings = InboxJanitorSettings::from_env()?; // CANOPY_MQ_INBOX_RETENTION_DAYS
+/// let janitor = outbox::InboxDrainer::spawn_with(pool, settings);
+/// // ...
+/// janitor.shutdown().await;
+/// # Ok(()) }
+/// ```
+pub struct InboxDrainer {
+    shutdown: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl InboxDrainer {
+    /// Spawns the janitor with the default settings (7 days, hourly).
+    pub fn spawn(pool: sqlx::PgPool) -> Self {
+        Self::spawn_with(pool, InboxJanitorSettings::default())
+    }
+
+    /// Spawns the janitor with `settings`.
+    pub fn spawn_with(pool: sqlx::PgPool, settings: InboxJanitorSettings) -> Self {
+        let (tx, rx) = watch::channel(false);
+        let task = tokio::spawn(janitor::run_inbox(
+            Arc::new(PgInboxStore::new(pool)),
+            Arc::new(TokioClock::default()),
+            settings,
+            rx,
+        ));
+        Self { shutdown: tx, task }
+    }
+
+    /// Stops the janitor after its current statement.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        if let Err(e) = self.task.await
+            && e.is_panic()
+        {
+            tracing::error!(error = %e, "inbox janitor panicked");
+        }
     }
 }

@@ -309,3 +309,57 @@ async fn an_undecodable_delivery_goes_to_the_dlq_at_once(pool: PgPool) {
     assert_eq!(r.effects(good.id).await, 1);
     r.stop().await;
 }
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn the_inbox_janitor_deletes_only_processed_rows_past_retention(pool: PgPool) {
+    use outbox::core::janitor::{InboxJanitorSettings, sweep_inbox};
+    // 0, 1: processed 8 days ago; 2: processed now; 3: unprocessed, received
+    // 30 days ago; 4: dead-lettered 30 days ago.
+    let ids: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    for (i, (processed, received, dead)) in [
+        (
+            "now() - interval '8 days'",
+            "now() - interval '9 days'",
+            "NULL",
+        ),
+        (
+            "now() - interval '8 days'",
+            "now() - interval '9 days'",
+            "NULL",
+        ),
+        ("now()", "now()", "NULL"),
+        ("NULL", "now() - interval '30 days'", "NULL"),
+        (
+            "NULL",
+            "now() - interval '30 days'",
+            "now() - interval '30 days'",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO event_inbox (event_id, subscription, routing_key, payload, \
+             processed_at, received_at, dead_lettered_at) \
+             VALUES ($1, 'q', 'k', '{{}}', {processed}, {received}, {dead})"
+        )))
+        .bind(ids[i])
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let store = PgInboxStore::new(pool.clone());
+    let settings = InboxJanitorSettings {
+        batch: 1,
+        ..InboxJanitorSettings::default()
+    };
+    assert_eq!(sweep_inbox(&store, &settings).await.unwrap(), 2);
+    let left: Vec<Uuid> = sqlx::query_scalar("SELECT event_id FROM event_inbox ORDER BY event_id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, ids[2..].to_vec());
+    // The spawned janitor sweeps at once and stops when told.
+    let janitor = outbox::InboxDrainer::spawn(pool.clone());
+    janitor.shutdown().await;
+}
