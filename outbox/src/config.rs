@@ -47,6 +47,139 @@ pub mod vars {
     pub const BUFFER_MAX: &str = "CANOPY_MQ_BUFFER_MAX";
     /// Days a processed inbox row is kept before the inbox janitor deletes it.
     pub const INBOX_RETENTION_DAYS: &str = "CANOPY_MQ_INBOX_RETENTION_DAYS";
+    /// Unacknowledged deliveries the broker may push to one subscriber.
+    pub const SUBSCRIBER_PREFETCH: &str = "CANOPY_MQ_SUBSCRIBER_PREFETCH";
+    /// Deliveries one subscriber handles at once.
+    pub const SUBSCRIBER_CONCURRENCY: &str = "CANOPY_MQ_SUBSCRIBER_CONCURRENCY";
+    /// Failed handler attempts before a delivery is dead-lettered.
+    pub const SUBSCRIBER_MAX_ATTEMPTS: &str = "CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS";
+}
+
+/// Upper bound on a subscriber's handler concurrency.
+pub const SUBSCRIBER_CONCURRENCY_MAX: u32 = 1024;
+
+impl crate::core::subscriber::SubscriberSettings {
+    /// A subscription of `queue` to `bindings` on the default exchange
+    /// (`canopy.events`) with the default prefetch (32), concurrency (4) and
+    /// attempt budget (5). Call [`validate`](Self::validate) (or use
+    /// [`from_env`](Self::from_env), which does) before running it.
+    pub fn new(queue: impl Into<String>, bindings: &[&str]) -> Self {
+        Self {
+            spec: crate::core::ports::SubscriptionSpec {
+                queue: queue.into(),
+                exchange: "canopy.events".into(),
+                bindings: bindings.iter().map(|b| (*b).to_owned()).collect(),
+                prefetch: 32,
+            },
+            concurrency: 4,
+            max_attempts: 5,
+        }
+    }
+
+    /// [`new`](Self::new) with `CANOPY_MQ_EXCHANGE`,
+    /// `CANOPY_MQ_SUBSCRIBER_PREFETCH`, `CANOPY_MQ_SUBSCRIBER_CONCURRENCY` and
+    /// `CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS` applied, then validated.
+    pub fn from_env(queue: impl Into<String>, bindings: &[&str]) -> Result<Self, ConfigError> {
+        Self::from_lookup(queue, bindings, |name| std::env::var(name).ok())
+    }
+
+    /// Like [`from_env`](Self::from_env), reading variables through `lookup`.
+    ///
+    /// ```
+    /// use outbox::SubscriberSettings;
+    /// let s = SubscriberSettings::from_lookup("billing.orders", &["orders.*"], |v| {
+    ///     (v == "CANOPY_MQ_SUBSCRIBER_PREFETCH").then(|| "64".to_owned())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(s.spec.prefetch, 64);
+    /// let e = SubscriberSettings::from_lookup("billing.orders", &["orders.*"], |v| {
+    ///     (v == "CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS").then(|| "0".to_owned())
+    /// })
+    /// .unwrap_err();
+    /// assert_eq!(e.to_string(), "CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS=0 is invalid: must be > 0");
+    /// ```
+    pub fn from_lookup(
+        queue: impl Into<String>,
+        bindings: &[&str],
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let mut s = Self::new(queue, bindings);
+        if let Some(v) = lookup(vars::EXCHANGE) {
+            s.spec.exchange = v;
+        }
+        if let Some(v) = lookup(vars::SUBSCRIBER_PREFETCH) {
+            s.spec.prefetch = parse(vars::SUBSCRIBER_PREFETCH, &v)?;
+        }
+        if let Some(v) = lookup(vars::SUBSCRIBER_CONCURRENCY) {
+            s.concurrency = parse(vars::SUBSCRIBER_CONCURRENCY, &v)?;
+        }
+        if let Some(v) = lookup(vars::SUBSCRIBER_MAX_ATTEMPTS) {
+            s.max_attempts = parse(vars::SUBSCRIBER_MAX_ATTEMPTS, &v)?;
+        }
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// Checks every rule, naming the variable (or setting) that breaks one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |var: &'static str, value: &dyn std::fmt::Display, rule: &str| {
+            Err(ConfigError::Invalid {
+                var,
+                value: value.to_string(),
+                rule: rule.to_owned(),
+            })
+        };
+        let spec = &self.spec;
+        // `<queue>.dlq` must fit in an AMQP short string too.
+        if spec.queue.trim().is_empty()
+            || spec.queue.len() + 4 > crate::envelope::ROUTING_KEY_MAX_BYTES
+        {
+            return invalid(
+                "queue",
+                &spec.queue,
+                "must be non-blank and at most 251 bytes",
+            );
+        }
+        if spec.exchange.is_empty() || spec.exchange.len() > crate::envelope::ROUTING_KEY_MAX_BYTES
+        {
+            return invalid(vars::EXCHANGE, &spec.exchange, "must be 1 to 255 bytes");
+        }
+        if spec.bindings.is_empty() {
+            return invalid("bindings", &"[]", "must name at least one binding key");
+        }
+        if let Some(b) = spec
+            .bindings
+            .iter()
+            .find(|b| b.len() > crate::envelope::ROUTING_KEY_MAX_BYTES)
+        {
+            return invalid("bindings", b, "each must be at most 255 bytes");
+        }
+        if spec.prefetch == 0 {
+            return invalid(vars::SUBSCRIBER_PREFETCH, &spec.prefetch, "must be > 0");
+        }
+        if self.concurrency == 0 || self.concurrency > SUBSCRIBER_CONCURRENCY_MAX {
+            return invalid(
+                vars::SUBSCRIBER_CONCURRENCY,
+                &self.concurrency,
+                "must be > 0 and <= 1024",
+            );
+        }
+        if self.concurrency > u32::from(spec.prefetch) {
+            return invalid(
+                vars::SUBSCRIBER_CONCURRENCY,
+                &self.concurrency,
+                "must be <= CANOPY_MQ_SUBSCRIBER_PREFETCH (workers beyond it would never get a delivery)",
+            );
+        }
+        if self.max_attempts == 0 {
+            return invalid(
+                vars::SUBSCRIBER_MAX_ATTEMPTS,
+                &self.max_attempts,
+                "must be > 0",
+            );
+        }
+        Ok(())
+    }
 }
 
 impl crate::core::janitor::InboxJanitorSettings {

@@ -145,6 +145,9 @@ impl DrainError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SubscribeError {
+    /// The settings break a rule.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     /// The broker refused the topology (queue, dead-letter queue, bindings)
     /// or the consumer; for example a queue that already exists with other
     /// arguments (`PRECONDITION_FAILED`).

@@ -17,7 +17,9 @@
 //! - [`config`]: `CANOPY_MQ_*` configuration and its boot asserts.
 //! - [`migrate`]: the embedded migrator and the byte-identity check.
 //! - [`runtime`]: tokio clock, OS entropy, and [`DrainerHandle`] wiring.
-//! - [`admin`]: operator functions (parked-row listing, unpark).
+//! - [`admin`]: operator functions (parked-row listing, unpark); [`http`]: the
+//!   admin HTTP surface (axum `Router`: replay, parked rows, unpark, `/readyz`,
+//!   `/metrics`), behind the default `admin-http` feature.
 //! - [`error`]: every error type.
 
 pub mod admin;
@@ -26,6 +28,8 @@ pub mod config;
 pub mod core;
 pub mod envelope;
 pub mod error;
+#[cfg(feature = "admin-http")]
+pub mod http;
 pub mod migrate;
 pub mod pg;
 pub mod runtime;

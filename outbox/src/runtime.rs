@@ -158,6 +158,14 @@ impl DrainerHandle {
         self.health.readiness(&self.config, self.clock.now())
     }
 
+    /// A cloneable readiness check for an admin surface (`/readyz`).
+    pub fn readiness_probe(&self) -> impl Fn() -> Readiness + Send + Sync + 'static {
+        let health = self.health.clone();
+        let config = self.config.clone();
+        let clock = self.clock.clone();
+        move || health.readiness(&config, clock.now())
+    }
+
     /// The shared health snapshot (for an admin surface).
     pub fn health(&self) -> &OutboxHealth {
         &self.health

@@ -363,3 +363,77 @@ async fn the_inbox_janitor_deletes_only_processed_rows_past_retention(pool: PgPo
     let janitor = outbox::InboxDrainer::spawn(pool.clone());
     janitor.shutdown().await;
 }
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn replay_through_the_http_route_applies_a_dead_lettered_event_once(pool: PgPool) {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode, header};
+    use outbox::http::{AdminAuth, AdminRouter};
+    use tower::ServiceExt;
+
+    let r = start(pool, false, true).await;
+    let e = EventEnvelope::new("orders.created", serde_json::json!({ "order": 9 }));
+    r.publish_envelope(&e).await;
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(20), || {
+        let s = c.snapshot();
+        async move { s.dead_lettered == 1 }
+    })
+    .await;
+    *r.always_fail.lock().unwrap() = false;
+    let token = "replay-token-long-enough";
+    let router = AdminRouter::new(AdminAuth::bearer(token).unwrap())
+        .subscriber(r.subscriber.clone())
+        .build();
+    let replay = |body: String| {
+        let router = router.clone();
+        async move {
+            let req = Request::builder()
+                .method("POST")
+                .uri("/v1/admin/events/replay")
+                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(body))
+                .unwrap();
+            let resp = router.oneshot(req).await.unwrap();
+            let status = resp.status();
+            let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            (
+                status,
+                serde_json::from_slice::<serde_json::Value>(&bytes).unwrap(),
+            )
+        }
+    };
+    let body = format!(r#"{{"ids":["{}"]}}"#, e.id);
+    let (status, json) = replay(body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{json}");
+    assert_eq!(json["results"][0]["event_id"], e.id.to_string());
+    assert_eq!(json["results"][0]["subscription"], r.queue);
+    assert_eq!(json["results"][0]["outcome"], "applied");
+    assert_eq!(r.effects(e.id).await, 1);
+    // Again: nothing unprocessed is left, nothing runs twice.
+    let (status, json) = replay(body).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(json["results"], serde_json::json!([]));
+    assert_eq!(r.effects(e.id).await, 1);
+    // The counters show on /metrics.
+    let req = Request::builder()
+        .uri("/metrics")
+        .body(Body::empty())
+        .unwrap();
+    let resp = router.clone().oneshot(req).await.unwrap();
+    let text = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&text);
+    assert!(
+        text.contains(&format!(
+            "canopy_mq_subscriber_dead_lettered_total{{queue=\"{}\"}} 1",
+            r.queue
+        )),
+        "{text}"
+    );
+    r.stop().await;
+}

@@ -219,11 +219,12 @@ where
     /// are acked or nacked, then the consumer closes. Reopens the consumer
     /// with a backoff whenever the broker loses it.
     ///
-    /// Fails only if the very first attempt to set the subscription up is
-    /// refused by the broker (not merely unreachable): a queue declared
-    /// elsewhere with other arguments, say. That is a deployment error to
-    /// see at boot, not to retry forever.
+    /// Fails only on invalid settings, or if the very first attempt to set
+    /// the subscription up is refused by the broker (not merely
+    /// unreachable): a queue declared elsewhere with other arguments, say.
+    /// Both are deployment errors to see at boot, not to retry forever.
     pub async fn run(&self, mut shutdown: watch::Receiver<bool>) -> Result<(), SubscribeError> {
+        self.settings.validate()?;
         let spec = &self.settings.spec;
         let mut backoff = RETRY_BACKOFF_MIN;
         let mut first = true;

@@ -1,0 +1,533 @@
+//! The admin HTTP surface a service mounts (ADR-018, amendment #433 and
+//! note #1230), as an axum [`Router`]:
+//!
+//! | route | what |
+//! |---|---|
+//! | `POST /v1/admin/events/replay` | re-run the handler for unprocessed inbox rows (by ids or filter), budget reset |
+//! | `GET /v1/admin/outbox/parked?limit=N` | list parked outbox rows |
+//! | `POST /v1/admin/outbox/unpark` | unpark `{"ids":[…]}` or `{"all":true}`, budget reset |
+//! | `GET /readyz` | the producer half's readiness (200 or 503, with reasons) |
+//! | `GET /metrics` | Prometheus text: outbox gauges, subscriber counters |
+//!
+//! `/v1/admin/*` requires `Authorization: Bearer <token>` (compared in
+//! constant time); the router refuses to build without a token unless told
+//! explicitly to run open ([`AdminAuth::open_insecure`]). `/readyz` and
+//! `/metrics` are open, as probes and scrapers expect. Every error is JSON
+//! (`{"error": "…"}`) with a 4xx for the caller's mistakes and a 503 when the
+//! database is unavailable; nothing panics on bad input.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool, drainer: outbox::DrainerHandle) -> Result<(), Box<dyn std::error::Error>> {
+//! use outbox::http::{AdminAuth, AdminRouter};
+//! let router = AdminRouter::new(AdminAuth::from_env()?) // CANOPY_MQ_ADMIN_TOKEN
+//!     .outbox(outbox::PgOutboxStore::new(pool.clone()))
+//!     .readiness(drainer.readiness_probe())
+//!     .build();
+//! // axum::serve(listener, router) in the service's own server.
+//! # Ok(()) }
+//! ```
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
+use crate::PgOutboxStore;
+use crate::admin;
+use crate::core::ports::{
+    Clock, ConsumerBroker, InboxFilter, InboxStore, OutboxStats, UnparkSelector,
+};
+use crate::core::stats::{Readiness, gauges};
+use crate::core::subscriber::{Handler, ReplayOutcome, Subscriber, SubscriberStats};
+use crate::error::{ConfigError, StoreError};
+
+/// Variable holding the admin bearer token.
+pub const ADMIN_TOKEN_VAR: &str = "CANOPY_MQ_ADMIN_TOKEN";
+/// Variable that, set to `true`, allows an admin surface without a token.
+pub const ADMIN_OPEN_VAR: &str = "CANOPY_MQ_ADMIN_OPEN";
+/// Shortest token accepted.
+pub const TOKEN_MIN_BYTES: usize = 16;
+
+/// How admin routes authenticate callers.
+#[derive(Clone)]
+pub struct AdminAuth {
+    /// SHA-256 of the token; `None` runs open.
+    token_digest: Option<[u8; 32]>,
+}
+
+impl std::fmt::Debug for AdminAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mode = if self.token_digest.is_some() {
+            "bearer(***)"
+        } else {
+            "open"
+        };
+        f.debug_struct("AdminAuth").field("mode", &mode).finish()
+    }
+}
+
+impl AdminAuth {
+    /// Requires `Authorization: Bearer <token>`; the token must be at least
+    /// [`TOKEN_MIN_BYTES`] long.
+    pub fn bearer(token: &str) -> Result<Self, ConfigError> {
+        if token.trim().len() < TOKEN_MIN_BYTES {
+            return Err(ConfigError::Invalid {
+                var: ADMIN_TOKEN_VAR,
+                value: "***".into(),
+                rule: format!("must be at least {TOKEN_MIN_BYTES} bytes"),
+            });
+        }
+        Ok(Self {
+            token_digest: Some(Sha256::digest(token.trim().as_bytes()).into()),
+        })
+    }
+
+    /// No authentication at all: only for a surface reachable by operators
+    /// alone (a sidecar port on localhost, say).
+    pub fn open_insecure() -> Self {
+        Self { token_digest: None }
+    }
+
+    /// From `CANOPY_MQ_ADMIN_TOKEN`; without it, fails unless
+    /// `CANOPY_MQ_ADMIN_OPEN=true` says to run open.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Like [`from_env`](Self::from_env), reading variables through `lookup`.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        match (lookup(ADMIN_TOKEN_VAR), lookup(ADMIN_OPEN_VAR)) {
+            (Some(token), _) => Self::bearer(&token),
+            (None, Some(open)) if open.trim() == "true" => {
+                tracing::warn!("admin surface runs without authentication ({ADMIN_OPEN_VAR}=true)");
+                Ok(Self::open_insecure())
+            }
+            (None, open) => Err(ConfigError::Invalid {
+                var: ADMIN_TOKEN_VAR,
+                value: String::new(),
+                rule: format!(
+                    "must be set (or set {ADMIN_OPEN_VAR}=true to run the admin surface open; \
+                     it is {})",
+                    open.map_or("unset".into(), |v| format!("{v:?}"))
+                ),
+            }),
+        }
+    }
+
+    fn allows(&self, headers: &HeaderMap) -> bool {
+        let Some(expected) = self.token_digest else {
+            return true;
+        };
+        let Some(given) = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+        else {
+            return false;
+        };
+        // Equal-length digests, compared without an early exit.
+        let given: [u8; 32] = Sha256::digest(given.trim().as_bytes()).into();
+        given
+            .iter()
+            .zip(expected.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A subscriber as the admin surface sees it: replay and counters.
+pub trait ReplayTarget: Send + Sync + 'static {
+    /// The subscription (queue) name.
+    fn subscription(&self) -> &str;
+    /// Replays unprocessed rows of this subscription matching `filter`.
+    fn replay<'a>(
+        &'a self,
+        filter: &'a InboxFilter,
+    ) -> BoxFuture<'a, Result<Vec<(Uuid, ReplayOutcome)>, StoreError>>;
+    /// Counters since start.
+    fn stats(&self) -> SubscriberStats;
+}
+
+impl<S, B, C, H> ReplayTarget for Subscriber<S, B, C, H>
+where
+    S: InboxStore,
+    B: ConsumerBroker,
+    C: Clock,
+    H: Handler<S::Tx>,
+{
+    fn subscription(&self) -> &str {
+        &self.settings().spec.queue
+    }
+
+    fn replay<'a>(
+        &'a self,
+        filter: &'a InboxFilter,
+    ) -> BoxFuture<'a, Result<Vec<(Uuid, ReplayOutcome)>, StoreError>> {
+        Box::pin(Subscriber::replay(self, filter))
+    }
+
+    fn stats(&self) -> SubscriberStats {
+        self.counters().snapshot()
+    }
+}
+
+type ReadinessProbe = Arc<dyn Fn() -> Readiness + Send + Sync>;
+
+/// Builds the admin [`Router`].
+pub struct AdminRouter {
+    auth: AdminAuth,
+    outbox: Option<PgOutboxStore>,
+    readiness: Option<ReadinessProbe>,
+    targets: BTreeMap<String, Arc<dyn ReplayTarget>>,
+}
+
+#[derive(Clone)]
+struct AppState {
+    auth: AdminAuth,
+    outbox: Option<PgOutboxStore>,
+    readiness: Option<ReadinessProbe>,
+    targets: Arc<BTreeMap<String, Arc<dyn ReplayTarget>>>,
+}
+
+impl AdminRouter {
+    /// A router authenticating admin calls with `auth`.
+    pub fn new(auth: AdminAuth) -> Self {
+        Self {
+            auth,
+            outbox: None,
+            readiness: None,
+            targets: BTreeMap::new(),
+        }
+    }
+
+    /// Serves parked-row listing and unpark on this outbox.
+    pub fn outbox(mut self, store: PgOutboxStore) -> Self {
+        self.outbox = Some(store);
+        self
+    }
+
+    /// Serves `/readyz` and the outbox gauges from this probe (see
+    /// [`crate::DrainerHandle::readiness_probe`]).
+    pub fn readiness(mut self, probe: impl Fn() -> Readiness + Send + Sync + 'static) -> Self {
+        self.readiness = Some(Arc::new(probe));
+        self
+    }
+
+    /// Serves replay (and counters) for this subscriber, under its queue name.
+    pub fn subscriber(mut self, target: Arc<dyn ReplayTarget>) -> Self {
+        self.targets
+            .insert(target.subscription().to_owned(), target);
+        self
+    }
+
+    /// The router.
+    pub fn build(self) -> Router {
+        let state = AppState {
+            auth: self.auth,
+            outbox: self.outbox,
+            readiness: self.readiness,
+            targets: Arc::new(self.targets),
+        };
+        Router::new()
+            .route("/v1/admin/events/replay", post(replay))
+            .route("/v1/admin/outbox/parked", get(list_parked))
+            .route("/v1/admin/outbox/unpark", post(unpark))
+            .route("/readyz", get(readyz))
+            .route("/metrics", get(metrics))
+            .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route") })
+            .with_state(state)
+    }
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: &'a str,
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    (status, Json(ErrorBody { error: message })).into_response()
+}
+
+fn store_error(e: &StoreError) -> Response {
+    tracing::warn!(error = %e, "admin call failed on the database");
+    error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string())
+}
+
+fn json_rejection(r: &JsonRejection) -> Response {
+    let status = match r {
+        JsonRejection::MissingJsonContentType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    error(status, &r.body_text())
+}
+
+/// The 401 to answer with, unless the caller is authorized.
+fn unauthorized(state: &AppState, headers: &HeaderMap) -> Option<Response> {
+    if state.auth.allows(headers) {
+        return None;
+    }
+    let mut r = error(StatusCode::UNAUTHORIZED, "missing or invalid bearer token");
+    r.headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    Some(r)
+}
+
+#[derive(Serialize)]
+struct ReplayResult {
+    event_id: Uuid,
+    subscription: String,
+    #[serde(flatten)]
+    outcome: ReplayOutcome,
+}
+
+async fn replay(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Json<InboxFilter>, JsonRejection>,
+) -> Response {
+    if let Some(r) = unauthorized(&state, &headers) {
+        return r;
+    }
+    let filter = match body {
+        Ok(Json(f)) => f,
+        Err(r) => return json_rejection(&r),
+    };
+    if filter.ids.is_none()
+        && filter.subscription.is_none()
+        && filter.routing_key.is_none()
+        && !filter.dead_lettered_only
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "say which rows to replay: ids, subscription, routing_key or dead_lettered_only",
+        );
+    }
+    if filter.ids.as_ref().is_some_and(Vec::is_empty) {
+        return error(StatusCode::BAD_REQUEST, "ids is empty");
+    }
+    let targets: Vec<&Arc<dyn ReplayTarget>> = match &filter.subscription {
+        Some(name) => match state.targets.get(name) {
+            Some(t) => vec![t],
+            None => {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    &format!("no subscriber for subscription {name:?} is mounted here"),
+                );
+            }
+        },
+        None => state.targets.values().collect(),
+    };
+    if targets.is_empty() {
+        return error(StatusCode::NOT_FOUND, "no subscriber is mounted here");
+    }
+    let mut results = Vec::new();
+    for target in targets {
+        match target.replay(&filter).await {
+            Ok(outcomes) => {
+                results.extend(
+                    outcomes
+                        .into_iter()
+                        .map(|(event_id, outcome)| ReplayResult {
+                            event_id,
+                            subscription: target.subscription().to_owned(),
+                            outcome,
+                        }),
+                )
+            }
+            Err(e) => return store_error(&e),
+        }
+    }
+    tracing::info!(replayed = results.len(), "inbox rows replayed by operator");
+    Json(serde_json::json!({ "results": results })).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ParkedQuery {
+    limit: Option<u32>,
+}
+
+async fn list_parked(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    query: Result<Query<ParkedQuery>, QueryRejection>,
+) -> Response {
+    if let Some(r) = unauthorized(&state, &headers) {
+        return r;
+    }
+    let Some(store) = &state.outbox else {
+        return error(StatusCode::NOT_FOUND, "no outbox is mounted here");
+    };
+    let limit = match query {
+        Ok(Query(q)) => q.limit.unwrap_or(100),
+        Err(r) => return error(StatusCode::BAD_REQUEST, &r.body_text()),
+    };
+    match admin::list_parked(store, limit).await {
+        Ok(rows) => Json(serde_json::json!({ "parked": rows })).into_response(),
+        Err(e) => store_error(&e),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UnparkBody {
+    #[serde(default)]
+    ids: Option<Vec<Uuid>>,
+    #[serde(default)]
+    all: bool,
+}
+
+async fn unpark(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Json<UnparkBody>, JsonRejection>,
+) -> Response {
+    if let Some(r) = unauthorized(&state, &headers) {
+        return r;
+    }
+    let Some(store) = &state.outbox else {
+        return error(StatusCode::NOT_FOUND, "no outbox is mounted here");
+    };
+    let selector = match body {
+        Ok(Json(UnparkBody {
+            ids: Some(ids),
+            all: false,
+        })) if !ids.is_empty() => UnparkSelector::Ids(ids),
+        Ok(Json(UnparkBody {
+            ids: None,
+            all: true,
+        })) => UnparkSelector::All,
+        Ok(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "give either a non-empty \"ids\" list or \"all\": true",
+            );
+        }
+        Err(r) => return json_rejection(&r),
+    };
+    match admin::unpark(store, &selector).await {
+        Ok(n) => Json(serde_json::json!({ "unparked": n })).into_response(),
+        Err(e) => store_error(&e),
+    }
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    let Some(probe) = &state.readiness else {
+        return Json(serde_json::json!({ "ready": true, "reasons": [] })).into_response();
+    };
+    let r = probe();
+    let status = if r.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let reasons: Vec<String> = r.reasons.iter().map(ToString::to_string).collect();
+    (
+        status,
+        Json(serde_json::json!({ "ready": r.ready, "reasons": reasons, "stats": r.stats })),
+    )
+        .into_response()
+}
+
+/// Renders the gauges and counters in the Prometheus text format.
+pub fn render_metrics(
+    readiness: Option<&Readiness>,
+    subscribers: &[(&str, SubscriberStats)],
+) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, value: f64| {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+        );
+    };
+    if let Some(r) = readiness {
+        if let Some(OutboxStats {
+            pending,
+            oldest_unpublished_age_secs,
+            parked,
+        }) = r.stats
+        {
+            gauge(
+                gauges::PENDING,
+                "Unpublished, unparked outbox rows.",
+                pending as f64,
+            );
+            gauge(
+                gauges::OLDEST_AGE,
+                "Age of the oldest unpublished, unparked outbox row.",
+                oldest_unpublished_age_secs,
+            );
+            gauge(gauges::PARKED, "Parked outbox rows.", parked as f64);
+        }
+        gauge(
+            "canopy_mq_outbox_ready",
+            "1 when the outbox keeps up (see /readyz).",
+            if r.ready { 1.0 } else { 0.0 },
+        );
+    }
+    for (field, help) in [
+        ("processed", "Deliveries whose effect committed."),
+        (
+            "duplicates",
+            "Deliveries absorbed by the inbox as duplicates.",
+        ),
+        ("retried", "Failed handler attempts requeued."),
+        (
+            "dead_lettered",
+            "Deliveries dead-lettered after the attempt budget.",
+        ),
+        (
+            "undecodable",
+            "Deliveries dead-lettered because they were not envelopes.",
+        ),
+    ] {
+        if subscribers.is_empty() {
+            break;
+        }
+        let name = format!("canopy_mq_subscriber_{field}_total");
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for (queue, s) in subscribers {
+            let v = match field {
+                "processed" => s.processed,
+                "duplicates" => s.duplicates,
+                "retried" => s.retried,
+                "dead_lettered" => s.dead_lettered,
+                _ => s.undecodable,
+            };
+            let queue = queue.replace('\\', "\\\\").replace('"', "\\\"");
+            let _ = writeln!(out, "{name}{{queue=\"{queue}\"}} {v}");
+        }
+    }
+    out
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let readiness = state.readiness.as_ref().map(|p| p());
+    let subscribers: Vec<(&str, SubscriberStats)> = state
+        .targets
+        .iter()
+        .map(|(q, t)| (q.as_str(), t.stats()))
+        .collect();
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
+        render_metrics(readiness.as_ref(), &subscribers),
+    )
+        .into_response()
+}
