@@ -12,8 +12,10 @@
 //! `--prefill N` first publishes N envelopes (with publisher confirms) whose
 //! routing key matches `demo.prefill`, each one again with probability R
 //! (same message id: what a republish after a lost mark looks like), so a
-//! run measures itself. Stops after `--exit-after` deliveries are settled,
-//! or on Ctrl-C; in-flight deliveries finish first.
+//! run measures itself. Stops after `--exit-after` deliveries are settled
+//! (by default, with `--prefill`, every prefilled message), or on Ctrl-C;
+//! in-flight deliveries finish first. The rate is measured from the first
+//! to the last settled delivery.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -228,6 +230,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         LapinBroker::declare_subscription(&ch, &settings.spec).await?;
         let _ = ch.close(200, "OK".into()).await;
     }
+    let mut exit_after = args.exit_after;
     if args.prefill > 0 {
         let t = Instant::now();
         let sent = prefill(&broker, &settings.spec.exchange, &args).await?;
@@ -236,6 +239,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             args.prefill,
             t.elapsed().as_secs_f64()
         );
+        // Unless told otherwise, stop once every prefilled message settled.
+        exit_after.get_or_insert(sent);
     }
 
     let handler = Arc::new(Effects {
@@ -266,6 +271,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let mut started: Option<Instant> = None;
     let mut last_settled_at = Instant::now();
+    let mut last_settled = 0;
     loop {
         tokio::select! {
             biased;
@@ -279,10 +285,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if n > 0 && started.is_none() {
             started = Some(Instant::now());
         }
-        if n > 0 {
+        if n > last_settled {
+            last_settled = n;
             last_settled_at = Instant::now();
         }
-        if args.exit_after.is_some_and(|limit| n >= limit) {
+        if exit_after.is_some_and(|limit| n >= limit) {
             break;
         }
     }
