@@ -193,6 +193,10 @@ impl Running {
         let conn = common::connect().await;
         delete_queue(&conn, &self.queue).await;
         delete_queue(&conn, &format!("{}.dlq", self.queue)).await;
+        let ch = conn.create_channel().await.unwrap();
+        ch.exchange_delete(self.exchange.as_str().into(), Default::default())
+            .await
+            .unwrap();
         self.broker.close().await;
     }
 }
