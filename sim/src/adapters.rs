@@ -139,7 +139,7 @@ impl Hooks {
     }
 }
 
-async fn connect(host: &str, port: u16) -> Result<turmoil::net::TcpStream, String> {
+pub(crate) async fn connect(host: &str, port: u16) -> Result<turmoil::net::TcpStream, String> {
     match tokio::time::timeout(
         CONNECT_TIMEOUT,
         turmoil::net::TcpStream::connect((host, port)),
@@ -239,7 +239,10 @@ impl PgClient {
     }
 }
 
-async fn exchange(s: &mut turmoil::net::TcpStream, req: &PgRequest) -> Result<PgReply, String> {
+pub(crate) async fn exchange(
+    s: &mut turmoil::net::TcpStream,
+    req: &PgRequest,
+) -> Result<PgReply, String> {
     let io = async {
         write_frame(s, req).await?;
         read_frame::<_, PgReply>(s).await
@@ -252,7 +255,7 @@ async fn exchange(s: &mut turmoil::net::TcpStream, req: &PgRequest) -> Result<Pg
     }
 }
 
-fn unexpected(reply: PgReply) -> StoreError {
+pub(crate) fn unexpected(reply: PgReply) -> StoreError {
     StoreError::Statement(format!("unexpected reply {reply:?}"))
 }
 

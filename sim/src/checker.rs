@@ -203,8 +203,12 @@ pub fn check(
             Event::Unpublishable { id } => {
                 unpublishable.insert(*id);
             }
-            Event::Fault(_) | Event::ReplyLost { .. } | Event::Tick { .. } | Event::Host { .. } => {
-            }
+            Event::Fault(_)
+            | Event::ReplyLost { .. }
+            | Event::Tick { .. }
+            | Event::Host { .. }
+            | Event::InboxCommitted { .. }
+            | Event::InboxFailure { .. } => {}
         }
     }
 

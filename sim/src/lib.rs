@@ -22,8 +22,10 @@
 
 pub mod adapters;
 pub mod checker;
+pub mod inbox_adapter;
 pub mod mq_fake;
 pub mod pg_fake;
+pub mod pg_inbox;
 pub mod scenario;
 pub mod trace;
 pub mod wire;

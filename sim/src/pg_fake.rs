@@ -73,6 +73,8 @@ pub struct Table {
     pending: BTreeSet<(u64, Uuid)>,
     /// Rows locked by an open transaction, by session number.
     locks: BTreeMap<Uuid, u64>,
+    /// The consumer side: `event_inbox` and the handler's domain table.
+    pub inbox: crate::pg_inbox::Inbox,
 }
 
 impl Table {
@@ -144,6 +146,8 @@ pub struct PgState {
     pub faults: Arc<Mutex<PgFaults>>,
     rng: Arc<Mutex<SmallRng>>,
     sessions: Arc<Mutex<u64>>,
+    /// Woken whenever a transaction ends (inbox lock waiters recheck).
+    unlocked: Arc<tokio::sync::Notify>,
     trace: Trace,
 }
 
@@ -155,6 +159,7 @@ impl PgState {
             faults: Arc::default(),
             rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
             sessions: Arc::default(),
+            unlocked: Arc::default(),
             trace,
         }
     }
@@ -274,6 +279,8 @@ struct Tx {
     inserts: Vec<Row>,
     /// Rows this transaction claimed, with their lease before the claim.
     claimed: Vec<(Uuid, Option<u64>, Option<String>)>,
+    /// Inbox rows, processed marks and handler effects.
+    inbox: crate::pg_inbox::InboxTx,
 }
 
 struct Session {
@@ -323,6 +330,7 @@ impl Session {
             let reply = if fail {
                 PgReply::Error("injected statement failure".into())
             } else {
+                self.wait_for_inbox_lock(&req).await;
                 self.apply(&req)
             };
             let lose = !matches!(req, PgRequest::Hello { .. })
@@ -343,10 +351,52 @@ impl Session {
         }
     }
 
+    /// Waits while another open transaction holds the inbox row `req`
+    /// needs, as PostgreSQL's `INSERT … ON CONFLICT` waits on a row lock.
+    async fn wait_for_inbox_lock(&self, req: &PgRequest) {
+        loop {
+            let unlocked = self.state.unlocked.notified();
+            tokio::pin!(unlocked);
+            unlocked.as_mut().enable();
+            if !self
+                .state
+                .table
+                .lock()
+                .expect("table")
+                .inbox
+                .blocked(req, self.id)
+            {
+                return;
+            }
+            unlocked.await;
+        }
+    }
+
     fn apply(&mut self, req: &PgRequest) -> PgReply {
         let now = now_ms();
         let trace = self.state.trace.clone();
         let mut table = self.state.table.lock().expect("table");
+        if let Some(reply) =
+            table
+                .inbox
+                .apply(req, self.id, self.tx.as_mut().map(|t| &mut t.inbox), now)
+        {
+            if let (
+                PgRequest::InboxRecordFailure { entry, .. },
+                PgReply::Attempt {
+                    attempts,
+                    dead_lettered,
+                },
+            ) = (req, &reply)
+            {
+                trace.now(Event::InboxFailure {
+                    event_id: entry.event_id,
+                    attempts: *attempts,
+                    dead_lettered: *dead_lettered,
+                });
+            }
+            return reply;
+        }
         match req {
             PgRequest::Hello { client } => {
                 self.client = client.clone();
@@ -374,6 +424,17 @@ impl Session {
                 let ids: Vec<Uuid> = tx.inserts.iter().map(|r| r.id).collect();
                 for row in tx.inserts {
                     table.insert(row);
+                }
+                if !tx.inbox.is_empty() {
+                    let done = table.inbox.commit(tx.inbox, now);
+                    self.state.unlocked.notify_waiters();
+                    if !done.processed.is_empty() || !done.effects.is_empty() {
+                        trace.now(Event::InboxCommitted {
+                            client: self.client.clone(),
+                            processed: done.processed,
+                            effects: done.effects,
+                        });
+                    }
                 }
                 for (id, _, _) in &tx.claimed {
                     table.locks.remove(id);
@@ -596,6 +657,16 @@ impl Session {
                 });
                 PgReply::Count(targets.len() as u64)
             }
+            // Answered by the inbox above.
+            PgRequest::InboxTryInsert { .. }
+            | PgRequest::InboxMarkProcessed { .. }
+            | PgRequest::Effect { .. }
+            | PgRequest::InboxRecordFailure { .. }
+            | PgRequest::InboxList { .. }
+            | PgRequest::InboxReset { .. }
+            | PgRequest::InboxDeleteProcessed { .. } => {
+                unreachable!("inbox requests are applied by Inbox::apply")
+            }
         }
     }
 
@@ -606,6 +677,8 @@ impl Session {
             return;
         };
         let mut table = self.state.table.lock().expect("table");
+        table.inbox.rollback(tx.inbox);
+        self.state.unlocked.notify_waiters();
         let mut owners = Vec::new();
         for (id, claimed_ms, claimed_by) in tx.claimed.into_iter().rev() {
             table.locks.remove(&id);
@@ -652,5 +725,12 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::DeletePublished { .. } => "delete_published",
         PgRequest::ListParked { .. } => "list_parked",
         PgRequest::Unpark { .. } => "unpark",
+        PgRequest::InboxTryInsert { .. } => "inbox_try_insert",
+        PgRequest::InboxMarkProcessed { .. } => "inbox_mark_processed",
+        PgRequest::Effect { .. } => "effect",
+        PgRequest::InboxRecordFailure { .. } => "inbox_record_failure",
+        PgRequest::InboxList { .. } => "inbox_list",
+        PgRequest::InboxReset { .. } => "inbox_reset",
+        PgRequest::InboxDeleteProcessed { .. } => "inbox_delete_processed",
     }
 }

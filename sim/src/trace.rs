@@ -61,6 +61,19 @@ pub enum Event {
     ReplyLost { server: &'static str, what: String },
     /// A drainer tick ended.
     Tick { replica: String, outcome: String },
+    /// A handler transaction committed: these inbox rows became processed
+    /// and these effects (subscription, event) took place.
+    InboxCommitted {
+        client: String,
+        processed: Vec<Uuid>,
+        effects: Vec<(String, Uuid)>,
+    },
+    /// A failed handler attempt was recorded on an inbox row.
+    InboxFailure {
+        event_id: Uuid,
+        attempts: i32,
+        dead_lettered: bool,
+    },
     /// A host crashed or restarted.
     Host { host: String, up: bool },
 }

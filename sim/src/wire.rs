@@ -99,6 +99,76 @@ pub enum PgRequest {
     Unpark {
         ids: Option<Vec<Uuid>>,
     },
+    /// `inbox_try_insert`: in a transaction; waits while another open
+    /// transaction holds the row.
+    InboxTryInsert {
+        entry: WireInboxEntry,
+    },
+    /// `inbox_mark_processed`, in a transaction.
+    InboxMarkProcessed {
+        event_id: Uuid,
+    },
+    /// The simulated handler's domain write, in a transaction: committed
+    /// effects are what the checker counts.
+    Effect {
+        subscription: String,
+        event_id: Uuid,
+    },
+    /// `inbox_record_failure`: autocommit; waits while another open
+    /// transaction holds the row.
+    InboxRecordFailure {
+        entry: WireInboxEntry,
+        error: String,
+        max_attempts: u32,
+    },
+    /// `inbox_list_unprocessed`.
+    InboxList {
+        ids: Option<Vec<Uuid>>,
+        subscription: Option<String>,
+        routing_key: Option<String>,
+        dead_lettered_only: bool,
+        limit: u32,
+    },
+    /// `inbox_reset_attempts`.
+    InboxReset {
+        ids: Vec<Uuid>,
+    },
+    /// `inbox_delete_processed`.
+    InboxDeleteProcessed {
+        older_than_ms: u64,
+        limit: u32,
+    },
+}
+
+/// An inbox row as a delivery brings it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireInboxEntry {
+    pub event_id: Uuid,
+    pub subscription: String,
+    pub routing_key: String,
+    /// The encoded envelope.
+    pub payload: String,
+}
+
+/// An inbox row on the wire (times in simulated milliseconds).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireInboxRow {
+    pub event_id: Uuid,
+    pub subscription: String,
+    pub routing_key: String,
+    pub payload: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub received_ms: u64,
+    pub dead_lettered_ms: Option<u64>,
+}
+
+/// What `InboxTryInsert` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireInsertOutcome {
+    Inserted,
+    InFlightRetry { attempts: i32 },
+    AlreadyProcessed,
 }
 
 /// One envelope to insert.
@@ -148,6 +218,12 @@ pub enum PgReply {
         parked: u64,
     },
     Parked(Vec<WireParked>),
+    Inbox(WireInsertOutcome),
+    Attempt {
+        attempts: i32,
+        dead_lettered: bool,
+    },
+    InboxRows(Vec<WireInboxRow>),
     /// The statement failed (duplicate key, no transaction, injected failure).
     Error(String),
 }

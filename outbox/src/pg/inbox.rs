@@ -15,6 +15,13 @@ use crate::error::StoreError;
 /// receives in production.
 pub type PgTx = sqlx::Transaction<'static, Postgres>;
 
+/// Idle-in-transaction bound of a handler transaction: a consumer that
+/// vanishes mid-handler (partitioned, killed without a TCP reset) would
+/// otherwise hold its inbox row lock until TCP keepalive gives up (hours),
+/// blocking every redelivery of that event elsewhere. Only time *between*
+/// statements counts, so a handler doing SQL is never cut off by it.
+pub const HANDLER_IDLE_IN_TX_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Default and largest number of rows one listing or replay returns.
 pub const LIST_LIMIT_DEFAULT: u32 = 100;
 /// See [`LIST_LIMIT_DEFAULT`].
@@ -49,7 +56,15 @@ impl InboxStore for PgInboxStore {
     type Tx = PgTx;
 
     async fn inbox_begin(&self) -> Result<PgTx, StoreError> {
-        bounded(async { self.pool.begin().await.map_err(map_err) }).await
+        bounded(async {
+            let mut tx = self.pool.begin().await.map_err(map_err)?;
+            sqlx::raw_sql(sql::INBOX_BEGIN)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err)?;
+            Ok(tx)
+        })
+        .await
     }
 
     async fn inbox_try_insert(

@@ -30,6 +30,7 @@ pub(crate) mod sql {
     pub const UNPARK: &str = include_str!("sql/outbox_unpark.sql");
     pub const INSERT: &str = include_str!("sql/outbox_insert.sql");
     pub const INSERT_MANY: &str = include_str!("sql/outbox_insert_many.sql");
+    pub const INBOX_BEGIN: &str = include_str!("sql/inbox_begin.sql");
     pub const INBOX_TRY_INSERT: &str = include_str!("sql/inbox_try_insert.sql");
     pub const INBOX_LOCK: &str = include_str!("sql/inbox_lock.sql");
     pub const INBOX_MARK_PROCESSED: &str = include_str!("sql/inbox_mark_processed.sql");

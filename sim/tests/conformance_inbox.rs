@@ -1,0 +1,409 @@
+//! Conformance of the inbox store: the same bodies against `PgInboxStore` on
+//! the local PostgreSQL (a fresh database per test) and `SimInboxStore` on
+//! the fake PostgreSQL in a turmoil simulation.
+
+use std::future::Future;
+use std::time::Duration;
+
+use outbox::core::janitor::{InboxJanitorSettings, sweep_inbox};
+use outbox::core::ports::{AttemptRecord, InboxEntry, InboxFilter, InboxStore, InsertOutcome};
+use outbox::{EventEnvelope, PgInboxStore, PgTx};
+use sim::inbox_adapter::{SimInboxStore, SimTx};
+use sim::pg_fake::{self, PgState};
+use sim::trace::Trace;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// One side of the suite.
+trait InboxArm {
+    type S: InboxStore;
+    fn store(&self) -> &Self::S;
+    /// A second store (another replica's connections) on the same database.
+    fn other(&self) -> &Self::S;
+    /// The handler's domain write, in the transaction.
+    async fn effect(&self, tx: &mut <Self::S as InboxStore>::Tx, id: Uuid);
+    /// Committed effects of `id`.
+    async fn effects(&self, id: Uuid) -> u32;
+    /// Moves a row's `processed_at` `secs` into the past.
+    async fn backdate_processed(&self, id: Uuid, secs: u64);
+}
+
+struct Real {
+    store: PgInboxStore,
+    other: PgInboxStore,
+    pool: PgPool,
+}
+
+impl InboxArm for Real {
+    type S = PgInboxStore;
+    fn store(&self) -> &PgInboxStore {
+        &self.store
+    }
+    fn other(&self) -> &PgInboxStore {
+        &self.other
+    }
+    async fn effect(&self, tx: &mut PgTx, id: Uuid) {
+        sqlx::query("INSERT INTO effects (event_id) VALUES ($1)")
+            .bind(id)
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+    }
+    async fn effects(&self, id: Uuid) -> u32 {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap();
+        n as u32
+    }
+    async fn backdate_processed(&self, id: Uuid, secs: u64) {
+        sqlx::query(
+            "UPDATE event_inbox SET processed_at = processed_at - make_interval(secs => $2) \
+             WHERE event_id = $1",
+        )
+        .bind(id)
+        .bind(secs as f64)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+    }
+}
+
+struct Fake {
+    store: SimInboxStore,
+    other: SimInboxStore,
+    state: PgState,
+}
+
+impl InboxArm for Fake {
+    type S = SimInboxStore;
+    fn store(&self) -> &SimInboxStore {
+        &self.store
+    }
+    fn other(&self) -> &SimInboxStore {
+        &self.other
+    }
+    async fn effect(&self, tx: &mut SimTx, id: Uuid) {
+        tx.effect("q", id).await.unwrap();
+    }
+    async fn effects(&self, id: Uuid) -> u32 {
+        let table = self.state.table.lock().unwrap();
+        table
+            .inbox
+            .effects()
+            .get(&("q".to_owned(), id))
+            .copied()
+            .unwrap_or(0)
+    }
+    async fn backdate_processed(&self, id: Uuid, secs: u64) {
+        self.state
+            .table
+            .lock()
+            .unwrap()
+            .inbox
+            .backdate_processed(id, secs * 1000);
+    }
+}
+
+fn with_fake<F, Fut>(body: F)
+where
+    F: FnOnce(Fake) -> Fut + 'static,
+    Fut: Future<Output = ()> + 'static,
+{
+    let trace = Trace::default();
+    let state = PgState::new(11, trace.clone());
+    let server = state.clone();
+    let mut sim = turmoil::Builder::new()
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    sim.host("pg", move || pg_fake::serve(server.clone()));
+    sim.client("test", async move {
+        body(Fake {
+            store: SimInboxStore::new("consumer-a", trace.clone()),
+            other: SimInboxStore::new("consumer-b", trace),
+            state,
+        })
+        .await;
+        Ok(())
+    });
+    sim.run().unwrap();
+}
+
+async fn real(pool: PgPool) -> Real {
+    sqlx::query("CREATE TABLE effects (event_id UUID NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    Real {
+        store: PgInboxStore::new(pool.clone()),
+        other: PgInboxStore::new(pool.clone()),
+        pool,
+    }
+}
+
+struct Event {
+    id: Uuid,
+    payload: String,
+}
+
+fn event(key: &str) -> Event {
+    let e = EventEnvelope::new(key, serde_json::json!({ "k": key }));
+    Event {
+        id: e.id,
+        payload: e.encode(&Default::default()).unwrap(),
+    }
+}
+
+fn entry<'a>(e: &'a Event, key: &'a str) -> InboxEntry<'a> {
+    InboxEntry {
+        event_id: e.id,
+        subscription: "q",
+        routing_key: key,
+        payload: e.payload.as_bytes(),
+    }
+}
+
+/// BEGIN, try_insert, effect, mark, COMMIT; returns the insert outcome.
+async fn apply<A: InboxArm>(arm: &A, store: &A::S, e: &Event) -> InsertOutcome {
+    let mut tx = store.inbox_begin().await.unwrap();
+    let outcome = store
+        .inbox_try_insert(&mut tx, &entry(e, "k"))
+        .await
+        .unwrap();
+    if outcome != InsertOutcome::AlreadyProcessed {
+        arm.effect(&mut tx, e.id).await;
+        store.inbox_mark_processed(&mut tx, e.id).await.unwrap();
+    }
+    store.inbox_commit(tx).await.unwrap();
+    outcome
+}
+
+// ---- bodies --------------------------------------------------------------
+
+async fn a_committed_event_is_already_processed_the_second_time<A: InboxArm>(arm: A) {
+    let e = event("k");
+    assert_eq!(apply(&arm, arm.store(), &e).await, InsertOutcome::Inserted);
+    assert_eq!(
+        apply(&arm, arm.other(), &e).await,
+        InsertOutcome::AlreadyProcessed
+    );
+    assert_eq!(arm.effects(e.id).await, 1);
+}
+
+async fn a_rolled_back_attempt_leaves_only_its_recorded_failure<A: InboxArm>(arm: A) {
+    let e = event("k");
+    let s = arm.store();
+    let mut tx = s.inbox_begin().await.unwrap();
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap(),
+        InsertOutcome::Inserted
+    );
+    arm.effect(&mut tx, e.id).await;
+    s.inbox_rollback(tx).await;
+    assert_eq!(arm.effects(e.id).await, 0, "the effect rolled back");
+    let listed = s
+        .inbox_list_unprocessed(&InboxFilter {
+            subscription: Some("q".into()),
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert!(listed.is_empty(), "the inserted row rolled back too");
+    for want in [(1, false), (2, false), (3, true), (4, true)] {
+        let r = s
+            .inbox_record_failure(&entry(&e, "k"), "boom", 3)
+            .await
+            .unwrap();
+        assert_eq!(
+            r,
+            AttemptRecord {
+                attempts: want.0,
+                dead_lettered: want.1
+            }
+        );
+    }
+    let mut tx = s.inbox_begin().await.unwrap();
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap(),
+        InsertOutcome::InFlightRetry { attempts: 4 }
+    );
+    s.inbox_rollback(tx).await;
+    let rows = s
+        .inbox_list_unprocessed(&InboxFilter {
+            dead_lettered_only: true,
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].event_id, e.id);
+    assert_eq!(rows[0].attempts, 4);
+    assert_eq!(rows[0].last_error.as_deref(), Some("boom"));
+    assert!(rows[0].dead_lettered_at.is_some());
+    // jsonb normalizes the text; the envelope it holds is the same.
+    assert_eq!(
+        EventEnvelope::decode(&rows[0].payload).unwrap(),
+        EventEnvelope::decode(e.payload.as_bytes()).unwrap()
+    );
+}
+
+async fn a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome<A: InboxArm>(arm: A) {
+    let e = event("k");
+    let (a, b) = (arm.store(), arm.other());
+    // A holds the row; B's insert waits until A commits, then finds it done.
+    let mut tx = a.inbox_begin().await.unwrap();
+    assert_eq!(
+        a.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap(),
+        InsertOutcome::Inserted
+    );
+    let second = async {
+        let mut tx = b.inbox_begin().await.unwrap();
+        let o = b.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
+        b.inbox_commit(tx).await.unwrap();
+        o
+    };
+    let first = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        arm.effect(&mut tx, e.id).await;
+        a.inbox_mark_processed(&mut tx, e.id).await.unwrap();
+        a.inbox_commit(tx).await.unwrap();
+    };
+    let ((), outcome) = futures_lite::future::zip(first, second).await;
+    assert_eq!(outcome, InsertOutcome::AlreadyProcessed);
+    assert_eq!(arm.effects(e.id).await, 1);
+
+    // A second event: A rolls back, so B inserts it afresh.
+    let f = event("k");
+    let mut tx = a.inbox_begin().await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&f, "k")).await.unwrap();
+    let second = async {
+        let mut tx = b.inbox_begin().await.unwrap();
+        let o = b.inbox_try_insert(&mut tx, &entry(&f, "k")).await.unwrap();
+        b.inbox_rollback(tx).await;
+        o
+    };
+    let first = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        a.inbox_rollback(tx).await;
+    };
+    let ((), outcome) = futures_lite::future::zip(first, second).await;
+    assert_eq!(outcome, InsertOutcome::Inserted);
+}
+
+async fn replay_listing_filters_orders_and_resets_the_budget<A: InboxArm>(arm: A) {
+    let s = arm.store();
+    let (a, b, c) = (event("k.a"), event("k.b"), event("k.a"));
+    for (e, key) in [(&a, "k.a"), (&b, "k.b"), (&c, "k.a")] {
+        s.inbox_record_failure(&entry(e, key), "nope", 1)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ids = |rows: Vec<outbox::core::ports::InboxRow>| {
+        rows.iter().map(|r| r.event_id).collect::<Vec<_>>()
+    };
+    let all = s
+        .inbox_list_unprocessed(&InboxFilter {
+            dead_lettered_only: true,
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(all), vec![a.id, b.id, c.id], "oldest first");
+    let by_key = s
+        .inbox_list_unprocessed(&InboxFilter {
+            routing_key: Some("k.a".into()),
+            limit: Some(1),
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(by_key), vec![a.id]);
+    let by_id = s
+        .inbox_list_unprocessed(&InboxFilter {
+            ids: Some(vec![c.id, Uuid::now_v7()]),
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(by_id), vec![c.id]);
+    assert_eq!(s.inbox_reset_attempts(&[a.id, b.id]).await.unwrap(), 2);
+    let still_dead = s
+        .inbox_list_unprocessed(&InboxFilter {
+            dead_lettered_only: true,
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(still_dead), vec![c.id]);
+    // Processed rows are not listed, not reset.
+    assert_eq!(
+        apply(&arm, s, &a).await,
+        InsertOutcome::InFlightRetry { attempts: 0 }
+    );
+    assert_eq!(s.inbox_reset_attempts(&[a.id]).await.unwrap(), 0);
+}
+
+async fn the_retention_sweep_deletes_only_old_processed_rows<A: InboxArm>(arm: A) {
+    let s = arm.store();
+    let (old1, old2, fresh, failed) = (event("k"), event("k"), event("k"), event("k"));
+    for e in [&old1, &old2, &fresh] {
+        apply(&arm, s, e).await;
+    }
+    s.inbox_record_failure(&entry(&failed, "k"), "x", 1)
+        .await
+        .unwrap();
+    arm.backdate_processed(old1.id, 100).await;
+    arm.backdate_processed(old2.id, 100).await;
+    let settings = InboxJanitorSettings {
+        retention: Duration::from_secs(50),
+        batch: 1,
+        ..InboxJanitorSettings::default()
+    };
+    assert_eq!(sweep_inbox(s, &settings).await.unwrap(), 2);
+    assert_eq!(sweep_inbox(s, &settings).await.unwrap(), 0);
+    // The fresh row is still there (a redelivery is a duplicate), and so is
+    // the unprocessed one.
+    assert_eq!(
+        apply(&arm, s, &fresh).await,
+        InsertOutcome::AlreadyProcessed
+    );
+    let left = s
+        .inbox_list_unprocessed(&InboxFilter {
+            ids: Some(vec![failed.id]),
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(left.len(), 1);
+}
+
+macro_rules! inbox_conformance {
+    ($($name:ident),* $(,)?) => {
+        mod inbox {
+            use super::*;
+            $(
+                mod $name {
+                    use super::*;
+                    #[sqlx::test(migrator = "outbox::MIGRATOR")]
+                    async fn postgres(pool: PgPool) {
+                        super::super::$name(real(pool).await).await;
+                    }
+                    #[test]
+                    fn fake() {
+                        with_fake(super::super::$name);
+                    }
+                }
+            )*
+        }
+    };
+}
+
+inbox_conformance!(
+    a_committed_event_is_already_processed_the_second_time,
+    a_rolled_back_attempt_leaves_only_its_recorded_failure,
+    a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome,
+    replay_listing_filters_orders_and_resets_the_budget,
+    the_retention_sweep_deletes_only_old_processed_rows,
+);
