@@ -28,10 +28,17 @@ struct Effects {
     fail_first: bool,
     always_fail: Arc<Mutex<bool>>,
     seen: Mutex<BTreeSet<Uuid>>,
+    /// How long each attempt takes.
+    delay: Duration,
+    /// Attempts begun.
+    started: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Handler<PgTx> for Effects {
     async fn handle(&self, tx: &mut PgTx, event: &EventEnvelope) -> Result<(), HandlerError> {
+        self.started
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(self.delay).await;
         sqlx::query("INSERT INTO effects (event_id) VALUES ($1)")
             .bind(event.id)
             .execute(&mut **tx)
@@ -56,21 +63,51 @@ struct Running {
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
     always_fail: Arc<Mutex<bool>>,
+    started: Arc<std::sync::atomic::AtomicU64>,
+    /// Publishes without the subscriber's connection (which a test may cut).
+    publisher: Arc<LapinBroker>,
+}
+
+#[derive(Default)]
+struct Options {
+    fail_first: bool,
+    always_fail: bool,
+    delay: Duration,
+    /// The subscriber's broker URL (a proxy's), if not the broker's own.
+    amqp_url: Option<String>,
 }
 
 async fn start(pool: PgPool, fail_first: bool, always_fail: bool) -> Running {
+    start_with(
+        pool,
+        Options {
+            fail_first,
+            always_fail,
+            ..Options::default()
+        },
+    )
+    .await
+}
+
+async fn start_with(pool: PgPool, o: Options) -> Running {
+    let (fail_first, always_fail) = (o.fail_first, o.always_fail);
     sqlx::query("CREATE TABLE effects (event_id UUID NOT NULL)")
         .execute(&pool)
         .await
         .unwrap();
     let queue = unique("sub");
     let exchange = unique("sub.x");
-    let broker = Arc::new(LapinBroker::new(common::amqp_url()));
+    let broker = Arc::new(LapinBroker::new(
+        o.amqp_url.clone().unwrap_or_else(common::amqp_url),
+    ));
     let always_fail = Arc::new(Mutex::new(always_fail));
+    let started = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let handler = Arc::new(Effects {
         fail_first,
         always_fail: always_fail.clone(),
         seen: Mutex::default(),
+        delay: o.delay,
+        started: started.clone(),
     });
     let settings = SubscriberSettings {
         spec: SubscriptionSpec {
@@ -124,12 +161,14 @@ async fn start(pool: PgPool, fail_first: bool, always_fail: bool) -> Running {
         stop,
         task,
         always_fail,
+        started,
+        publisher: Arc::new(LapinBroker::new(common::amqp_url())),
     }
 }
 
 impl Running {
     async fn publish(&self, routing_key: &str, message_id: Uuid, body: &[u8]) {
-        let mut ch = self.broker.channel_open().await.unwrap();
+        let mut ch = self.publisher.channel_open().await.unwrap();
         ch.channel_confirm_select().await.unwrap();
         let confirm = ch
             .channel_publish(OutgoingMessage {
@@ -198,6 +237,7 @@ impl Running {
             .await
             .unwrap();
         self.broker.close().await;
+        self.publisher.close().await;
     }
 }
 
@@ -439,5 +479,120 @@ async fn replay_through_the_http_route_applies_a_dead_lettered_event_once(pool: 
         )),
         "{text}"
     );
+    r.stop().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn the_subscriber_resumes_after_its_broker_connection_is_cut(pool: PgPool) {
+    let proxy = common::Proxy::start("127.0.0.1:5672").await;
+    let r = start_with(
+        pool,
+        Options {
+            amqp_url: Some(proxy.amqp_url()),
+            ..Options::default()
+        },
+    )
+    .await;
+    let mut events = Vec::new();
+    for i in 0..5 {
+        let e = EventEnvelope::new("orders.created", serde_json::json!({ "i": i }));
+        r.publish_envelope(&e).await;
+        events.push(e);
+    }
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(20), || {
+        let s = c.snapshot();
+        async move { s.processed == 5 }
+    })
+    .await;
+    proxy.cut();
+    for i in 5..10 {
+        let e = EventEnvelope::new("orders.created", serde_json::json!({ "i": i }));
+        r.publish_envelope(&e).await;
+        events.push(e);
+    }
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(30), || {
+        let s = c.snapshot();
+        async move { s.processed == 10 }
+    })
+    .await;
+    for e in &events {
+        assert_eq!(r.effects(e.id).await, 1);
+    }
+    r.stop().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn shutdown_finishes_the_delivery_in_hand(pool: PgPool) {
+    let r = start_with(
+        pool,
+        Options {
+            delay: Duration::from_millis(800),
+            ..Options::default()
+        },
+    )
+    .await;
+    let e = EventEnvelope::new("orders.created", serde_json::json!({ "slow": true }));
+    r.publish_envelope(&e).await;
+    let started = r.started.clone();
+    eventually(Duration::from_secs(20), || {
+        let n = started.load(std::sync::atomic::Ordering::SeqCst);
+        async move { n == 1 }
+    })
+    .await;
+    // Stop while the handler is mid-way: it completes, commits and acks.
+    let counters = r.counters.clone();
+    let id = e.id;
+    let pool = r.pool.clone();
+    r.stop().await;
+    assert_eq!(counters.snapshot().processed, 1);
+    let processed: bool =
+        sqlx::query_scalar("SELECT processed_at IS NOT NULL FROM event_inbox WHERE event_id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(processed);
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_republish_after_a_lost_mark_takes_effect_once(pool: PgPool) {
+    let r = start(pool.clone(), false, false).await;
+    let config = outbox::DrainerConfig::builder()
+        .exchange(r.exchange.as_str())
+        .replica_id("republish-test")
+        .tick_ms(20)
+        .build()
+        .unwrap();
+    let drainer =
+        outbox::DrainerHandle::spawn(pool.clone(), LapinBroker::new(common::amqp_url()), config);
+    let e = EventEnvelope::new("orders.created", serde_json::json!({ "order": 42 }));
+    outbox::Publisher::new(pool.clone())
+        .publish(&e)
+        .await
+        .unwrap();
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(20), || {
+        let s = c.snapshot();
+        async move { s.processed == 1 }
+    })
+    .await;
+    // The drainer's mark is lost: the row looks unpublished again, so the
+    // drainer publishes it a second time with the same message id.
+    sqlx::query(
+        "UPDATE event_outbox SET published_at = NULL, claimed_at = NULL, claimed_by = NULL",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(20), || {
+        let s = c.snapshot();
+        async move { s.duplicates == 1 }
+    })
+    .await;
+    assert_eq!(r.effects(e.id).await, 1);
+    drainer.shutdown().await;
     r.stop().await;
 }

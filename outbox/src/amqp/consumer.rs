@@ -152,6 +152,12 @@ impl DeliverySource for LapinConsumer {
             return None;
         }
         let mut consumer = self.consumer.lock().await;
+        // Another worker may have seen the end while this one waited for the
+        // lock: lapin's stream does not promise to end after an error, so
+        // polling it again could wait forever.
+        if self.ended.load(Ordering::SeqCst) {
+            return None;
+        }
         let next = std::future::poll_fn(|cx| Pin::new(&mut *consumer).poll_next(cx)).await;
         match next {
             Some(Ok(d)) => Some(Delivery {
