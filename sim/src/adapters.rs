@@ -17,8 +17,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use outbox::core::ports::{
-    Broker, ClaimParams, ClaimedRow, Confirm, FailOutcome, OutboxStats, OutboxStore,
-    OutgoingMessage, ParkedRow, PublishChannel, RowFailure, UnparkSelector,
+    Broker, ClaimParams, ClaimedRow, Confirm, ConsumerBroker, Delivery, DeliverySource,
+    FailOutcome, OutboxStats, OutboxStore, OutgoingMessage, ParkedRow, PublishChannel, RowFailure,
+    SubscriptionSpec, UnparkSelector,
 };
 use outbox::{BrokerError, StoreError};
 use rand::rngs::SmallRng;
@@ -450,6 +451,8 @@ struct MqConn {
 struct Waiters {
     ok: BTreeMap<u32, oneshot::Sender<()>>,
     confirms: BTreeMap<(u32, u64), oneshot::Sender<bool>>,
+    /// Consumers' delivery queues, by channel.
+    deliveries: BTreeMap<u32, tokio::sync::mpsc::UnboundedSender<Delivery>>,
     dead: bool,
 }
 
@@ -523,14 +526,34 @@ impl SimBroker {
                     MqReply::ChannelClosed { channel, .. } => {
                         w.ok.remove(&channel);
                         w.confirms.retain(|(c, _), _| *c != channel);
+                        w.deliveries.remove(&channel);
+                    }
+                    MqReply::Deliver {
+                        channel,
+                        tag,
+                        message_id,
+                        routing_key,
+                        body,
+                        redelivered,
+                    } => {
+                        if let Some(tx) = w.deliveries.get(&channel) {
+                            let _ = tx.send(Delivery {
+                                tag,
+                                message_id: Some(message_id.to_string()),
+                                routing_key,
+                                body: body.into_bytes(),
+                                redelivered,
+                            });
+                        }
                     }
                 }
             }
-            // Connection gone: every waiter fails.
+            // Connection gone: every waiter fails, every consumer ends.
             let mut w = reader_waiters.lock().expect("waiters");
             w.dead = true;
             w.ok.clear();
             w.confirms.clear();
+            w.deliveries.clear();
         });
         self.generation.fetch_add(1, Ordering::SeqCst);
         Ok(Arc::new(MqConn {
@@ -688,5 +711,135 @@ impl Future for SimConfirm {
                 "connection lost before the confirm".into(),
             )),
         })
+    }
+}
+
+impl SimBroker {
+    /// Sends `req` on `channel` and waits for the broker's `Ok`.
+    async fn call_ok(
+        &self,
+        conn: &MqConn,
+        channel: u32,
+        req: MqRequest,
+    ) -> Result<(), BrokerError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut w = conn.waiters.lock().expect("waiters");
+            if w.dead {
+                return Err(BrokerError::Connection("connection lost".into()));
+            }
+            w.ok.insert(channel, tx);
+        }
+        conn.send(&req).await?;
+        rx.await
+            .map_err(|_| BrokerError::Channel(format!("channel {channel} closed by the broker")))
+    }
+}
+
+impl ConsumerBroker for SimBroker {
+    type Consumer = SimConsumer;
+
+    async fn subscription_open(&self, spec: &SubscriptionSpec) -> Result<SimConsumer, BrokerError> {
+        let conn = self.live_conn().await?;
+        let channel = self.next_channel.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        conn.waiters
+            .lock()
+            .expect("waiters")
+            .deliveries
+            .insert(channel, tx);
+        self.call_ok(&conn, channel, MqRequest::ChannelOpen { channel })
+            .await?;
+        self.call_ok(
+            &conn,
+            channel,
+            MqRequest::DeclareSubscription {
+                channel,
+                queue: spec.queue.clone(),
+                exchange: spec.exchange.clone(),
+                bindings: spec.bindings.clone(),
+            },
+        )
+        .await?;
+        self.call_ok(
+            &conn,
+            channel,
+            MqRequest::Qos {
+                channel,
+                prefetch: spec.prefetch,
+            },
+        )
+        .await?;
+        self.call_ok(
+            &conn,
+            channel,
+            MqRequest::Consume {
+                channel,
+                queue: spec.queue.clone(),
+            },
+        )
+        .await?;
+        Ok(SimConsumer {
+            conn,
+            channel,
+            rx: tokio::sync::Mutex::new(rx),
+            ended: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+}
+
+/// A consumer on the fake broker, shared by the subscriber's workers.
+pub struct SimConsumer {
+    conn: Arc<MqConn>,
+    channel: u32,
+    rx: tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<Delivery>>,
+    ended: std::sync::atomic::AtomicBool,
+}
+
+impl DeliverySource for SimConsumer {
+    async fn delivery_next(&self) -> Option<Delivery> {
+        if self.ended.load(Ordering::SeqCst) {
+            return None;
+        }
+        let next = self.rx.lock().await.recv().await;
+        if next.is_none() {
+            self.ended.store(true, Ordering::SeqCst);
+        }
+        next
+    }
+
+    async fn delivery_ack(&self, tag: u64) -> Result<(), BrokerError> {
+        self.conn
+            .send(&MqRequest::Ack {
+                channel: self.channel,
+                tag,
+            })
+            .await
+    }
+
+    async fn delivery_nack(&self, tag: u64, requeue: bool) -> Result<(), BrokerError> {
+        self.conn
+            .send(&MqRequest::Nack {
+                channel: self.channel,
+                tag,
+                requeue,
+            })
+            .await
+    }
+
+    async fn consumer_close(&self) {
+        self.ended.store(true, Ordering::SeqCst);
+        self.conn
+            .waiters
+            .lock()
+            .expect("waiters")
+            .deliveries
+            .remove(&self.channel);
+        let _ = self
+            .conn
+            .send(&MqRequest::ChannelClose {
+                channel: self.channel,
+            })
+            .await;
     }
 }

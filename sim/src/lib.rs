@@ -24,6 +24,7 @@ pub mod adapters;
 pub mod checker;
 pub mod inbox_adapter;
 pub mod mq_fake;
+pub mod mq_queues;
 pub mod pg_fake;
 pub mod pg_inbox;
 pub mod scenario;

@@ -42,6 +42,9 @@ pub struct MqFaults {
     pub drop_conn_prob: f64,
     /// Extra delay before each confirm is sent.
     pub confirm_delay_ms: u64,
+    /// Probability, per delivery, that the broker also keeps a redelivered
+    /// copy (see `mq_queues`).
+    pub duplicate_prob: f64,
 }
 
 /// What the broker stored: every acked message, in order.
@@ -66,6 +69,9 @@ impl Stored {
 pub struct MqState {
     pub stored: Arc<Mutex<Stored>>,
     pub faults: Arc<Mutex<MqFaults>>,
+    /// Queues and consumers (the subscriber's side).
+    pub queues: Arc<Mutex<crate::mq_queues::Queues>>,
+    connections: Arc<Mutex<u64>>,
     rng: Arc<Mutex<SmallRng>>,
     /// Bumped to close every connection (`rabbitmqctl close_all_connections`).
     close_all: Arc<tokio::sync::watch::Sender<u64>>,
@@ -78,6 +84,8 @@ impl MqState {
         Self {
             stored: Arc::default(),
             faults: Arc::default(),
+            queues: Arc::default(),
+            connections: Arc::default(),
             rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
             close_all: Arc::new(tokio::sync::watch::channel(0).0),
             trace,
@@ -94,6 +102,15 @@ impl MqState {
 
     fn roll(&self, p: f64) -> bool {
         p > 0.0 && self.rng.lock().expect("rng").random_bool(p.min(1.0))
+    }
+
+    /// Runs `f` on the queues, then pushes what became deliverable.
+    fn with_queues<T>(&self, f: impl FnOnce(&mut crate::mq_queues::Queues) -> T) -> T {
+        let duplicate_prob = self.faults.lock().expect("faults").duplicate_prob;
+        let mut queues = self.queues.lock().expect("queues");
+        let out = f(&mut queues);
+        queues.dispatch(crate::sim_now(), || self.roll(duplicate_prob));
+        out
     }
 }
 
@@ -129,6 +146,11 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
             }
         }
     });
+    let conn = {
+        let mut n = state.connections.lock().expect("connections");
+        *n += 1;
+        *n
+    };
     let mut client = String::from("?");
     let mut channels: BTreeMap<u32, Channel> = BTreeMap::new();
     let mut close_all = state.close_all.subscribe();
@@ -161,13 +183,51 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
             },
             MqRequest::ChannelClose { channel } => {
                 channels.remove(&channel);
+                state.with_queues(|q| q.close(conn, Some(channel)));
+                None
+            }
+            MqRequest::DeclareSubscription {
+                channel,
+                queue,
+                exchange,
+                bindings,
+            } => {
+                state.with_queues(|q| q.declare_subscription(&queue, &exchange, &bindings));
+                Some(MqReply::Ok { channel })
+            }
+            MqRequest::Qos { channel, prefetch } => {
+                state.with_queues(|q| q.qos(conn, channel, prefetch));
+                Some(MqReply::Ok { channel })
+            }
+            MqRequest::Consume { channel, queue } => {
+                let out = out_tx.clone();
+                if state.with_queues(|q| q.consume(conn, channel, &queue, out)) {
+                    Some(MqReply::Ok { channel })
+                } else {
+                    Some(MqReply::ChannelClosed {
+                        channel,
+                        reason: format!("NOT_FOUND - no queue '{queue}'"),
+                    })
+                }
+            }
+            MqRequest::Ack { channel, tag } => {
+                state.with_queues(|q| q.ack(conn, channel, tag));
+                None
+            }
+            MqRequest::Nack {
+                channel,
+                tag,
+                requeue,
+            } => {
+                state.with_queues(|q| q.nack(conn, channel, tag, requeue));
                 None
             }
             MqRequest::Publish {
                 channel,
+                exchange,
                 routing_key,
                 message_id,
-                ..
+                body,
             } => {
                 let faults = state.faults.lock().expect("faults").clone();
                 let Some(ch) = channels.get_mut(&channel) else {
@@ -214,6 +274,17 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                         .expect("stored")
                         .messages
                         .push((message_id, routing_key.clone()));
+                    state.with_queues(|q| {
+                        q.route(
+                            &exchange,
+                            crate::mq_queues::QueuedMessage {
+                                message_id,
+                                routing_key: routing_key.clone(),
+                                body,
+                                redelivered: false,
+                            },
+                        )
+                    });
                 }
                 state.trace.now(Event::Confirmed {
                     client: client.clone(),
@@ -240,5 +311,7 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
             let _ = out_tx.send((now, reply));
         }
     }
+    // The connection is gone: its consumers' deliveries go back.
+    state.with_queues(|q| q.close(conn, None));
     writer.abort();
 }

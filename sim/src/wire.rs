@@ -250,6 +250,35 @@ pub enum MqRequest {
     ChannelClose {
         channel: u32,
     },
+    /// The subscription's topology: `<queue>.dlq` on `canopy.dlq`, the
+    /// queue with its dead-letter route, its bindings on `exchange`.
+    DeclareSubscription {
+        channel: u32,
+        queue: String,
+        exchange: String,
+        bindings: Vec<String>,
+    },
+    /// `basic.qos`.
+    Qos {
+        channel: u32,
+        prefetch: u16,
+    },
+    /// `basic.consume`.
+    Consume {
+        channel: u32,
+        queue: String,
+    },
+    /// `basic.ack` (no reply).
+    Ack {
+        channel: u32,
+        tag: u64,
+    },
+    /// `basic.nack` (no reply).
+    Nack {
+        channel: u32,
+        tag: u64,
+        requeue: bool,
+    },
 }
 
 /// A frame from the fake RabbitMQ.
@@ -261,4 +290,13 @@ pub enum MqReply {
     Confirm { channel: u32, seq: u64, ack: bool },
     /// The broker closed the channel.
     ChannelClosed { channel: u32, reason: String },
+    /// A message pushed to a consumer.
+    Deliver {
+        channel: u32,
+        tag: u64,
+        message_id: Uuid,
+        routing_key: String,
+        body: String,
+        redelivered: bool,
+    },
 }

@@ -274,6 +274,7 @@ impl Env {
                         nack_prefix: nack_prefix.clone(),
                         drop_conn_prob: *drop_conn_prob,
                         confirm_delay_ms: *confirm_delay_ms,
+                        ..MqFaults::default()
                     }
                 } else {
                     MqFaults::default()
