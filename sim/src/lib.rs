@@ -22,6 +22,7 @@
 
 pub mod adapters;
 pub mod checker;
+pub mod consumer;
 pub mod inbox_adapter;
 pub mod mq_fake;
 pub mod mq_queues;

@@ -1,0 +1,60 @@
+//! The simulated subscriber's handler: one domain effect per event, written
+//! in the handler's transaction (so the fake counts committed effects), with
+//! seeded transient failures and a "downstream broken" switch that makes
+//! every event of a poison routing key fail until it is turned off.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use outbox::core::subscriber::Handler;
+use outbox::{EventEnvelope, HandlerError};
+
+use crate::inbox_adapter::SimTx;
+
+/// Routing-key prefix of events the broken downstream refuses.
+pub const POISON_PREFIX: &str = "poison.";
+
+/// The handler of one simulated subscription.
+pub struct SimHandler {
+    subscription: String,
+    /// Events whose first attempt fails (one in `transient_one_in`, by id).
+    transient_one_in: u64,
+    failed_once: Mutex<BTreeSet<uuid::Uuid>>,
+    /// While set, events with a poison routing key fail every attempt.
+    pub downstream_broken: Arc<AtomicBool>,
+}
+
+impl SimHandler {
+    /// A handler for `subscription`; `transient_one_in == 0` disables
+    /// transient failures.
+    pub fn new(subscription: impl Into<String>, transient_one_in: u64) -> Self {
+        Self {
+            subscription: subscription.into(),
+            transient_one_in,
+            failed_once: Mutex::default(),
+            downstream_broken: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+impl Handler<SimTx> for SimHandler {
+    async fn handle(&self, tx: &mut SimTx, event: &EventEnvelope) -> Result<(), HandlerError> {
+        if event.routing_key.starts_with(POISON_PREFIX)
+            && self.downstream_broken.load(Ordering::SeqCst)
+        {
+            return Err(HandlerError::msg("downstream refuses poison events"));
+        }
+        // Deterministic in the event id (a v7 id's low bits are seeded).
+        let transient = self.transient_one_in > 0
+            && event.id.as_u64_pair().1 % self.transient_one_in == 0
+            && self.failed_once.lock().expect("lock").insert(event.id);
+        tx.effect(&self.subscription, event.id)
+            .await
+            .map_err(|e| HandlerError::msg(e.to_string()))?;
+        if transient {
+            return Err(HandlerError::msg("transient failure after the effect"));
+        }
+        Ok(())
+    }
+}

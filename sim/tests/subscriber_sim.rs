@@ -1,0 +1,202 @@
+//! The production subscriber, unchanged, on the simulation adapters: the
+//! fake PostgreSQL's inbox and the fake broker's queues. Duplicates and
+//! transient failures (after the handler's effect was written) take effect
+//! once; a poison event is dead-lettered after the budget with no effect,
+//! then replay applies it once.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use outbox::core::ports::{
+    Broker, Confirm, InboxFilter, OutgoingMessage, PublishChannel, SubscriptionSpec,
+};
+use outbox::core::subscriber::{ReplayOutcome, Subscriber, SubscriberSettings};
+use outbox::{EventEnvelope, TokioClock};
+use sim::adapters::{Hooks, SimBroker};
+use sim::consumer::SimHandler;
+use sim::inbox_adapter::SimInboxStore;
+use sim::mq_fake::{self, MqState};
+use sim::pg_fake::{self, PgState};
+use sim::trace::Trace;
+
+const QUEUE: &str = "billing.orders";
+
+/// An envelope with a deterministic v7 id (the test's behaviour must not
+/// depend on the wall clock or OS randomness).
+fn envelope(key: &str, n: u64) -> EventEnvelope {
+    let random = n.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes();
+    let mut bytes = [0u8; 10];
+    bytes[2..].copy_from_slice(&random);
+    let mut e = EventEnvelope::new(key, serde_json::json!({ "n": n }));
+    e.id = uuid::Builder::from_unix_timestamp_millis(1_767_225_600_000 + n, &bytes).into_uuid();
+    e
+}
+
+#[test]
+fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison() {
+    let trace = Trace::default();
+    let pg = PgState::new(21, trace.clone());
+    let mq = MqState::new(22, trace.clone());
+    let mut sim = turmoil::Builder::new()
+        .rng_seed(23)
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    let server = pg.clone();
+    sim.host("pg", move || pg_fake::serve(server.clone()));
+    let server = mq.clone();
+    sim.host("rabbit", move || mq_fake::serve(server.clone()));
+    let (pg_check, mq_check) = (pg.clone(), mq.clone());
+    sim.client("consumer", async move {
+        let handler = Arc::new(SimHandler::new(QUEUE, 4));
+        handler.downstream_broken.store(true, Ordering::SeqCst);
+        let settings = SubscriberSettings {
+            spec: SubscriptionSpec {
+                queue: QUEUE.into(),
+                exchange: "canopy.events".into(),
+                bindings: vec!["orders.*".into(), "poison.*".into()],
+                prefetch: 8,
+            },
+            concurrency: 3,
+            max_attempts: 3,
+        };
+        let subscriber = Arc::new(Subscriber::new(
+            Arc::new(SimInboxStore::new("consumer-1", trace.clone())),
+            Arc::new(SimBroker::new("consumer-1", trace.clone(), Hooks::new(3))),
+            Arc::new(TokioClock::default()),
+            handler.clone(),
+            settings,
+        ));
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let runner = {
+            let s = subscriber.clone();
+            tokio::spawn(async move { s.run(rx).await })
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await; // the queue is declared
+
+        let publisher = SimBroker::new("producer", trace.clone(), Hooks::new(4));
+        let mut ch = publisher.channel_open().await.unwrap();
+        ch.channel_confirm_select().await.unwrap();
+        let mut events = Vec::new();
+        for i in 0..30 {
+            events.push(envelope("orders.created", i));
+        }
+        let poison: Vec<_> = (0..3)
+            .map(|i| envelope("poison.created", 100 + i))
+            .collect();
+        // Every fifth event twice: a republish after a lost mark.
+        let sends: Vec<&EventEnvelope> = events
+            .iter()
+            .chain(&poison)
+            .chain(events.iter().step_by(5))
+            .collect();
+        for e in &sends {
+            let body = e.encode(&Default::default()).unwrap();
+            let c = ch
+                .channel_publish(OutgoingMessage {
+                    exchange: "canopy.events",
+                    routing_key: &e.routing_key,
+                    message_id: e.id,
+                    body: body.as_bytes(),
+                })
+                .await
+                .unwrap();
+            assert_eq!(c.await.unwrap(), Confirm::Ack);
+        }
+        let counters = subscriber.counters();
+        for _ in 0..600 {
+            let s = counters.snapshot();
+            if s.processed + s.duplicates == 36 && s.dead_lettered == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let s = counters.snapshot();
+        assert_eq!(
+            (s.processed, s.duplicates, s.dead_lettered),
+            (30, 6, 3),
+            "{s:?}"
+        );
+        assert!(
+            s.retried >= 6,
+            "transient failures and poison attempts were retried: {s:?}"
+        );
+        {
+            let table = pg_check.table.lock().unwrap();
+            let effects = table.inbox.effects();
+            for e in &events {
+                assert_eq!(
+                    effects.get(&(QUEUE.to_owned(), e.id)),
+                    Some(&1),
+                    "once: {}",
+                    e.id
+                );
+            }
+            for e in &poison {
+                assert_eq!(
+                    effects.get(&(QUEUE.to_owned(), e.id)),
+                    None,
+                    "no effect yet"
+                );
+            }
+        }
+        // The last nack may still be on its way to the broker.
+        for _ in 0..50 {
+            if mq_check
+                .queues
+                .lock()
+                .unwrap()
+                .ready("billing.orders.dlq")
+                .len()
+                == 3
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            mq_check
+                .queues
+                .lock()
+                .unwrap()
+                .ready("billing.orders.dlq")
+                .len(),
+            3
+        );
+
+        // The downstream is fixed; the operator replays the dead letters.
+        handler.downstream_broken.store(false, Ordering::SeqCst);
+        let filter = InboxFilter {
+            ids: Some(poison.iter().map(|e| e.id).collect()),
+            ..InboxFilter::default()
+        };
+        let replayed = subscriber.replay(&filter).await.unwrap();
+        assert_eq!(replayed.len(), 3);
+        // A poison event's first real attempt may hit a transient failure:
+        // replay reports it, and a second replay applies it.
+        let failed = replayed
+            .iter()
+            .filter(|(_, o)| matches!(o, ReplayOutcome::Failed { .. }))
+            .count();
+        let again = subscriber.replay(&filter).await.unwrap();
+        assert_eq!(again.len(), failed, "{replayed:?} then {again:?}");
+        assert!(
+            again.iter().all(|(_, o)| *o == ReplayOutcome::Applied),
+            "{again:?}"
+        );
+        assert!(subscriber.replay(&filter).await.unwrap().is_empty());
+        {
+            let table = pg_check.table.lock().unwrap();
+            for e in &poison {
+                assert_eq!(
+                    table.inbox.effects().get(&(QUEUE.to_owned(), e.id)),
+                    Some(&1)
+                );
+            }
+        }
+        stop.send(true).unwrap();
+        runner.await.unwrap().unwrap();
+        Ok(())
+    });
+    sim.run().unwrap();
+}
