@@ -47,7 +47,7 @@ impl Handler<SimTx> for SimHandler {
         }
         // Deterministic in the event id (a v7 id's low bits are seeded).
         let transient = self.transient_one_in > 0
-            && event.id.as_u64_pair().1 % self.transient_one_in == 0
+            && event.id.as_u64_pair().1.is_multiple_of(self.transient_one_in)
             && self.failed_once.lock().expect("lock").insert(event.id);
         tx.effect(&self.subscription, event.id)
             .await
