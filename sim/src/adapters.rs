@@ -30,7 +30,10 @@ use uuid::Uuid;
 use crate::mq_fake::MQ_PORT;
 use crate::pg_fake::PG_PORT;
 use crate::trace::{Event, Trace};
-use crate::wire::{MqReply, MqRequest, PgReply, PgRequest, read_frame, write_frame};
+use crate::wire::{
+    HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, MqReply, MqRequest, PgReply, PgRequest, read_frame,
+    write_frame,
+};
 
 /// Bound on establishing a simulated connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -56,6 +59,10 @@ pub enum Point {
     BeforeMark,
     /// The mark was applied but its reply not yet seen.
     MidMark,
+    /// Consumer: the handler's transaction committed; the ack not yet sent.
+    AfterCommit,
+    /// Consumer: the handler wrote its effect and has not returned.
+    MidHandler,
 }
 
 /// Crash and pause probabilities per point, shared by a drainer host's
@@ -118,6 +125,9 @@ impl Hooks {
             let mut h = self.inner.lock().expect("hooks");
             let crash_p = h.crash_prob.get(&point).copied().unwrap_or(0.0);
             let pause = h.pause.get(&point).copied();
+            if crash_p <= 0.0 && pause.is_none_or(|(p, _)| p <= 0.0) {
+                return; // nothing armed here (unseeded hooks never are)
+            }
             let rng = h.rng.as_mut().expect("hooks seeded");
             let crash = crash_p > 0.0 && rng.random_bool(crash_p.min(1.0));
             let pause = pause.filter(|(p, _)| *p > 0.0 && rng.random_bool(p.min(1.0)));
@@ -510,7 +520,10 @@ impl SimBroker {
         let waiters: Arc<Mutex<Waiters>> = Arc::default();
         let reader_waiters = waiters.clone();
         let reader = tokio::spawn(async move {
-            while let Ok(Some(frame)) = read_frame::<_, MqReply>(&mut r).await {
+            // A broker silent past the heartbeat timeout is gone.
+            while let Ok(Ok(Some(frame))) =
+                tokio::time::timeout(HEARTBEAT_TIMEOUT, read_frame::<_, MqReply>(&mut r)).await
+            {
                 let mut w = reader_waiters.lock().expect("waiters");
                 match frame {
                     MqReply::Ok { channel } => {
@@ -528,6 +541,7 @@ impl SimBroker {
                         w.confirms.retain(|(c, _), _| *c != channel);
                         w.deliveries.remove(&channel);
                     }
+                    MqReply::Heartbeat => {}
                     MqReply::Deliver {
                         channel,
                         tag,
@@ -556,11 +570,24 @@ impl SimBroker {
             w.deliveries.clear();
         });
         self.generation.fetch_add(1, Ordering::SeqCst);
-        Ok(Arc::new(MqConn {
+        let conn = Arc::new(MqConn {
             writer: tokio::sync::Mutex::new(w),
             waiters,
             reader,
-        }))
+        });
+        // Heartbeats while the connection lives (lapin sends them too).
+        let weak = Arc::downgrade(&conn);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(HEARTBEAT_EVERY).await;
+                let Some(conn) = weak.upgrade() else { return };
+                if conn.waiters.lock().expect("waiters").dead {
+                    return;
+                }
+                let _ = conn.send(&MqRequest::Heartbeat).await;
+            }
+        });
+        Ok(conn)
     }
 
     async fn live_conn(&self) -> Result<Arc<MqConn>, BrokerError> {
@@ -731,8 +758,15 @@ impl SimBroker {
             w.ok.insert(channel, tx);
         }
         conn.send(&req).await?;
-        rx.await
-            .map_err(|_| BrokerError::Channel(format!("channel {channel} closed by the broker")))
+        rx.await.map_err(|_| {
+            // The waiter was dropped: by the connection's end (everything
+            // fails), or by the broker closing this channel.
+            if conn.waiters.lock().expect("waiters").dead {
+                BrokerError::Connection("connection lost".into())
+            } else {
+                BrokerError::Channel(format!("channel {channel} closed by the broker"))
+            }
+        })
     }
 }
 

@@ -208,6 +208,7 @@ pub fn check(
             | Event::Tick { .. }
             | Event::Host { .. }
             | Event::InboxCommitted { .. }
+            | Event::InboxDuplicate { .. }
             | Event::InboxFailure { .. } => {}
         }
     }
@@ -307,6 +308,87 @@ pub fn check(
         .sum();
     v.parked = still_parked.len();
     v
+}
+
+/// The consumer side's final state, read from the fake PostgreSQL.
+#[derive(Debug, Clone, Default)]
+pub struct ConsumerView {
+    /// Envelopes the subscription must eventually apply.
+    pub deliverable: BTreeSet<Uuid>,
+    /// Committed handler effects per event (the subscription's).
+    pub effects: BTreeMap<Uuid, u32>,
+    /// Inbox rows marked processed.
+    pub processed: BTreeSet<Uuid>,
+    /// Inbox rows not processed.
+    pub unprocessed: BTreeSet<Uuid>,
+}
+
+/// The consumer-side invariants: each deliverable event took effect exactly
+/// once; nothing else took effect; an effect exists iff the inbox row is
+/// processed; a dead-lettered event had no effect when it was dead-lettered;
+/// and what the scenario's faults must have made happen did happen.
+pub fn check_consumers(
+    events: &[(std::time::Duration, Event)],
+    view: &ConsumerView,
+    expect: &Expect,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut applied: BTreeSet<Uuid> = BTreeSet::new();
+    let (mut duplicates, mut dead_letters) = (0usize, 0usize);
+    for (at, e) in events {
+        match e {
+            Event::InboxCommitted { effects, .. } => {
+                applied.extend(effects.iter().map(|(_, id)| *id));
+            }
+            Event::InboxDuplicate { .. } => duplicates += 1,
+            Event::InboxFailure {
+                event_id,
+                dead_lettered: true,
+                attempts,
+            } => {
+                dead_letters += 1;
+                if applied.contains(event_id) {
+                    out.push(format!(
+                        "dead-lettered with effect: {event_id} was dead-lettered at {:.3} s \
+                         (attempt {attempts}) after its effect committed",
+                        at.as_secs_f64()
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    for id in &view.deliverable {
+        match view.effects.get(id).copied().unwrap_or(0) {
+            1 => {}
+            0 => out.push(format!(
+                "never applied: {id} was committed but never took effect"
+            )),
+            n => out.push(format!("applied {n} times: {id}")),
+        }
+    }
+    for (id, n) in &view.effects {
+        if !view.deliverable.contains(id) {
+            out.push(format!(
+                "phantom effect: {id} took effect {n} time(s) but was never committed"
+            ));
+        }
+        if *n > 0 && !view.processed.contains(id) {
+            out.push(format!("effect without processed mark: {id}"));
+        }
+    }
+    for id in &view.processed {
+        if view.effects.get(id).copied().unwrap_or(0) == 0 {
+            out.push(format!("processed without effect: {id}"));
+        }
+    }
+    if expect.consumer_duplicates && duplicates == 0 {
+        out.push("expectation: no delivery found its event already processed".into());
+    }
+    if expect.dead_letters && dead_letters == 0 {
+        out.push("expectation: nothing was dead-lettered".into());
+    }
+    out
 }
 
 #[cfg(test)]
@@ -501,6 +583,7 @@ mod tests {
             releases: true,
             parks: true,
             duplicates: true,
+            ..Expect::default()
         };
         let unpublished: BTreeSet<Uuid> = [id(1)].into();
         let v = check(
@@ -528,5 +611,58 @@ mod tests {
         let mut e = happy();
         e.push(Event::Deleted { ids: vec![id(9)] });
         assert_eq!(kinds(&run(e, &[1])), ["janitor deleted an unpublished row"]);
+    }
+
+    #[test]
+    fn the_consumer_checker_catches_each_broken_invariant() {
+        use std::time::Duration;
+        let (a, b, c, d) = (id(1), id(2), id(3), id(4));
+        let view = ConsumerView {
+            deliverable: [a, b, c].into(),
+            // a once (fine), b twice, c never, d never committed.
+            effects: [(a, 1), (b, 2), (d, 1)].into(),
+            processed: [a, b].into(),
+            unprocessed: [c].into(),
+        };
+        let events = vec![
+            (
+                Duration::from_secs(1),
+                Event::InboxCommitted {
+                    client: "consumer-1".into(),
+                    processed: vec![a],
+                    effects: vec![("q".into(), a)],
+                },
+            ),
+            (
+                Duration::from_secs(2),
+                Event::InboxFailure {
+                    event_id: a,
+                    attempts: 3,
+                    dead_lettered: true,
+                },
+            ),
+        ];
+        let expect = Expect {
+            consumer_duplicates: true,
+            ..Expect::default()
+        };
+        let v = check_consumers(&events, &view, &expect).join("\n");
+        for needle in [
+            "dead-lettered with effect",
+            "applied 2 times",
+            "never applied",
+            "phantom effect",
+            "effect without processed mark",
+            "no delivery found its event already processed",
+        ] {
+            assert!(v.contains(needle), "{needle} missing from:\n{v}");
+        }
+        let clean = ConsumerView {
+            deliverable: [a].into(),
+            effects: [(a, 1)].into(),
+            processed: [a].into(),
+            unprocessed: BTreeSet::new(),
+        };
+        assert!(check_consumers(&[], &clean, &Expect::default()).is_empty());
     }
 }

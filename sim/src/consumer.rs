@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use outbox::core::subscriber::Handler;
 use outbox::{EventEnvelope, HandlerError};
 
+use crate::adapters::{Hooks, Point};
 use crate::inbox_adapter::SimTx;
+use crate::trace::Trace;
 
 /// Routing-key prefix of events the broken downstream refuses.
 pub const POISON_PREFIX: &str = "poison.";
@@ -23,6 +25,9 @@ pub struct SimHandler {
     failed_once: Mutex<BTreeSet<uuid::Uuid>>,
     /// While set, events with a poison routing key fail every attempt.
     pub downstream_broken: Arc<AtomicBool>,
+    hooks: Hooks,
+    trace: Trace,
+    who: String,
 }
 
 impl SimHandler {
@@ -34,7 +39,24 @@ impl SimHandler {
             transient_one_in,
             failed_once: Mutex::default(),
             downstream_broken: Arc::new(AtomicBool::new(false)),
+            hooks: Hooks::default(),
+            trace: Trace::default(),
+            who: String::new(),
         }
+    }
+
+    /// Shares the world's "downstream broken" switch.
+    pub fn with_downstream(mut self, broken: Arc<AtomicBool>) -> Self {
+        self.downstream_broken = broken;
+        self
+    }
+
+    /// Crash and pause points (`MidHandler`) of consumer `who`.
+    pub fn with_hooks(mut self, hooks: Hooks, who: impl Into<String>, trace: Trace) -> Self {
+        self.hooks = hooks;
+        self.who = who.into();
+        self.trace = trace;
+        self
     }
 }
 
@@ -47,11 +69,18 @@ impl Handler<SimTx> for SimHandler {
         }
         // Deterministic in the event id (a v7 id's low bits are seeded).
         let transient = self.transient_one_in > 0
-            && event.id.as_u64_pair().1.is_multiple_of(self.transient_one_in)
+            && event
+                .id
+                .as_u64_pair()
+                .1
+                .is_multiple_of(self.transient_one_in)
             && self.failed_once.lock().expect("lock").insert(event.id);
         tx.effect(&self.subscription, event.id)
             .await
             .map_err(|e| HandlerError::msg(e.to_string()))?;
+        self.hooks
+            .at(Point::MidHandler, &self.who, &self.trace)
+            .await;
         if transient {
             return Err(HandlerError::msg("transient failure after the effect"));
         }

@@ -17,7 +17,7 @@ use outbox::core::ports::{
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::adapters::{PgClient, connect, exchange, unexpected};
+use crate::adapters::{Hooks, PgClient, Point, connect, exchange, unexpected};
 use crate::pg_fake::PG_PORT;
 use crate::trace::Trace;
 use crate::wire::{PgReply, PgRequest, WireInboxEntry, WireInsertOutcome};
@@ -68,6 +68,8 @@ pub struct SimInboxStore {
     client: String,
     idle: Mutex<Vec<turmoil::net::TcpStream>>,
     side: PgClient,
+    hooks: Hooks,
+    trace: Trace,
 }
 
 impl SimInboxStore {
@@ -75,10 +77,18 @@ impl SimInboxStore {
     pub fn new(client: impl Into<String>, trace: Trace) -> Self {
         let client = client.into();
         Self {
-            side: PgClient::new(format!("{client}/side"), trace),
+            side: PgClient::new(format!("{client}/side"), trace.clone()),
             client,
             idle: Mutex::default(),
+            hooks: Hooks::default(),
+            trace,
         }
+    }
+
+    /// Crash and pause points of the consumer host (`AfterCommit`).
+    pub fn with_hooks(mut self, hooks: Hooks) -> Self {
+        self.hooks = hooks;
+        self
     }
 
     async fn checkout(&self) -> Result<turmoil::net::TcpStream, StoreError> {
@@ -167,6 +177,9 @@ impl InboxStore for SimInboxStore {
     async fn inbox_commit(&self, mut tx: SimTx) -> Result<(), StoreError> {
         tx.call(PgRequest::Commit).await?;
         self.checkin(tx);
+        self.hooks
+            .at(Point::AfterCommit, &self.client, &self.trace)
+            .await;
         Ok(())
     }
 

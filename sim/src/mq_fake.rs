@@ -17,6 +17,15 @@
 //!   parks at the budget, and publishes once unparked and healed.
 //! - **confirm delay** (`confirm_delay_ms`): confirms are held back; beyond
 //!   the deadline this is a black-hole, below it a slow broker.
+//! - **silent peer** (the world partitions a client from `rabbit`): both
+//!   ends send heartbeats and close a connection silent past
+//!   `wire::HEARTBEAT_TIMEOUT`, as AMQP does; a partitioned consumer's
+//!   unacknowledged deliveries go back to the queue for the others, and the
+//!   consumer reconnects after the heal. Without this a message delivered
+//!   into a partition would sit unacknowledged forever.
+//! - **duplicate delivery** (`duplicate_prob`): see `mq_queues`.
+//!
+//! Queues, bindings, consumers and dead-lettering live in `mq_queues.rs`.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -28,7 +37,9 @@ use rand::{Rng, SeedableRng};
 use uuid::Uuid;
 
 use crate::trace::{Event, Trace};
-use crate::wire::{MqReply, MqRequest, read_frame, write_frame};
+use crate::wire::{
+    HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, MqReply, MqRequest, read_frame, write_frame,
+};
 
 /// The fake's port.
 pub const MQ_PORT: u16 = 5672;
@@ -151,6 +162,17 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
         *n += 1;
         *n
     };
+    let heartbeat = {
+        let out = out_tx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(HEARTBEAT_EVERY).await;
+                if out.send((Duration::ZERO, MqReply::Heartbeat)).is_err() {
+                    return;
+                }
+            }
+        })
+    };
     let mut client = String::from("?");
     let mut channels: BTreeMap<u32, Channel> = BTreeMap::new();
     let mut close_all = state.close_all.subscribe();
@@ -158,7 +180,16 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
         let next = tokio::select! {
             biased;
             _ = close_all.changed() => break,
-            next = read_frame::<_, MqRequest>(&mut r) => next,
+            next = tokio::time::timeout(HEARTBEAT_TIMEOUT, read_frame::<_, MqRequest>(&mut r)) => match next {
+                Ok(next) => next,
+                Err(_) => {
+                    state.trace.now(Event::Fault(format!(
+                        "broker closes {client}'s connection: no heartbeat for {} s",
+                        HEARTBEAT_TIMEOUT.as_secs()
+                    )));
+                    break;
+                }
+            },
         };
         let Ok(Some(req)) = next else { break };
         let now = crate::sim_now();
@@ -167,6 +198,7 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                 client = c;
                 None
             }
+            MqRequest::Heartbeat => None,
             MqRequest::ChannelOpen { channel } => {
                 channels.insert(channel, Channel::default());
                 Some(MqReply::Ok { channel })
@@ -313,5 +345,6 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
     }
     // The connection is gone: its consumers' deliveries go back.
     state.with_queues(|q| q.close(conn, None));
+    heartbeat.abort();
     writer.abort();
 }

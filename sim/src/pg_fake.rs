@@ -75,6 +75,9 @@ pub struct Table {
     locks: BTreeMap<Uuid, u64>,
     /// The consumer side: `event_inbox` and the handler's domain table.
     pub inbox: crate::pg_inbox::Inbox,
+    /// Every envelope ever committed (the janitor deletes rows; this keeps
+    /// what consumers must eventually apply).
+    committed: BTreeSet<Uuid>,
 }
 
 impl Table {
@@ -84,6 +87,7 @@ impl Table {
     }
 
     fn insert(&mut self, row: Row) {
+        self.committed.insert(row.id);
         self.pending.insert((row.enqueued_ms, row.id));
         self.rows.insert(row.id, row);
     }
@@ -246,6 +250,36 @@ impl PgState {
             .collect()
     }
 
+    /// Committed envelopes a subscription of every event must apply: all
+    /// but those whose routing key no broker accepts (never published).
+    pub fn deliverable(&self) -> BTreeSet<Uuid> {
+        let table = self.table.lock().expect("table");
+        table
+            .committed
+            .iter()
+            .filter(|id| {
+                table
+                    .rows
+                    .get(id)
+                    .is_none_or(|r| !unpublishable_key(&r.routing_key))
+            })
+            .copied()
+            .collect()
+    }
+
+    /// Whether every deliverable envelope is processed in the inbox.
+    pub fn consumed(&self) -> bool {
+        let deliverable = self.deliverable();
+        let table = self.table.lock().expect("table");
+        let processed: BTreeSet<Uuid> = table
+            .inbox
+            .rows()
+            .filter(|r| r.processed_ms.is_some())
+            .map(|r| r.event_id)
+            .collect();
+        deliverable.is_subset(&processed)
+    }
+
     /// Committed rows not yet published, parked ones included.
     pub fn unpublished(&self) -> BTreeSet<Uuid> {
         self.table
@@ -381,6 +415,16 @@ impl Session {
                 .inbox
                 .apply(req, self.id, self.tx.as_mut().map(|t| &mut t.inbox), now)
         {
+            if let (
+                PgRequest::InboxTryInsert { entry },
+                PgReply::Inbox(crate::wire::WireInsertOutcome::AlreadyProcessed),
+            ) = (req, &reply)
+            {
+                trace.now(Event::InboxDuplicate {
+                    client: self.client.clone(),
+                    event_id: entry.event_id,
+                });
+            }
             if let (
                 PgRequest::InboxRecordFailure { entry, .. },
                 PgReply::Attempt {

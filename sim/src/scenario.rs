@@ -52,6 +52,13 @@ pub struct Expect {
     /// At least one envelope was stored twice (a republish).
     #[serde(default)]
     pub duplicates: bool,
+    /// At least one delivery found its event already processed (the inbox
+    /// absorbed a duplicate).
+    #[serde(default)]
+    pub consumer_duplicates: bool,
+    /// At least one delivery was dead-lettered after the budget.
+    #[serde(default)]
+    pub dead_letters: bool,
 }
 
 /// What the producer does.
@@ -92,11 +99,18 @@ fn interval() -> [u64; 2] {
 pub struct Topology {
     /// Drainer replicas (`drainer-1..N`).
     pub drainers: u32,
+    /// Replicas of one subscription (`consumer-1..M`) consuming every event;
+    /// none by default (producer-only scenarios).
+    #[serde(default)]
+    pub consumers: u32,
 }
 
 impl Default for Topology {
     fn default() -> Self {
-        Self { drainers: 1 }
+        Self {
+            drainers: 1,
+            consumers: 0,
+        }
     }
 }
 
@@ -114,6 +128,15 @@ pub struct ConfigOverrides {
     pub retention_secs: Option<u64>,
     pub janitor_interval_secs: Option<u64>,
     pub janitor_batch: Option<u32>,
+    /// Subscriber attempt budget (default 3).
+    pub consumer_max_attempts: Option<u32>,
+    /// Subscriber prefetch (default 8).
+    pub consumer_prefetch: Option<u16>,
+    /// Subscriber handler concurrency (default 2).
+    pub consumer_concurrency: Option<u32>,
+    /// One event in this many fails its first handler attempt (after
+    /// writing its effect); 0 for none (the default).
+    pub consumer_transient_one_in: Option<u64>,
 }
 
 /// Phases of a run.
@@ -182,9 +205,16 @@ pub enum Fault {
         confirm_delay_ms: u64,
         #[serde(default)]
         nack_prefix: Option<String>,
+        /// Per delivery, the broker also keeps a redelivered copy.
+        #[serde(default)]
+        duplicate_prob: f64,
         at_secs: f64,
         for_secs: f64,
     },
+    /// The consumers' downstream refuses every `poison.` event: their
+    /// handlers fail until it heals, so those deliveries dead-letter; the
+    /// operator replays them after the heal.
+    Downstream { at_secs: f64, for_secs: f64 },
 }
 
 impl Fault {
@@ -208,7 +238,8 @@ impl Fault {
             }
             | Fault::Mq {
                 at_secs, for_secs, ..
-            } => (*at_secs, *for_secs),
+            }
+            | Fault::Downstream { at_secs, for_secs } => (*at_secs, *for_secs),
             Fault::Crash {
                 at_secs,
                 restart_after_secs,
@@ -259,6 +290,11 @@ pub const SWARM_FAMILIES: &[&str] = &[
     "pg",
     "mq_drop",
     "confirm_delay",
+    "consumer_crash",
+    "consumer_crash_point",
+    "consumer_partition",
+    "duplicate_delivery",
+    "downstream",
 ];
 
 impl Scenario {

@@ -68,6 +68,8 @@ pub enum Event {
         processed: Vec<Uuid>,
         effects: Vec<(String, Uuid)>,
     },
+    /// A delivery found its event already processed (a duplicate absorbed).
+    InboxDuplicate { client: String, event_id: Uuid },
     /// A failed handler attempt was recorded on an inbox row.
     InboxFailure {
         event_id: Uuid,

@@ -9,6 +9,14 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use uuid::Uuid;
 
+/// How often both ends of an AMQP connection send a heartbeat, and how
+/// long silence means the peer is gone (the fake's scaled-down version of
+/// RabbitMQ's negotiated 60 s: a partitioned consumer's unacknowledged
+/// deliveries go back to the queue instead of waiting forever).
+pub const HEARTBEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+/// See [`HEARTBEAT_EVERY`].
+pub const HEARTBEAT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(6);
+
 /// Largest frame accepted, a bound on what a corrupt length could make us
 /// allocate.
 pub const FRAME_MAX_BYTES: u32 = 16 * 1024 * 1024;
@@ -268,6 +276,9 @@ pub enum MqRequest {
         channel: u32,
         queue: String,
     },
+    /// AMQP heartbeat: sent when idle, so the broker can tell a silent
+    /// client from a vanished one.
+    Heartbeat,
     /// `basic.ack` (no reply).
     Ack {
         channel: u32,
@@ -290,6 +301,8 @@ pub enum MqReply {
     Confirm { channel: u32, seq: u64, ack: bool },
     /// The broker closed the channel.
     ChannelClosed { channel: u32, reason: String },
+    /// AMQP heartbeat from the broker.
+    Heartbeat,
     /// A message pushed to a consumer.
     Deliver {
         channel: u32,

@@ -35,6 +35,11 @@ const fn steps_in(d: Duration) -> u32 {
 const QUIESCENCE_CHECK_STEPS: u32 = steps_in(Duration::from_millis(100));
 /// Steps between operator unparks in the liveness phase.
 const UNPARK_EVERY_STEPS: u32 = steps_in(Duration::from_secs(2));
+/// The subscription every consumer host serves (bound to every event).
+pub const CONSUMER_QUEUE: &str = "billing.events";
+/// How often the operator (on `consumer-1`) replays dead letters after the
+/// heal.
+const REPLAY_EVERY: Duration = Duration::from_secs(2);
 /// A crash-point crash restarts the host after this long.
 const CRASH_RESTART_AFTER: Duration = Duration::from_secs(1);
 
@@ -91,6 +96,8 @@ fn swarm_faults(s: &Scenario, rng: &mut SmallRng) -> Vec<Fault> {
     };
     let phase = s.timing.fault_phase_secs;
     let drainers = s.topology.drainers;
+    let consumers = s.topology.consumers.max(1);
+    let consumer = |rng: &mut SmallRng| format!("consumer-{}", rng.random_range(1..=consumers));
     let mut out = Vec::new();
     for family in &swarm.families {
         if !rng.random_bool(0.5) {
@@ -155,6 +162,7 @@ fn swarm_faults(s: &Scenario, rng: &mut SmallRng) -> Vec<Fault> {
                     drop_conn_prob: 0.02,
                     confirm_delay_ms: 0,
                     nack_prefix: None,
+                    duplicate_prob: 0.0,
                     at_secs: at,
                     for_secs: len,
                 },
@@ -162,6 +170,39 @@ fn swarm_faults(s: &Scenario, rng: &mut SmallRng) -> Vec<Fault> {
                     drop_conn_prob: 0.0,
                     confirm_delay_ms: rng.random_range(100..4000),
                     nack_prefix: None,
+                    duplicate_prob: 0.0,
+                    at_secs: at,
+                    for_secs: len,
+                },
+                "consumer_crash" => Fault::Crash {
+                    target: consumer(rng),
+                    at_secs: at,
+                    restart_after_secs: len,
+                },
+                "consumer_crash_point" => {
+                    let points = [Point::AfterCommit, Point::MidHandler];
+                    Fault::CrashPoint {
+                        point: points[rng.random_range(0..points.len())],
+                        prob: 0.05,
+                        at_secs: at,
+                        for_secs: len,
+                    }
+                }
+                "consumer_partition" => Fault::Partition {
+                    a: consumer(rng),
+                    b: if rng.random_bool(0.5) { "rabbit" } else { "pg" }.into(),
+                    at_secs: at,
+                    for_secs: len,
+                },
+                "duplicate_delivery" => Fault::Mq {
+                    drop_conn_prob: 0.0,
+                    confirm_delay_ms: 0,
+                    nack_prefix: None,
+                    duplicate_prob: 0.2,
+                    at_secs: at,
+                    for_secs: len,
+                },
+                "downstream" => Fault::Downstream {
                     at_secs: at,
                     for_secs: len,
                 },
@@ -176,9 +217,14 @@ fn swarm_faults(s: &Scenario, rng: &mut SmallRng) -> Vec<Fault> {
 struct Env {
     pg: PgState,
     mq: MqState,
-    hooks: Vec<Hooks>,
+    /// Every host's crash and pause points: drainers, then consumers.
+    hooks: Vec<(String, Hooks)>,
     trace: Trace,
     drainers: u32,
+    /// The consumers' downstream refuses `poison.` events while set.
+    downstream_broken: Arc<AtomicBool>,
+    /// Set at the heal: the operator starts replaying dead letters.
+    healed: Arc<AtomicBool>,
 }
 
 impl Env {
@@ -233,15 +279,16 @@ impl Env {
                     }
                 }
             }
+            Fault::Downstream { .. } => self.downstream_broken.store(start, Ordering::SeqCst),
             Fault::CrashPoint { point, prob, .. } => {
-                for hooks in &self.hooks {
+                for (_, hooks) in &self.hooks {
                     hooks.set_crash(*point, if start { *prob } else { 0.0 });
                 }
             }
             Fault::Pause {
                 point, prob, ms, ..
             } => {
-                for hooks in &self.hooks {
+                for (_, hooks) in &self.hooks {
                     hooks.set_pause(
                         *point,
                         if start { *prob } else { 0.0 },
@@ -267,6 +314,7 @@ impl Env {
                 drop_conn_prob,
                 confirm_delay_ms,
                 nack_prefix,
+                duplicate_prob,
                 ..
             } => {
                 *self.mq.faults.lock().expect("faults") = if start {
@@ -274,7 +322,7 @@ impl Env {
                         nack_prefix: nack_prefix.clone(),
                         drop_conn_prob: *drop_conn_prob,
                         confirm_delay_ms: *confirm_delay_ms,
-                        ..MqFaults::default()
+                        duplicate_prob: *duplicate_prob,
                     }
                 } else {
                     MqFaults::default()
@@ -313,10 +361,28 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     let env = Env {
         pg: PgState::new(rng.random(), trace.clone()),
         mq: MqState::new(rng.random(), trace.clone()),
-        hooks: (0..drainers).map(|_| Hooks::new(rng.random())).collect(),
+        hooks: (1..=drainers)
+            .map(|i| (format!("drainer-{i}"), Hooks::new(rng.random())))
+            .collect(),
         trace: trace.clone(),
         drainers,
+        downstream_broken: Arc::default(),
+        healed: Arc::default(),
     };
+    let mut env = env;
+    let consumers = scenario.topology.consumers;
+    for i in 1..=consumers {
+        env.hooks
+            .push((format!("consumer-{i}"), Hooks::new(rng.random())));
+    }
+    if consumers > 0 {
+        // Deployment: the subscription exists before anything is published.
+        env.mq.queues.lock().expect("queues").declare_subscription(
+            CONSUMER_QUEUE,
+            "canopy.events",
+            &["#".to_owned()],
+        );
+    }
 
     let mut sim = turmoil::Builder::new()
         .rng_seed(rng.random())
@@ -338,7 +404,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     sim.host("rabbit", move || mq_fake::serve(mq.clone()));
     for i in 1..=drainers {
         let name = format!("drainer-{i}");
-        let hooks = env.hooks[(i - 1) as usize].clone();
+        let hooks = env.hooks[(i - 1) as usize].1.clone();
         let trace = trace.clone();
         let scenario = scenario.clone();
         let entropy_seed: u64 = rng.random();
@@ -375,6 +441,9 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
             }
         });
     }
+    for i in 1..=consumers {
+        spawn_consumer(&mut sim, &env, scenario, i);
+    }
     let done = Arc::new(AtomicBool::new(false));
     let workload_seed: u64 = rng.random();
     sim.client(
@@ -403,9 +472,9 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
             }
             next += 1;
         }
-        for (i, hooks) in env.hooks.iter().enumerate() {
+        for (host, hooks) in &env.hooks {
             if hooks.take_crash_request() {
-                let host = format!("drainer-{}", i + 1);
+                let host = host.clone();
                 if crashed.insert(host.clone()) {
                     sim.crash(host.as_str());
                     trace.now(Event::Host {
@@ -445,7 +514,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         steps += 1;
         if let Some(deadline) = liveness_deadline
             && steps.is_multiple_of(QUIESCENCE_CHECK_STEPS)
-            && (env.pg.drained() || now >= deadline)
+            && ((env.pg.drained() && (consumers == 0 || env.pg.consumed())) || now >= deadline)
         {
             break;
         }
@@ -474,6 +543,13 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         &scenario.expect,
     );
     let mut verdict = verdict;
+    if consumers > 0 {
+        let view = consumer_view(&env.pg);
+        let events = trace.events();
+        verdict
+            .violations
+            .extend(checker::check_consumers(&events, &view, &scenario.expect));
+    }
     for id in overdue.iter().take(5) {
         verdict.violations.push(format!(
             "retention: {id} was published long ago but the janitor kept it"
@@ -507,7 +583,9 @@ fn heal(
         }
         env.apply(sim, &faults[s.fault], false, crashed);
     }
-    for hooks in &env.hooks {
+    env.downstream_broken.store(false, Ordering::SeqCst);
+    env.healed.store(true, Ordering::SeqCst);
+    for (_, hooks) in &env.hooks {
         hooks.clear();
     }
     *env.pg.faults.lock().expect("faults") = PgFaults::default();
@@ -517,4 +595,107 @@ fn heal(
         env.trace.now(Event::Host { host, up: true });
     }
     env.pg.operator_unpark_all();
+}
+
+/// The subscriber settings every consumer host runs with: the production
+/// defaults scaled down, then the scenario's overrides.
+pub fn subscriber_settings(s: &Scenario) -> outbox::SubscriberSettings {
+    let c = &s.config;
+    let mut settings = outbox::SubscriberSettings::new(CONSUMER_QUEUE, &["#"]);
+    settings.spec.exchange = "canopy.events".into();
+    settings.spec.prefetch = c.consumer_prefetch.unwrap_or(8);
+    settings.concurrency = c.consumer_concurrency.unwrap_or(2);
+    settings.max_attempts = c.consumer_max_attempts.unwrap_or(3);
+    settings
+        .validate()
+        .unwrap_or_else(|e| panic!("scenario {} has invalid consumer settings: {e}", s.name));
+    settings
+}
+
+/// Host `consumer-{i}`: the production subscriber on the simulation
+/// adapters. `consumer-1` also plays the operator who, after the heal,
+/// replays dead-lettered events now that the downstream works again.
+fn spawn_consumer(sim: &mut turmoil::Sim<'_>, env: &Env, scenario: &Scenario, i: u32) {
+    let host = format!("consumer-{i}");
+    let hooks = env.hooks[(env.drainers + i - 1) as usize].1.clone();
+    let trace = env.trace.clone();
+    let settings = subscriber_settings(scenario);
+    let transient = scenario.config.consumer_transient_one_in.unwrap_or(0);
+    let downstream = env.downstream_broken.clone();
+    let healed = env.healed.clone();
+    let incarnation = Arc::new(AtomicU32::new(0));
+    let name = host.clone();
+    sim.host(name.as_str(), move || {
+        let n = incarnation.fetch_add(1, Ordering::SeqCst) + 1;
+        let who = format!("{host}#{n}");
+        let store = Arc::new(
+            crate::inbox_adapter::SimInboxStore::new(who.clone(), trace.clone())
+                .with_hooks(hooks.clone()),
+        );
+        let broker = Arc::new(SimBroker::new(who.clone(), trace.clone(), hooks.clone()));
+        let handler = Arc::new(
+            crate::consumer::SimHandler::new(CONSUMER_QUEUE, transient)
+                .with_downstream(downstream.clone())
+                .with_hooks(hooks.clone(), who.clone(), trace.clone()),
+        );
+        let subscriber = Arc::new(outbox::Subscriber::new(
+            store,
+            broker,
+            Arc::new(TokioClock::default()),
+            handler,
+            settings.clone(),
+        ));
+        let operator = i == 1;
+        let healed = healed.clone();
+        async move {
+            let (_keep, rx) = tokio::sync::watch::channel(false);
+            if operator {
+                let s = subscriber.clone();
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(REPLAY_EVERY).await;
+                        if healed.load(Ordering::SeqCst) {
+                            let filter = outbox::core::ports::InboxFilter {
+                                dead_lettered_only: true,
+                                ..Default::default()
+                            };
+                            let _ = s.replay(&filter).await;
+                        }
+                    }
+                });
+            }
+            subscriber
+                .run(rx)
+                .await
+                .map_err(|e| -> Box<dyn std::error::Error> { e.to_string().into() })?;
+            Ok(())
+        }
+    });
+}
+
+/// The subscription's final state, for the checker.
+fn consumer_view(pg: &PgState) -> checker::ConsumerView {
+    let deliverable = pg.deliverable();
+    let table = pg.table.lock().expect("table");
+    let effects = table
+        .inbox
+        .effects()
+        .iter()
+        .filter(|((sub, _), _)| sub == CONSUMER_QUEUE)
+        .map(|((_, id), n)| (*id, *n))
+        .collect();
+    let (mut processed, mut unprocessed) = (BTreeSet::new(), BTreeSet::new());
+    for r in table.inbox.rows() {
+        if r.processed_ms.is_some() {
+            processed.insert(r.event_id);
+        } else {
+            unprocessed.insert(r.event_id);
+        }
+    }
+    checker::ConsumerView {
+        deliverable,
+        effects,
+        processed,
+        unprocessed,
+    }
 }

@@ -53,11 +53,15 @@ fn every_scenario_file_has_a_test_here() {
         "broker_blackhole",
         "clean",
         "connection_drop",
+        "consumer_crash_before_ack",
         "crash_at_every_phase",
         "crash_between_publish_and_mark",
         "db_outage",
         "lease_expiry_mid_confirm",
         "poison_parking",
+        "poison_to_dlq_and_replay",
+        "producer_and_consumer_swarm",
+        "redelivery_storm",
         "replicas_racing",
         "reply_lost",
         "swarm",
@@ -116,4 +120,20 @@ fn different_seeds_give_different_traces() {
     let a = sim::world::run(&s, 11);
     let b = sim::world::run(&s, 12);
     assert_ne!(a.trace_hash, b.trace_hash);
+}
+#[test]
+fn consumer_crash_before_ack() {
+    check("consumer_crash_before_ack");
+}
+#[test]
+fn poison_to_dlq_and_replay() {
+    check("poison_to_dlq_and_replay");
+}
+#[test]
+fn producer_and_consumer_swarm() {
+    check("producer_and_consumer_swarm");
+}
+#[test]
+fn redelivery_storm() {
+    check("redelivery_storm");
 }

@@ -498,10 +498,13 @@ where
                         }
                         Attempt::AlreadyProcessed => ReplayOutcome::AlreadyProcessed,
                         Attempt::HandlerFailed(error) => {
+                            // The row's message is in no queue any more: it
+                            // stays dead-lettered (a budget of 1 marks it so)
+                            // until the next replay, or nothing would ever
+                            // run it again. Found by the simulation
+                            // (producer_and_consumer_swarm, seed 43).
                             let text = truncate_chars(error.message(), LAST_ERROR_MAX_CHARS);
-                            self.store
-                                .inbox_record_failure(&entry, &text, self.settings.max_attempts)
-                                .await?;
+                            self.store.inbox_record_failure(&entry, &text, 1).await?;
                             ReplayOutcome::Failed { error: text }
                         }
                     }
