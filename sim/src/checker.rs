@@ -319,8 +319,6 @@ pub struct ConsumerView {
     pub effects: BTreeMap<Uuid, u32>,
     /// Inbox rows marked processed.
     pub processed: BTreeSet<Uuid>,
-    /// Inbox rows not processed.
-    pub unprocessed: BTreeSet<Uuid>,
 }
 
 /// The consumer-side invariants: each deliverable event took effect exactly
@@ -622,7 +620,6 @@ mod tests {
             // a once (fine), b twice, c never, d never committed.
             effects: [(a, 1), (b, 2), (d, 1)].into(),
             processed: [a, b].into(),
-            unprocessed: [c].into(),
         };
         let events = vec![
             (
@@ -661,7 +658,6 @@ mod tests {
             deliverable: [a].into(),
             effects: [(a, 1)].into(),
             processed: [a].into(),
-            unprocessed: BTreeSet::new(),
         };
         assert!(check_consumers(&[], &clean, &Expect::default()).is_empty());
     }

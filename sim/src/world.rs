@@ -684,18 +684,15 @@ fn consumer_view(pg: &PgState) -> checker::ConsumerView {
         .filter(|((sub, _), _)| sub == CONSUMER_QUEUE)
         .map(|((_, id), n)| (*id, *n))
         .collect();
-    let (mut processed, mut unprocessed) = (BTreeSet::new(), BTreeSet::new());
-    for r in table.inbox.rows() {
-        if r.processed_ms.is_some() {
-            processed.insert(r.event_id);
-        } else {
-            unprocessed.insert(r.event_id);
-        }
-    }
+    let processed = table
+        .inbox
+        .rows()
+        .filter(|r| r.processed_ms.is_some())
+        .map(|r| r.event_id)
+        .collect();
     checker::ConsumerView {
         deliverable,
         effects,
         processed,
-        unprocessed,
     }
 }
