@@ -597,3 +597,39 @@ async fn the_spawned_drainer_drains_and_shuts_down_gracefully(pool: PgPool) {
         .await
         .expect("shutdown is bounded");
 }
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_commit_wakes_an_idle_drainer_long_before_its_tick(pool: PgPool) {
+    let exchange = unique("ex");
+    let consumer = PlainConsumer::start(&exchange, "#").await;
+    // A one-minute tick: without the NOTIFY wakeup nothing would publish
+    // within the bound below.
+    let handle = outbox::DrainerHandle::spawn(
+        pool.clone(),
+        LapinBroker::new(common::amqp_url()),
+        config(&exchange, "woken")
+            .tick_ms(60_000)
+            .lease_ttl_secs(300)
+            .confirm_timeout_secs(30)
+            .build()
+            .unwrap(),
+    );
+    // Let the drainer's first (empty) tick pass and its listener connect.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let events = write_events(&pool, "woken.event", 3).await;
+    consumer
+        .wait_for(events.len(), Duration::from_secs(10))
+        .await;
+    // A rolled-back transaction notifies nobody and publishes nothing.
+    let mut tx = pool.begin().await.unwrap();
+    let ghost = EventEnvelope::new("woken.ghost", serde_json::json!({}));
+    Publisher::new(pool.clone())
+        .publish_tx(&mut tx, &ghost)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), handle.shutdown())
+        .await
+        .expect("shutdown is bounded");
+    assert_eq!(consumer.snapshot().await.len(), 3);
+}

@@ -62,9 +62,21 @@ pub struct Drainer<S, B, C, E> {
     clock: Arc<C>,
     entropy: Arc<E>,
     config: DrainerConfig,
+    /// Signalled when new rows commit (production: PostgreSQL NOTIFY), so
+    /// an idle drainer claims at once instead of at its next tick.
+    wakeup: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
+    /// Wakes the drainer between ticks whenever `wakeup` is notified (a
+    /// permit stored while a tick runs makes the next sleep end at once).
+    /// Polling stays the fallback: a lost notification only costs a tick.
+    /// Error backoff is never cut short by it.
+    pub fn with_wakeup(mut self, wakeup: Arc<tokio::sync::Notify>) -> Self {
+        self.wakeup = Some(wakeup);
+        self
+    }
+
     /// Builds a drainer from its ports and a checked configuration.
     pub fn new(
         store: Arc<S>,
@@ -79,6 +91,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             clock,
             entropy,
             config,
+            wakeup: None,
         }
     }
 
@@ -244,6 +257,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             if *shutdown.borrow() {
                 break;
             }
+            let mut wakeable = true;
             let delay = match self.tick().await {
                 Ok(report) => {
                     consecutive_errors = 0;
@@ -268,10 +282,21 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                         consecutive_errors,
                         "outbox drain tick failed; claims released, attempts untouched"
                     );
+                    wakeable = false;
                     self.backoff(consecutive_errors)
                 }
             };
-            if sleep_or_shutdown(&*self.clock, delay, &mut shutdown).await {
+            let stop = match self.wakeup.as_ref().filter(|_| wakeable) {
+                Some(wakeup) if !delay.is_zero() => {
+                    tokio::select! {
+                        biased;
+                        stop = sleep_or_shutdown(&*self.clock, delay, &mut shutdown) => stop,
+                        () = wakeup.notified() => false,
+                    }
+                }
+                _ => sleep_or_shutdown(&*self.clock, delay, &mut shutdown).await,
+            };
+            if stop {
                 break;
             }
         }

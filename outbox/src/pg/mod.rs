@@ -40,6 +40,10 @@ pub(crate) mod sql {
     pub const INBOX_DELETE_PROCESSED: &str = include_str!("sql/inbox_delete_processed.sql");
 }
 
+/// The channel `publish_tx` / `publish_many_tx` notify at commit and the
+/// drainer listens on (see `runtime::DrainerHandle`).
+pub const WAKEUP_CHANNEL: &str = "canopy_outbox";
+
 /// Bound on one store call (acquiring a connection and running its
 /// statements). A database that stops answering (a black-holed connection, a
 /// wedged server) would otherwise hold the drainer's tick until TCP gives up,
@@ -260,5 +264,20 @@ impl OutboxStore for PgOutboxStore {
             Ok(done.rows_affected())
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_inserts_notify_the_channel_the_drainer_listens_on() {
+        for statement in [sql::INSERT, sql::INSERT_MANY] {
+            assert!(
+                statement.contains(&format!("pg_notify('{WAKEUP_CHANNEL}'")),
+                "{statement}"
+            );
+        }
     }
 }
