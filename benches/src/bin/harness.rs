@@ -44,6 +44,8 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(1800);
 
 struct Args {
     rows: usize,
+    /// Backlog of the large P2 measurement (0 skips P2).
+    p2_rows: usize,
     json: String,
     database_url: String,
     amqp_url: String,
@@ -52,6 +54,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         rows: 100_000,
+        p2_rows: 1_000_000,
         json: "target/harness.json".into(),
         database_url: std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
@@ -67,6 +70,12 @@ fn parse_args() -> Result<Args, String> {
                 a.rows = v
                     .parse()
                     .map_err(|_| format!("--rows must be a whole number, got {v:?}"))?;
+            }
+            "--p2-rows" => {
+                let v = value()?;
+                a.p2_rows = v
+                    .parse()
+                    .map_err(|_| format!("--p2-rows must be a whole number, got {v:?}"))?;
             }
             "--json" => a.json = value()?,
             "--database-url" => a.database_url = value()?,
@@ -257,6 +266,56 @@ async fn drain(
     Ok(n as f64 / elapsed.as_secs_f64())
 }
 
+/// Claim + mark rate (rows/s) of the store alone, `cycles` batches of 100,
+/// on whatever backlog the table holds.
+async fn claim_mark_rate(pool: &PgPool, cycles: usize) -> Result<f64, Box<dyn std::error::Error>> {
+    use outbox::core::ports::{ClaimParams, OutboxStore};
+    let store = outbox::PgOutboxStore::new(pool.clone());
+    let mut started = Instant::now();
+    let mut rows = 0usize;
+    // The first cycles (statement preparation, cold buffers) are not timed.
+    const WARMUP: usize = 5;
+    for cycle in 0..cycles + WARMUP {
+        if cycle == WARMUP {
+            started = Instant::now();
+            rows = 0;
+        }
+        let claimed = store
+            .outbox_claim(ClaimParams {
+                replica_id: "harness-p2",
+                batch_size: 100,
+                lease_ttl: Duration::from_secs(60),
+            })
+            .await?;
+        let ids: Vec<uuid::Uuid> = claimed.iter().map(|r| r.id).collect();
+        store.outbox_mark_published("harness-p2", &ids).await?;
+        rows += ids.len();
+    }
+    Ok(rows as f64 / started.elapsed().as_secs_f64())
+}
+
+/// P2: claim + mark at a small and a large unpublished backlog, and at a
+/// small backlog behind a large number of published rows awaiting retention.
+async fn claim_scaling(
+    pool: &PgPool,
+    small: usize,
+    large: usize,
+) -> Result<[f64; 3], Box<dyn std::error::Error>> {
+    pool.execute("TRUNCATE event_outbox").await?;
+    prefill(pool, small).await?;
+    let at_small = claim_mark_rate(pool, 50).await?;
+    pool.execute("TRUNCATE event_outbox").await?;
+    prefill(pool, large).await?;
+    let at_large = claim_mark_rate(pool, 50).await?;
+    // Publish the large backlog (as if drained), then a small fresh one.
+    pool.execute("UPDATE event_outbox SET published_at = now() WHERE published_at IS NULL")
+        .await?;
+    prefill(pool, small).await?;
+    let behind_published = claim_mark_rate(pool, 50).await?;
+    pool.execute("TRUNCATE event_outbox").await?;
+    Ok([at_small, at_large, behind_published])
+}
+
 /// p50 / p99 of one domain transaction in three variants.
 async fn publish_cost(
     pool: &PgPool,
@@ -377,6 +436,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         p1.push((replicas, rate));
     }
 
+    let p2 = if args.p2_rows > 0 {
+        eprintln!(
+            "P2: claim + mark at 10k and {} rows (minutes) ...",
+            args.p2_rows
+        );
+        Some(claim_scaling(&pool, 10_000, args.p2_rows).await?)
+    } else {
+        None
+    };
+
     eprintln!("P4: publish cost ...");
     let p4 = publish_cost(&pool, 500).await?;
 
@@ -396,6 +465,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!(
             "| P1 drain rate, {n} rows, {replicas} replica(s), defaults | {rate:.0} rows/s | {:.2}× ceiling | ≥ 0.9× (1 replica) |",
             rate / ceiling
+        );
+    }
+    if let Some([small, large, behind]) = p2 {
+        println!("| P2 claim+mark, 10k unpublished rows | {small:.0} rows/s | 1.00 | — |");
+        println!(
+            "| P2 claim+mark, {} unpublished rows | {large:.0} rows/s | {:.2}× 10k | ≥ 0.8× |",
+            args.p2_rows,
+            large / small
+        );
+        println!(
+            "| P2 claim+mark, 10k unpublished behind {} published | {behind:.0} rows/s | {:.2}× 10k | — |",
+            args.p2_rows,
+            behind / small
         );
     }
     let base = p4[0].0;
@@ -436,6 +518,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "publish_many_tx_100": { "p50": ms(p4[2].0), "p99": ms(p4[2].1) },
         },
         "p5_ms": { "p50": ms(p5.0), "p99": ms(p5.1), "max": ms(p5.2) },
+        "p2_rows_per_sec": p2.map(|[s, l, b]| serde_json::json!({
+            "small_10k": s, "large": l, "large_rows": args.p2_rows, "behind_published": b
+        })),
     });
     std::fs::write(&args.json, serde_json::to_string_pretty(&json)?)?;
     eprintln!("written {}", args.json);
