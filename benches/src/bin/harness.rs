@@ -316,6 +316,59 @@ async fn claim_scaling(
     Ok([at_small, at_large, behind_published])
 }
 
+/// A foreground workload committing single-row transactions at `rate` per
+/// second for `secs`: sorted latencies.
+async fn foreground(
+    pool: &PgPool,
+    rate: u64,
+    secs: u64,
+) -> Result<Vec<Duration>, Box<dyn std::error::Error>> {
+    let every = Duration::from_micros(1_000_000 / rate);
+    let mut next = tokio::time::Instant::now();
+    let mut lat = Vec::with_capacity((rate * secs) as usize);
+    for i in 0..(rate * secs) as i64 {
+        tokio::time::sleep_until(next).await;
+        next += every;
+        let t = Instant::now();
+        let mut tx = pool.begin().await?;
+        sqlx::query("INSERT INTO orders (id, note) VALUES ($1, 'foreground')")
+            .bind(i)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    Ok(lat)
+}
+
+/// P3: foreground latency idle, then while the drainer drains a backlog
+/// flat out; returns (idle, draining, rows drained per second meanwhile).
+async fn foreground_impact(
+    pool: &PgPool,
+    amqp_url: &str,
+    backlog: usize,
+) -> Result<(Vec<Duration>, Vec<Duration>, f64), Box<dyn std::error::Error>> {
+    let idle = foreground(pool, 200, 10).await?;
+    prefill(pool, backlog).await?;
+    let publisher = Publisher::new(pool.clone());
+    let config = DrainerConfig::builder()
+        .exchange(EXCHANGE)
+        .replica_id("harness-p3")
+        .build()
+        .expect("defaults are valid");
+    let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::new(amqp_url), config);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = publisher.outbox_pending_count().await?;
+    let t = Instant::now();
+    let draining = foreground(pool, 200, 10).await?;
+    let after = publisher.outbox_pending_count().await?;
+    let rate = before.saturating_sub(after) as f64 / t.elapsed().as_secs_f64();
+    drainer.shutdown().await;
+    pool.execute("TRUNCATE event_outbox, orders").await?;
+    Ok((idle, draining, rate))
+}
+
 /// p50 / p99 of one domain transaction in three variants.
 async fn publish_cost(
     pool: &PgPool,
@@ -446,6 +499,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         None
     };
 
+    eprintln!("P3: foreground latency idle and while draining ...");
+    let p3 = foreground_impact(&pool, &args.amqp_url, n).await?;
+    purge(&conn).await?;
+
     eprintln!("P4: publish cost ...");
     let p4 = publish_cost(&pool, 500).await?;
 
@@ -479,6 +536,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             args.p2_rows,
             behind / small
         );
+    }
+    {
+        let (idle, draining, rate) = &p3;
+        for (name, l) in [("idle", idle), ("while draining", draining)] {
+            println!(
+                "| P3 foreground 1-row tx at 200/s, {name} | p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms | {:.2}× idle p99 | ≤ 2× |",
+                ms(percentile(l, 0.5)),
+                ms(percentile(l, 0.99)),
+                ms(l.last().copied().unwrap_or_default()),
+                percentile(l, 0.99).as_secs_f64() / percentile(idle, 0.99).as_secs_f64()
+            );
+        }
+        println!("| P3 drain rate reached meanwhile | {rate:.0} rows/s | | |");
     }
     let base = p4[0].0;
     for (name, (p50, p99)) in [
@@ -518,6 +588,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "publish_many_tx_100": { "p50": ms(p4[2].0), "p99": ms(p4[2].1) },
         },
         "p5_ms": { "p50": ms(p5.0), "p99": ms(p5.1), "max": ms(p5.2) },
+        "p3_ms": {
+            "idle": { "p50": ms(percentile(&p3.0, 0.5)), "p99": ms(percentile(&p3.0, 0.99)) },
+            "draining": { "p50": ms(percentile(&p3.1, 0.5)), "p99": ms(percentile(&p3.1, 0.99)) },
+            "drain_rows_per_sec": p3.2,
+        },
         "p2_rows_per_sec": p2.map(|[s, l, b]| serde_json::json!({
             "small_10k": s, "large": l, "large_rows": args.p2_rows, "behind_published": b
         })),
