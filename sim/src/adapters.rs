@@ -194,26 +194,9 @@ impl PgClient {
         req: PgRequest,
     ) -> Result<PgReply, StoreError> {
         if guard.is_none() {
-            let mut s = connect("pg", PG_PORT)
-                .await
-                .map_err(StoreError::Unavailable)?;
-            let hello = PgRequest::Hello {
-                client: self.client.clone(),
-            };
-            exchange(&mut s, &hello)
-                .await
-                .map_err(StoreError::Unavailable)?;
-            *guard = Some(s);
+            *guard = Some(connect_pg(&self.client).await?);
         }
-        let stream = guard.as_mut().expect("connected");
-        match exchange(stream, &req).await {
-            Ok(PgReply::Error(e)) => Err(StoreError::Statement(e)),
-            Ok(reply) => Ok(reply),
-            Err(e) => {
-                *guard = None;
-                Err(StoreError::Unavailable(e))
-            }
-        }
+        request(guard, &req).await
     }
 
     /// Drops the connection (the server rolls back an open transaction).
@@ -247,6 +230,40 @@ impl PgClient {
             client: self.client.clone(),
         });
         result
+    }
+}
+
+/// Opens a connection to the fake PostgreSQL and names `client` on it.
+pub(crate) async fn connect_pg(client: &str) -> Result<turmoil::net::TcpStream, StoreError> {
+    let mut s = connect("pg", PG_PORT)
+        .await
+        .map_err(StoreError::Unavailable)?;
+    let hello = PgRequest::Hello {
+        client: client.to_owned(),
+    };
+    exchange(&mut s, &hello)
+        .await
+        .map_err(StoreError::Unavailable)?;
+    Ok(s)
+}
+
+/// Sends one request on the connection in `slot`. A refused statement is a
+/// `Statement` error; a transport failure drops the connection (the server
+/// rolls back what was open) and is `Unavailable`, as is an empty slot.
+pub(crate) async fn request(
+    slot: &mut Option<turmoil::net::TcpStream>,
+    req: &PgRequest,
+) -> Result<PgReply, StoreError> {
+    let Some(stream) = slot.as_mut() else {
+        return Err(StoreError::Unavailable("connection lost".into()));
+    };
+    match exchange(stream, req).await {
+        Ok(PgReply::Error(e)) => Err(StoreError::Statement(e)),
+        Ok(reply) => Ok(reply),
+        Err(e) => {
+            *slot = None;
+            Err(StoreError::Unavailable(e))
+        }
     }
 }
 

@@ -17,8 +17,7 @@ use outbox::core::ports::{
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::adapters::{Hooks, PgClient, Point, connect, exchange, unexpected};
-use crate::pg_fake::PG_PORT;
+use crate::adapters::{Hooks, PgClient, Point, connect_pg, request, unexpected};
 use crate::trace::Trace;
 use crate::wire::{PgReply, PgRequest, WireInboxEntry, WireInsertOutcome};
 
@@ -39,17 +38,7 @@ impl SimTx {
     /// Sends one request in the transaction. A transport failure drops the
     /// connection, which rolls the transaction back at the server.
     pub async fn call(&mut self, req: PgRequest) -> Result<PgReply, StoreError> {
-        let Some(stream) = self.conn.as_mut() else {
-            return Err(StoreError::Unavailable("connection lost".into()));
-        };
-        match exchange(stream, &req).await {
-            Ok(PgReply::Error(e)) => Err(StoreError::Statement(e)),
-            Ok(reply) => Ok(reply),
-            Err(e) => {
-                self.conn = None;
-                Err(StoreError::Unavailable(e))
-            }
-        }
+        request(&mut self.conn, &req).await
     }
 
     /// The simulated handler's domain write for `event_id`.
@@ -95,16 +84,7 @@ impl SimInboxStore {
         if let Some(s) = self.idle.lock().expect("idle").pop() {
             return Ok(s);
         }
-        let mut s = connect("pg", PG_PORT)
-            .await
-            .map_err(StoreError::Unavailable)?;
-        let hello = PgRequest::Hello {
-            client: self.client.clone(),
-        };
-        exchange(&mut s, &hello)
-            .await
-            .map_err(StoreError::Unavailable)?;
-        Ok(s)
+        connect_pg(&self.client).await
     }
 
     fn checkin(&self, tx: SimTx) {

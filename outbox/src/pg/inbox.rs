@@ -5,7 +5,7 @@ use std::time::Duration;
 use sqlx::{PgPool, Postgres, Row};
 use uuid::Uuid;
 
-use super::{bounded, map_err, sql};
+use super::{bounded, delete_expired, map_err, sql};
 use crate::core::ports::{
     AttemptRecord, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome,
 };
@@ -211,15 +211,6 @@ impl InboxStore for PgInboxStore {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64, StoreError> {
-        bounded(async {
-            let done = sqlx::query(sql::INBOX_DELETE_PROCESSED)
-                .bind(older_than.as_secs_f64())
-                .bind(i64::from(limit))
-                .execute(&self.pool)
-                .await
-                .map_err(map_err)?;
-            Ok(done.rows_affected())
-        })
-        .await
+        delete_expired(&self.pool, sql::INBOX_DELETE_PROCESSED, older_than, limit).await
     }
 }

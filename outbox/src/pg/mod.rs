@@ -104,6 +104,26 @@ impl PgOutboxStore {
     }
 }
 
+/// Runs one of the retention janitors' bounded DELETEs (`$1` age in
+/// seconds, `$2` limit) and returns how many rows it deleted.
+pub(crate) async fn delete_expired(
+    pool: &PgPool,
+    statement: &'static str,
+    older_than: Duration,
+    limit: u32,
+) -> Result<u64, StoreError> {
+    bounded(async {
+        let done = sqlx::query(statement)
+            .bind(older_than.as_secs_f64())
+            .bind(i64::from(limit))
+            .execute(pool)
+            .await
+            .map_err(map_err)?;
+        Ok(done.rows_affected())
+    })
+    .await
+}
+
 /// Maps a sqlx error to a store error. Connection-level failures are
 /// `Unavailable`; everything else is `Statement`. sqlx error texts do not
 /// include connection URLs.
@@ -215,16 +235,7 @@ impl OutboxStore for PgOutboxStore {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64, StoreError> {
-        bounded(async {
-            let done = sqlx::query(sql::DELETE_PUBLISHED)
-                .bind(older_than.as_secs_f64())
-                .bind(i64::from(limit))
-                .execute(&self.pool)
-                .await
-                .map_err(map_err)?;
-            Ok(done.rows_affected())
-        })
-        .await
+        delete_expired(&self.pool, sql::DELETE_PUBLISHED, older_than, limit).await
     }
 
     async fn outbox_list_parked(&self, limit: u32) -> Result<Vec<ParkedRow>, StoreError> {
