@@ -216,10 +216,22 @@ impl PgClient {
         let result = async {
             self.call_on(&mut guard, PgRequest::Begin).await?;
             let mut replies = Vec::with_capacity(body.len());
-            for req in body {
-                replies.push(self.call_on(&mut guard, req).await?);
+            for req in body.into_iter().map(Some).chain([None]) {
+                // Between a reply and the next statement the transaction
+                // waits on this client: the checker's #478 rule looks there.
+                self.trace.now(Event::TxIdle {
+                    client: self.client.clone(),
+                });
+                self.trace.now(Event::TxResumed {
+                    client: self.client.clone(),
+                });
+                match req {
+                    Some(req) => replies.push(self.call_on(&mut guard, req).await?),
+                    None => {
+                        self.call_on(&mut guard, PgRequest::Commit).await?;
+                    }
+                }
             }
-            self.call_on(&mut guard, PgRequest::Commit).await?;
             Ok(replies)
         }
         .await;

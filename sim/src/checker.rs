@@ -5,8 +5,10 @@
 //!    store committed is stored by the broker within the liveness bound.
 //! 2. **Nothing uncommitted is published**: the broker stores no envelope
 //!    the store did not commit.
-//! 3. **No broker I/O inside a transaction**: no replica publishes while it
-//!    holds an open store transaction.
+//! 3. **No transaction held across broker I/O** (#478): no transaction
+//!    waits on its client across time during which that client sent a
+//!    publish. (A short claim may run beside the publishes of another batch,
+//!    as the overlapping drainer does: it never waits on them.)
 //! 4. **Attempts grow only on row-culpable failures**: a row's attempts are
 //!    bumped at most as often as the broker nacked it.
 //! 5. **Stale marks change nothing**: every row a mark changed was, at that
@@ -70,7 +72,9 @@ pub fn check(
     let mut v = Verdict::default();
     let mut committed = BTreeSet::new();
     let mut rolled_back = BTreeSet::new();
-    let mut open_tx: BTreeSet<String> = BTreeSet::new();
+    // Per client: since when its open transaction has waited on it, and
+    // whether it published meanwhile.
+    let mut idle_tx: BTreeMap<String, (f64, bool)> = BTreeMap::new();
     let mut owner: BTreeMap<Uuid, String> = BTreeMap::new();
     let mut parked: BTreeSet<Uuid> = BTreeSet::new();
     let mut published: BTreeSet<Uuid> = BTreeSet::new();
@@ -86,17 +90,23 @@ pub fn check(
         match e {
             Event::Committed { ids, .. } => committed.extend(ids.iter().copied()),
             Event::RolledBack { ids, .. } => rolled_back.extend(ids.iter().copied()),
-            Event::TxBegin { client } => {
-                open_tx.insert(client.clone());
+            Event::TxBegin { .. } => {}
+            Event::TxIdle { client } => {
+                idle_tx.insert(client.clone(), (t, false));
             }
-            Event::TxEnd { client } => {
-                open_tx.remove(client);
-            }
-            Event::PublishSent { client, message_id } => {
-                if open_tx.contains(client) {
+            Event::TxResumed { client } | Event::TxEnd { client } => {
+                if let Some((since, true)) = idle_tx.remove(client)
+                    && t > since
+                {
                     io_in_tx.push(format!(
-                        "{client} published {message_id} at {t:.3}s inside a transaction"
+                        "{client} held a transaction open from {since:.3}s to {t:.3}s \
+                         while it published"
                     ));
+                }
+            }
+            Event::PublishSent { client, .. } => {
+                if let Some((_, published)) = idle_tx.get_mut(client) {
+                    *published = true;
                 }
             }
             Event::Claimed {
@@ -486,10 +496,40 @@ mod tests {
     }
 
     #[test]
-    fn a_publish_inside_a_transaction_is_caught() {
+    fn a_transaction_held_across_a_publish_is_caught() {
+        // The pre-#478 drainer: the claim's transaction waits while the
+        // client publishes and awaits the confirm, then marks and commits.
         let mut e = happy();
+        let idle = Event::TxIdle { client: "a".into() };
         e.swap(3, 4); // publish before TxEnd
+        e.insert(3, idle);
         assert_eq!(kinds(&run(e, &[1])), ["broker I/O in a transaction"]);
+    }
+
+    #[test]
+    fn a_short_transaction_beside_a_publish_passes() {
+        // The overlapping drainer: a claim's statement answers, a publish of
+        // another batch goes out in the same instant, the claim commits.
+        let mut e = happy();
+        let (idle, resumed) = (
+            Event::TxIdle { client: "a".into() },
+            Event::TxResumed { client: "a".into() },
+        );
+        e.swap(3, 4); // publish before TxEnd
+        let mut timed = at(e);
+        let t = timed[3].0;
+        timed.insert(3, (t, idle));
+        timed.insert(5, (t, resumed));
+        let v = check(
+            &timed,
+            &stored(&[1]),
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+            &BTreeSet::new(),
+            3,
+            &Expect::default(),
+        );
+        assert!(v.ok(), "{:?}", v.violations);
     }
 
     #[test]

@@ -25,6 +25,11 @@ pub enum Event {
     /// A client's transaction ended: commit or rollback answered, or the
     /// client abandoned the connection (recorded by the client).
     TxEnd { client: String },
+    /// A statement of a client's open transaction answered: until its next
+    /// statement (or its end) the transaction waits on the client.
+    TxIdle { client: String },
+    /// The client sent the next statement of its open transaction.
+    TxResumed { client: String },
     /// The store applied a claim; `attempts` are the claimed rows' attempts
     /// as the store returned them, in the same order.
     Claimed {

@@ -58,6 +58,7 @@ fn every_scenario_file_has_a_test_here() {
         "crash_between_publish_and_mark",
         "db_outage",
         "lease_expiry_mid_confirm",
+        "overlapping_batches",
         "poison_parking",
         "poison_to_dlq_and_replay",
         "producer_and_consumer_swarm",
@@ -72,6 +73,10 @@ fn every_scenario_file_has_a_test_here() {
 #[test]
 fn broker_blackhole() {
     check("broker_blackhole");
+}
+#[test]
+fn overlapping_batches() {
+    check("overlapping_batches");
 }
 #[test]
 fn clean() {

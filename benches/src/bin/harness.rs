@@ -47,6 +47,9 @@ struct Args {
     /// Backlog of the large P2 measurement (0 skips P2).
     p2_rows: usize,
     json: String,
+    /// Sections to run (`p1,phases,antipattern,p2,p3,p4,p5`); all if empty.
+    /// The ceiling always runs: every ratio needs it.
+    only: Vec<String>,
     database_url: String,
     amqp_url: String,
 }
@@ -56,6 +59,7 @@ fn parse_args() -> Result<Args, String> {
         rows: 100_000,
         p2_rows: 1_000_000,
         json: "target/harness.json".into(),
+        only: Vec::new(),
         database_url: std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
         amqp_url: std::env::var("AMQP_URL")
@@ -78,11 +82,13 @@ fn parse_args() -> Result<Args, String> {
                     .map_err(|_| format!("--p2-rows must be a whole number, got {v:?}"))?;
             }
             "--json" => a.json = value()?,
+            "--only" => a.only = value()?.split(',').map(|s| s.trim().to_owned()).collect(),
             "--database-url" => a.database_url = value()?,
             "--amqp-url" => a.amqp_url = value()?,
             "-h" | "--help" => {
                 return Err(
-                    "usage: harness [--rows N] [--json FILE] [--database-url URL] [--amqp-url URL]"
+                    "usage: harness [--rows N] [--p2-rows N] [--only p1,phases,antipattern,p2,p3,p4,p5] \
+                     [--json FILE] [--database-url URL] [--amqp-url URL]"
                         .into(),
                 );
             }
@@ -266,6 +272,162 @@ async fn drain(
     Ok(n as f64 / elapsed.as_secs_f64())
 }
 
+/// Where one replica's time goes: `Drainer::tick` driven back to back (as
+/// `run` does with a full batch) over a pre-filled backlog, summing each
+/// phase's clock time. Returns (rows/s, mean claim, publish, mark per tick).
+async fn phases(
+    pool: &PgPool,
+    amqp_url: &str,
+    n: usize,
+) -> Result<(f64, [Duration; 3]), Box<dyn std::error::Error>> {
+    use std::sync::Arc;
+    prefill(pool, n).await?;
+    let config = DrainerConfig::builder()
+        .exchange(EXCHANGE)
+        .replica_id("harness-phases")
+        .build()
+        .expect("defaults are valid");
+    let drainer = outbox::Drainer::new(
+        Arc::new(outbox::PgOutboxStore::new(pool.clone())),
+        Arc::new(LapinBroker::new(amqp_url)),
+        Arc::new(outbox::TokioClock::default()),
+        Arc::new(outbox::SplitMix64::new(1)),
+        config,
+    );
+    let started = Instant::now();
+    let (mut ticks, mut rows) = (0u32, 0u64);
+    let mut sum = [Duration::ZERO; 3];
+    loop {
+        let r = drainer.tick().await?;
+        if r.claimed == 0 {
+            break;
+        }
+        ticks += 1;
+        rows += r.published;
+        sum[0] += r.claim_time;
+        sum[1] += r.publish_time;
+        sum[2] += r.mark_time;
+    }
+    let rate = rows as f64 / started.elapsed().as_secs_f64();
+    pool.execute("TRUNCATE event_outbox").await?;
+    Ok((rate, sum.map(|d| d / ticks.max(1))))
+}
+
+/// The pre-#478 drainer, for contrast only: one transaction held across the
+/// whole batch (`FOR UPDATE SKIP LOCKED`), then per row publish, await its
+/// confirm, update the row, next; COMMIT at the end. Drains until the table
+/// has nothing unpublished or `stop` turns true; returns rows published.
+async fn antipattern_drain(
+    pool: PgPool,
+    amqp_url: String,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<u64, Box<dyn std::error::Error + Send + Sync>> {
+    let conn = Connection::connect(&amqp_url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let mut published = 0u64;
+    while !*stop.borrow() {
+        let mut tx = pool.begin().await?;
+        let rows: Vec<(uuid::Uuid, String, String)> = sqlx::query_as(
+            "SELECT id, routing_key, payload::text FROM event_outbox \
+             WHERE published_at IS NULL ORDER BY enqueued_at, id LIMIT 100 \
+             FOR UPDATE SKIP LOCKED",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            tx.commit().await?;
+            break;
+        }
+        for (id, routing_key, body) in &rows {
+            let props = BasicProperties::default()
+                .with_message_id(id.to_string().into())
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2);
+            ch.basic_publish(
+                EXCHANGE.into(),
+                routing_key.as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                props,
+            )
+            .await?
+            .await?;
+            sqlx::query("UPDATE event_outbox SET published_at = now() WHERE id = $1")
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            published += 1;
+        }
+        tx.commit().await?;
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.close(200, "OK".into())).await;
+    Ok(published)
+}
+
+/// The antipattern's drain rate over a pre-filled backlog of `n` rows.
+async fn antipattern(
+    pool: &PgPool,
+    amqp_url: &str,
+    n: usize,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    prefill(pool, n).await?;
+    let (_tx, stop) = tokio::sync::watch::channel(false);
+    let started = Instant::now();
+    let published = antipattern_drain(pool.clone(), amqp_url.to_owned(), stop)
+        .await
+        .map_err(|e| e.to_string())?;
+    let rate = published as f64 / started.elapsed().as_secs_f64();
+    pool.execute("TRUNCATE event_outbox").await?;
+    Ok(rate)
+}
+
+/// The ceiling again, while the drainer's database work runs beside it on
+/// the same machine: claim + mark cycles of 100 rows (the production store's
+/// statements) paced at `rows_per_sec` over a pre-filled backlog. On a host
+/// that runs PostgreSQL, RabbitMQ and the drainer on the same cores, this
+/// is the most a drainer doing that work could reach.
+async fn ceiling_beside_database(
+    conn: &Connection,
+    pool: &PgPool,
+    n: usize,
+    rows_per_sec: f64,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    use outbox::core::ports::{ClaimParams, OutboxStore};
+    prefill(pool, n).await?;
+    let (stop_tx, mut stop) = tokio::sync::watch::channel(false);
+    let store = outbox::PgOutboxStore::new(pool.clone());
+    let every = Duration::from_secs_f64(100.0 / rows_per_sec.max(1.0));
+    let database = tokio::spawn(async move {
+        let mut next = tokio::time::Instant::now();
+        while !*stop.borrow() {
+            let claimed = store
+                .outbox_claim(ClaimParams {
+                    replica_id: "harness-beside",
+                    batch_size: 100,
+                    lease_ttl: Duration::from_secs(60),
+                })
+                .await?;
+            if claimed.is_empty() {
+                break;
+            }
+            let ids: Vec<uuid::Uuid> = claimed.iter().map(|r| r.id).collect();
+            store.outbox_mark_published("harness-beside", &ids).await?;
+            next += every;
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => {}
+                _ = stop.changed() => {}
+            }
+        }
+        Ok::<(), outbox::StoreError>(())
+    });
+    let rate = ceiling(conn, n).await;
+    let _ = stop_tx.send(true);
+    database.await??;
+    pool.execute("TRUNCATE event_outbox").await?;
+    rate
+}
+
 /// Claim + mark rate (rows/s) of the store alone, `cycles` batches of 100,
 /// on whatever backlog the table holds.
 async fn claim_mark_rate(pool: &PgPool, cycles: usize) -> Result<f64, Box<dyn std::error::Error>> {
@@ -342,31 +504,70 @@ async fn foreground(
     Ok(lat)
 }
 
-/// P3: foreground latency idle, then while the drainer drains a backlog
-/// flat out; returns (idle, draining, rows drained per second meanwhile).
+/// Foreground latency at 200 single-row transactions/s for 10 s (sorted),
+/// and the rows per second the drainer running meanwhile published.
+struct Foreground {
+    latencies: Vec<Duration>,
+    drain_rate: f64,
+}
+
+/// P3: foreground latency idle, while the production drainer drains a
+/// backlog flat out, and while the antipattern does.
 async fn foreground_impact(
     pool: &PgPool,
     amqp_url: &str,
     backlog: usize,
-) -> Result<(Vec<Duration>, Vec<Duration>, f64), Box<dyn std::error::Error>> {
-    let idle = foreground(pool, 200, 10).await?;
-    prefill(pool, backlog).await?;
+    with_antipattern: bool,
+) -> Result<Vec<(&'static str, Foreground)>, Box<dyn std::error::Error>> {
     let publisher = Publisher::new(pool.clone());
+    let idle = foreground(pool, 200, 10).await?;
+    let mut out = vec![(
+        "idle",
+        Foreground {
+            latencies: idle,
+            drain_rate: 0.0,
+        },
+    )];
+    // Pending rows drained while the foreground ran.
+    async fn measured(
+        pool: &PgPool,
+        publisher: &Publisher,
+    ) -> Result<Foreground, Box<dyn std::error::Error>> {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let before = publisher.outbox_pending_count().await?;
+        let t = Instant::now();
+        let latencies = foreground(pool, 200, 10).await?;
+        let after = publisher.outbox_pending_count().await?;
+        let drain_rate = before.saturating_sub(after) as f64 / t.elapsed().as_secs_f64();
+        Ok(Foreground {
+            latencies,
+            drain_rate,
+        })
+    }
+
+    prefill(pool, backlog).await?;
     let config = DrainerConfig::builder()
         .exchange(EXCHANGE)
         .replica_id("harness-p3")
         .build()
         .expect("defaults are valid");
     let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::new(amqp_url), config);
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let before = publisher.outbox_pending_count().await?;
-    let t = Instant::now();
-    let draining = foreground(pool, 200, 10).await?;
-    let after = publisher.outbox_pending_count().await?;
-    let rate = before.saturating_sub(after) as f64 / t.elapsed().as_secs_f64();
+    let draining = measured(pool, &publisher).await?;
     drainer.shutdown().await;
+    out.push(("while the drainer drains", draining));
     pool.execute("TRUNCATE event_outbox, orders").await?;
-    Ok((idle, draining, rate))
+
+    if with_antipattern {
+        prefill(pool, backlog).await?;
+        let (stop_tx, stop) = tokio::sync::watch::channel(false);
+        let naive = tokio::spawn(antipattern_drain(pool.clone(), amqp_url.to_owned(), stop));
+        let draining = measured(pool, &publisher).await?;
+        let _ = stop_tx.send(true);
+        naive.await?.map_err(|e| e.to_string())?;
+        out.push(("while the antipattern drains", draining));
+        pool.execute("TRUNCATE event_outbox, orders").await?;
+    }
+    Ok(out)
 }
 
 /// p50 / p99 of one domain transaction in three variants.
@@ -469,137 +670,214 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::process::exit(2);
         }
     };
+    let want = |section: &str| args.only.is_empty() || args.only.iter().any(|s| s == section);
     let pool = fresh_database(&args.database_url).await?;
     let conn = Connection::connect(&args.amqp_url, ConnectionProperties::default())
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.amqp_url)))?;
     broker_topology(&conn).await?;
     let n = args.rows;
+    let mut table = vec![
+        "| measure | value | ratio | target |".to_owned(),
+        "|---|---|---|---|".to_owned(),
+    ];
+    let mut json = serde_json::Map::new();
+    json.insert("rows".into(), n.into());
 
     eprintln!("ceiling: raw publish+confirm of {n} messages at depth {DEPTH} ...");
     let ceiling = ceiling(&conn, n).await?;
     purge(&conn).await?;
+    table.push(format!(
+        "| ceiling: raw publish+confirm, depth {DEPTH} | {ceiling:.0} msg/s | 1.00 | — |"
+    ));
+    json.insert("ceiling_msgs_per_sec".into(), ceiling.into());
 
-    let mut p1 = Vec::new();
-    for replicas in [1, 2] {
-        eprintln!("P1: prefilling {n} rows, draining with {replicas} replica(s) ...");
-        prefill(&pool, n).await?;
-        let rate = drain(&pool, &args.amqp_url, n, replicas).await?;
-        purge(&conn).await?;
-        p1.push((replicas, rate));
+    let mut p1_rate = None;
+    if want("p1") {
+        let mut p1 = Vec::new();
+        for replicas in [1, 2] {
+            eprintln!("P1: prefilling {n} rows, draining with {replicas} replica(s) ...");
+            prefill(&pool, n).await?;
+            let rate = drain(&pool, &args.amqp_url, n, replicas).await?;
+            purge(&conn).await?;
+            table.push(format!(
+                "| P1 drain rate, {n} rows, {replicas} replica(s), defaults | {rate:.0} rows/s | {:.2}× ceiling | ≥ 0.9× (1 replica) |",
+                rate / ceiling
+            ));
+            if replicas == 1 {
+                p1_rate = Some(rate);
+            }
+            p1.push(serde_json::json!({
+                "replicas": replicas, "rows_per_sec": rate, "ratio_to_ceiling": rate / ceiling
+            }));
+        }
+        json.insert("p1".into(), p1.into());
     }
 
-    let p2 = if args.p2_rows > 0 {
+    if want("beside") {
+        let pace = p1_rate.unwrap_or(ceiling * 0.6);
+        eprintln!("ceiling beside the database work of a drain at {pace:.0} rows/s ...");
+        let beside = ceiling_beside_database(&conn, &pool, n, pace).await?;
+        purge(&conn).await?;
+        table.push(format!(
+            "| ceiling beside claim+mark at {pace:.0} rows/s on the same cores | {beside:.0} msg/s | {:.2}× ceiling | — |",
+            beside / ceiling
+        ));
+        json.insert(
+            "ceiling_beside_database".into(),
+            serde_json::json!({ "msgs_per_sec": beside, "claim_mark_rows_per_sec": pace }),
+        );
+    }
+
+    if want("phases") {
+        eprintln!("P1 phases: one replica's ticks back to back over {n} rows ...");
+        let (rate, [claim, publish, mark]) = phases(&pool, &args.amqp_url, n).await?;
+        purge(&conn).await?;
+        table.push(format!(
+            "| P1 phases, `Drainer::tick` back to back | {rate:.0} rows/s; per tick of 100: claim {:.2} ms, publish+confirm {:.2} ms, mark {:.2} ms | {:.2}× ceiling | — |",
+            ms(claim),
+            ms(publish),
+            ms(mark),
+            rate / ceiling
+        ));
+        json.insert(
+            "p1_phases".into(),
+            serde_json::json!({
+                "rows_per_sec": rate, "claim_ms": ms(claim), "publish_ms": ms(publish), "mark_ms": ms(mark)
+            }),
+        );
+    }
+
+    if want("antipattern") {
+        eprintln!("antipattern: the pre-#478 drainer over {n} rows ...");
+        let rate = antipattern(&pool, &args.amqp_url, n).await?;
+        purge(&conn).await?;
+        table.push(format!(
+            "| antipattern (pre-#478: one tx across the batch, confirm per row) | {rate:.0} rows/s | {:.2}× ceiling | contrast |",
+            rate / ceiling
+        ));
+        json.insert("antipattern_rows_per_sec".into(), rate.into());
+    }
+
+    if want("p2") && args.p2_rows > 0 {
         eprintln!(
             "P2: claim + mark at 10k and {} rows (minutes) ...",
             args.p2_rows
         );
-        Some(claim_scaling(&pool, 10_000, args.p2_rows).await?)
-    } else {
-        None
-    };
+        let [small, large, behind] = claim_scaling(&pool, 10_000, args.p2_rows).await?;
+        table.push(format!(
+            "| P2 claim+mark, 10k unpublished rows | {small:.0} rows/s | 1.00 | — |"
+        ));
+        table.push(format!(
+            "| P2 claim+mark, {} unpublished rows | {large:.0} rows/s | {:.2}× 10k | ≥ 0.8× |",
+            args.p2_rows,
+            large / small
+        ));
+        table.push(format!(
+            "| P2 claim+mark, 10k unpublished behind {} published | {behind:.0} rows/s | {:.2}× 10k | — |",
+            args.p2_rows,
+            behind / small
+        ));
+        json.insert(
+            "p2_rows_per_sec".into(),
+            serde_json::json!({
+                "small_10k": small, "large": large, "large_rows": args.p2_rows, "behind_published": behind
+            }),
+        );
+    }
 
-    eprintln!("P3: foreground latency idle and while draining ...");
-    let p3 = foreground_impact(&pool, &args.amqp_url, n).await?;
-    purge(&conn).await?;
+    if want("p3") {
+        eprintln!("P3: foreground latency idle and while draining ...");
+        let runs = foreground_impact(&pool, &args.amqp_url, n, want("antipattern")).await?;
+        purge(&conn).await?;
+        let idle_p99 = percentile(&runs[0].1.latencies, 0.99);
+        let mut p3 = serde_json::Map::new();
+        for (name, f) in &runs {
+            let l = &f.latencies;
+            let (p50, p99) = (percentile(l, 0.5), percentile(l, 0.99));
+            let drained = if f.drain_rate > 0.0 {
+                format!("; drain {:.0} rows/s", f.drain_rate)
+            } else {
+                String::new()
+            };
+            table.push(format!(
+                "| P3 foreground 1-row tx at 200/s, {name} | p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms{drained} | {:.2}× idle p99 | ≤ 2× (drainer) |",
+                ms(p50),
+                ms(p99),
+                ms(l.last().copied().unwrap_or_default()),
+                p99.as_secs_f64() / idle_p99.as_secs_f64()
+            ));
+            p3.insert(
+                (*name).into(),
+                serde_json::json!({
+                    "p50_ms": ms(p50), "p99_ms": ms(p99), "drain_rows_per_sec": f.drain_rate
+                }),
+            );
+        }
+        json.insert("p3".into(), p3.into());
+    }
 
-    eprintln!("P4: publish cost ...");
-    let p4 = publish_cost(&pool, 500).await?;
+    if want("p4") {
+        eprintln!("P4: publish cost ...");
+        let p4 = publish_cost(&pool, 500).await?;
+        let base = p4[0].0;
+        let names = [
+            "domain tx alone",
+            "domain tx + publish_tx(1)",
+            "domain tx + publish_many_tx(100)",
+        ];
+        for (name, (p50, p99)) in names.iter().zip(p4.iter()) {
+            table.push(format!(
+                "| P4 {name} | p50 {:.2} ms, p99 {:.2} ms | {:.2}× alone | — |",
+                ms(*p50),
+                ms(*p99),
+                p50.as_secs_f64() / base.as_secs_f64()
+            ));
+        }
+        table.push(format!(
+            "| P4 publish_many_tx(100) / publish_tx(1), p50 | {:.2}× | | ≤ 3× |",
+            p4[2].0.as_secs_f64() / p4[1].0.as_secs_f64()
+        ));
+        json.insert(
+            "p4_ms".into(),
+            serde_json::json!({
+                "alone": { "p50": ms(p4[0].0), "p99": ms(p4[0].1) },
+                "publish_tx_1": { "p50": ms(p4[1].0), "p99": ms(p4[1].1) },
+                "publish_many_tx_100": { "p50": ms(p4[2].0), "p99": ms(p4[2].1) },
+            }),
+        );
+    }
 
-    eprintln!("P5: end-to-end latency at 100 events/s for 20 s ...");
-    let p5 = end_to_end(&pool, &args.amqp_url, 100, 20).await?;
-    purge(&conn).await?;
+    if want("p5") {
+        eprintln!("P5: end-to-end latency at 100 events/s for 20 s ...");
+        let (p50, p99, max) = end_to_end(&pool, &args.amqp_url, 100, 20).await?;
+        purge(&conn).await?;
+        table.push(format!(
+            "| P5 commit → marked published, 100 events/s | p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms | | p50 ≤ 20 ms, p99 ≤ 100 ms |",
+            ms(p50),
+            ms(p99),
+            ms(max)
+        ));
+        json.insert(
+            "p5_ms".into(),
+            serde_json::json!({ "p50": ms(p50), "p99": ms(p99), "max": ms(max) }),
+        );
+    }
+
     let ch = conn.create_channel().await?;
     ch.queue_delete(QUEUE.into(), QueueDeleteOptions::default())
         .await?;
     ch.exchange_delete(EXCHANGE.into(), Default::default())
         .await?;
-
-    println!("| measure | value | ratio | target |");
-    println!("|---|---|---|---|");
-    println!("| ceiling: raw publish+confirm, depth {DEPTH} | {ceiling:.0} msg/s | 1.00 | — |");
-    for (replicas, rate) in &p1 {
-        println!(
-            "| P1 drain rate, {n} rows, {replicas} replica(s), defaults | {rate:.0} rows/s | {:.2}× ceiling | ≥ 0.9× (1 replica) |",
-            rate / ceiling
-        );
+    for line in &table {
+        println!("{line}");
     }
-    if let Some([small, large, behind]) = p2 {
-        println!("| P2 claim+mark, 10k unpublished rows | {small:.0} rows/s | 1.00 | — |");
-        println!(
-            "| P2 claim+mark, {} unpublished rows | {large:.0} rows/s | {:.2}× 10k | ≥ 0.8× |",
-            args.p2_rows,
-            large / small
-        );
-        println!(
-            "| P2 claim+mark, 10k unpublished behind {} published | {behind:.0} rows/s | {:.2}× 10k | — |",
-            args.p2_rows,
-            behind / small
-        );
-    }
-    {
-        let (idle, draining, rate) = &p3;
-        for (name, l) in [("idle", idle), ("while draining", draining)] {
-            println!(
-                "| P3 foreground 1-row tx at 200/s, {name} | p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms | {:.2}× idle p99 | ≤ 2× |",
-                ms(percentile(l, 0.5)),
-                ms(percentile(l, 0.99)),
-                ms(l.last().copied().unwrap_or_default()),
-                percentile(l, 0.99).as_secs_f64() / percentile(idle, 0.99).as_secs_f64()
-            );
-        }
-        println!("| P3 drain rate reached meanwhile | {rate:.0} rows/s | | |");
-    }
-    let base = p4[0].0;
-    for (name, (p50, p99)) in [
-        "domain tx alone",
-        "domain tx + publish_tx(1)",
-        "domain tx + publish_many_tx(100)",
-    ]
-    .iter()
-    .zip(p4.iter())
-    {
-        println!(
-            "| P4 {name} | p50 {:.2} ms, p99 {:.2} ms | {:.2}× alone | many(100) ≤ 3× tx(1) |",
-            ms(*p50),
-            ms(*p99),
-            p50.as_secs_f64() / base.as_secs_f64()
-        );
-    }
-    println!(
-        "| P4 publish_many_tx(100) / publish_tx(1) | {:.2}× | | ≤ 3× |",
-        p4[2].0.as_secs_f64() / p4[1].0.as_secs_f64()
-    );
-    println!(
-        "| P5 commit → marked published, 100 events/s | p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms | | p50 ≤ 20 ms, p99 ≤ 100 ms |",
-        ms(p5.0),
-        ms(p5.1),
-        ms(p5.2)
-    );
-    let json = serde_json::json!({
-        "rows": n,
-        "ceiling_msgs_per_sec": ceiling,
-        "p1": p1.iter().map(|(r, rate)| serde_json::json!({
-            "replicas": r, "rows_per_sec": rate, "ratio_to_ceiling": rate / ceiling
-        })).collect::<Vec<_>>(),
-        "p4_ms": {
-            "alone": { "p50": ms(p4[0].0), "p99": ms(p4[0].1) },
-            "publish_tx_1": { "p50": ms(p4[1].0), "p99": ms(p4[1].1) },
-            "publish_many_tx_100": { "p50": ms(p4[2].0), "p99": ms(p4[2].1) },
-        },
-        "p5_ms": { "p50": ms(p5.0), "p99": ms(p5.1), "max": ms(p5.2) },
-        "p3_ms": {
-            "idle": { "p50": ms(percentile(&p3.0, 0.5)), "p99": ms(percentile(&p3.0, 0.99)) },
-            "draining": { "p50": ms(percentile(&p3.1, 0.5)), "p99": ms(percentile(&p3.1, 0.99)) },
-            "drain_rows_per_sec": p3.2,
-        },
-        "p2_rows_per_sec": p2.map(|[s, l, b]| serde_json::json!({
-            "small_10k": s, "large": l, "large_rows": args.p2_rows, "behind_published": b
-        })),
-    });
-    std::fs::write(&args.json, serde_json::to_string_pretty(&json)?)?;
+    std::fs::write(
+        &args.json,
+        serde_json::to_string_pretty(&serde_json::Value::Object(json))?,
+    )?;
     eprintln!("written {}", args.json);
     pool.close().await;
-    let _ = conn.close(200, "OK".into()).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), conn.close(200, "OK".into())).await;
     Ok(())
 }

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, SemaphorePermit, watch};
 use uuid::Uuid;
 
 use super::ports::{
@@ -100,8 +100,123 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         &self.config
     }
 
-    /// One claim → publish → mark cycle.
+    /// One claim → publish → mark cycle, strictly in sequence. [`run`]
+    /// drains with [`drain`] instead, which overlaps batches.
+    ///
+    /// [`run`]: Self::run
+    /// [`drain`]: Self::drain
     pub async fn tick(&self) -> Result<TickReport, DrainError> {
+        let mut report = TickReport::default();
+        let claimed = self.claim(&mut report).await?;
+        if claimed.rows.is_empty() {
+            return Ok(report);
+        }
+        let permits = Semaphore::new(self.config.pipeline_depth as usize);
+        let t1 = self.clock.now();
+        let sending = self.send(claimed, &permits).await?;
+        let (rows, outcome) = self.settle(sending).await?;
+        report.publish_time = self.clock.now().saturating_sub(t1);
+        self.mark(&rows, outcome, &mut report).await?;
+        Ok(report)
+    }
+
+    /// Drains until a claim comes back short of a full batch (or `shutdown`
+    /// turns true, or something fails), overlapping consecutive batches so
+    /// that neither the database nor the broker waits for the other: while
+    /// batch *n* is published, batch *n − 1*'s last confirms are awaited
+    /// and its rows marked, and batch *n + 1* is claimed. Each phase keeps
+    /// its own rules: no database transaction is ever open across broker
+    /// I/O, one channel per batch, at most `pipeline_depth` unconfirmed
+    /// publishes for the whole replica, and one deadline per batch counted
+    /// from its claim to its last confirm (so it never outlives the
+    /// confirm timeout, whatever the overlap). After a failure nothing new
+    /// is claimed or published; the batch in hand is finished (confirmed
+    /// and marked, or released) and the first error returned.
+    ///
+    /// The report sums the batches; its phase times overlap.
+    pub async fn drain(&self, shutdown: &watch::Receiver<bool>) -> Result<TickReport, DrainError> {
+        let batch = self.config.batch_size as usize;
+        let permits = Semaphore::new(self.config.pipeline_depth as usize);
+        let mut report = TickReport::default();
+        let mut next = self.claim(&mut report).await?;
+        let mut tail: Option<Sending<'_, B::Channel>> = None;
+        let mut first_error: Option<DrainError> = None;
+        while !next.rows.is_empty() || tail.is_some() {
+            let more = next.rows.len() >= batch && first_error.is_none() && !*shutdown.borrow();
+            let claimed = std::mem::replace(&mut next, Claimed::none());
+            let previous = tail.take();
+            let (mut send_report, mut settle_report, mut claim_report) = (
+                TickReport::default(),
+                TickReport::default(),
+                TickReport::default(),
+            );
+            let (sent, settled, claim) = tokio::join!(
+                async {
+                    if claimed.rows.is_empty() {
+                        return Ok(None);
+                    }
+                    let t = self.clock.now();
+                    let sending = self.send(claimed, &permits).await;
+                    send_report.publish_time = self.clock.now().saturating_sub(t);
+                    sending.map(Some)
+                },
+                async {
+                    let Some(previous) = previous else {
+                        return Ok(());
+                    };
+                    let t = self.clock.now();
+                    let (rows, outcome) = self.settle(previous).await?;
+                    settle_report.publish_time = self.clock.now().saturating_sub(t);
+                    self.mark(&rows, outcome, &mut settle_report).await
+                },
+                async {
+                    if more {
+                        self.claim(&mut claim_report).await
+                    } else {
+                        Ok(Claimed::none())
+                    }
+                },
+            );
+            for r in [&send_report, &settle_report, &claim_report] {
+                report.absorb(r);
+            }
+            let mut errors = Vec::new();
+            if let Err(e) = settled {
+                errors.push(e);
+            }
+            match sent {
+                Ok(sending) => tail = sending,
+                Err(e) => errors.push(e),
+            }
+            match claim {
+                Ok(claimed) => next = claimed,
+                Err(e) => errors.push(e),
+            }
+            for e in errors {
+                if first_error.is_none() {
+                    first_error = Some(e);
+                } else {
+                    tracing::warn!(
+                        replica = %self.config.replica_id,
+                        error = %e,
+                        "outbox drain: a further failure while finishing the batch in hand"
+                    );
+                }
+            }
+            if first_error.is_some() && !next.rows.is_empty() {
+                // Claimed in the same step as a failure: hand the rows back.
+                let claimed = std::mem::replace(&mut next, Claimed::none());
+                self.release_all(&claimed.rows).await;
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// Phase 1: one claim of up to a batch.
+    async fn claim(&self, report: &mut TickReport) -> Result<Claimed, DrainError> {
         let cfg = &self.config;
         let t0 = self.clock.now();
         let rows = self
@@ -112,48 +227,101 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 lease_ttl: cfg.lease_ttl,
             })
             .await?;
-        let t1 = self.clock.now();
-        let mut report = TickReport {
-            claimed: rows.len(),
-            claim_time: t1.saturating_sub(t0),
-            ..TickReport::default()
-        };
-        if rows.is_empty() {
-            return Ok(report);
-        }
+        let at = self.clock.now();
         debug_assert!(rows.len() <= cfg.batch_size as usize, "store over-claimed");
+        report.claimed += rows.len();
+        report.claim_time += at.saturating_sub(t0);
+        Ok(Claimed { rows, at })
+    }
 
+    /// Phase 2, first part: opens the batch's channel and publishes every
+    /// row, within what is left of the batch's deadline. Returns with up to
+    /// `pipeline_depth` publishes still unconfirmed; on failure the rows are
+    /// released and the connection replaced.
+    async fn send<'p>(
+        &self,
+        claimed: Claimed,
+        permits: &'p Semaphore,
+    ) -> Result<Sending<'p, B::Channel>, DrainError> {
         let generation = self.broker.connection_generation();
-        let phase2 = with_deadline(&*self.clock, cfg.confirm_timeout, self.publish_batch(&rows));
-        let outcome = match phase2.await {
-            Some(Ok(outcome)) => outcome,
-            Some(Err(e)) => {
-                self.release_all(&rows).await;
-                self.reconnect(generation).await;
-                return Err(e.into());
-            }
+        let deadline = claimed.at + self.config.confirm_timeout;
+        let left = deadline.saturating_sub(self.clock.now());
+        match with_deadline(&*self.clock, left, self.publish_all(&claimed.rows, permits)).await {
+            Some(Ok((channel, pending, outcome))) => Ok(Sending {
+                rows: claimed.rows,
+                channel,
+                pending,
+                outcome,
+                deadline,
+                generation,
+            }),
+            Some(Err(e)) => Err(self
+                .phase2_failed(&claimed.rows, generation, e.into())
+                .await),
             None => {
-                self.release_all(&rows).await;
-                self.reconnect(generation).await;
-                return Err(DrainError::ConfirmTimeout {
-                    rows: rows.len(),
-                    timeout_secs: cfg.confirm_timeout.as_secs(),
-                });
+                let e = self.confirm_timeout(claimed.rows.len());
+                Err(self.phase2_failed(&claimed.rows, generation, e).await)
             }
-        };
+        }
+    }
 
+    /// Phase 2, second part: awaits the batch's remaining confirms within its
+    /// deadline and closes its channel.
+    async fn settle(
+        &self,
+        sending: Sending<'_, B::Channel>,
+    ) -> Result<(Vec<ClaimedRow>, BatchOutcome), DrainError> {
+        let Sending {
+            rows,
+            channel,
+            mut pending,
+            mut outcome,
+            deadline,
+            generation,
+        } = sending;
+        let left = deadline.saturating_sub(self.clock.now());
+        let confirms = async {
+            while let Some((id, confirm, permit)) = pending.pop_front() {
+                outcome.record(id, confirm.await?);
+                drop(permit);
+            }
+            Ok::<(), BrokerError>(())
+        };
+        let settled = with_deadline(&*self.clock, left, confirms).await;
+        channel.channel_close().await;
+        match settled {
+            Some(Ok(())) => Ok((rows, outcome)),
+            Some(Err(e)) => Err(self.phase2_failed(&rows, generation, e.into()).await),
+            None => {
+                let e = self.confirm_timeout(rows.len());
+                Err(self.phase2_failed(&rows, generation, e).await)
+            }
+        }
+    }
+
+    /// Phase 3: marks the confirmed rows published and records the failures,
+    /// both guarded by `claimed_by`.
+    async fn mark(
+        &self,
+        rows: &[ClaimedRow],
+        outcome: BatchOutcome,
+        report: &mut TickReport,
+    ) -> Result<(), DrainError> {
+        let cfg = &self.config;
+        debug_assert_eq!(outcome.acked.len() + outcome.failed.len(), rows.len());
         let t2 = self.clock.now();
-        report.publish_time = t2.saturating_sub(t1);
         if !outcome.acked.is_empty() {
-            report.published = self
+            let published = self
                 .store
                 .outbox_mark_published(&cfg.replica_id, &outcome.acked)
                 .await?;
-            report.mark_lost = outcome.acked.len() as u64 - report.published;
-            if report.mark_lost > 0 {
+            let lost = outcome.acked.len() as u64 - published;
+            report.published += published;
+            report.mark_lost += lost;
+            if lost > 0 {
                 tracing::warn!(
                     replica = %cfg.replica_id,
-                    lost = report.mark_lost,
+                    lost,
                     "lease lost before mark: another drainer reclaimed rows this one published; \
                      they will be published again"
                 );
@@ -164,8 +332,8 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 .store
                 .outbox_mark_failed(&cfg.replica_id, &outcome.failed, cfg.max_attempts)
                 .await?;
-            report.failed = fail.recorded;
-            report.parked = fail.parked;
+            report.failed += fail.recorded;
+            report.parked += fail.parked;
             if fail.parked > 0 {
                 tracing::warn!(
                     replica = %cfg.replica_id,
@@ -175,20 +343,25 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 );
             }
         }
-        report.mark_time = self.clock.now().saturating_sub(t2);
-        Ok(report)
+        report.mark_time += self.clock.now().saturating_sub(t2);
+        Ok(())
     }
 
-    /// Phase 2: publish the batch on one confirm-mode channel, at most
-    /// `pipeline_depth` unconfirmed at a time, in claim order.
-    async fn publish_batch(&self, rows: &[ClaimedRow]) -> Result<BatchOutcome, BrokerError> {
-        let depth = self.config.pipeline_depth as usize;
+    /// Publishes `rows` on a new confirm-mode channel, in claim order, each
+    /// publish holding one of the replica's `pipeline_depth` permits until
+    /// its confirm is awaited. Returns the channel, the still unconfirmed
+    /// publishes and the verdicts so far.
+    #[allow(clippy::type_complexity)]
+    async fn publish_all<'p>(
+        &self,
+        rows: &[ClaimedRow],
+        permits: &'p Semaphore,
+    ) -> Result<(B::Channel, Pending<'p, B::Channel>, BatchOutcome), BrokerError> {
         let mut outcome = BatchOutcome::default();
         let mut channel = self.broker.channel_open().await?;
+        let mut pending: Pending<'p, B::Channel> = VecDeque::new();
         let result = async {
             channel.channel_confirm_select().await?;
-            let mut in_flight: VecDeque<(Uuid, <B::Channel as PublishChannel>::Confirm)> =
-                VecDeque::with_capacity(depth);
             for row in rows {
                 if let Some(reason) = unpublishable(row) {
                     outcome.failed.push(RowFailure {
@@ -197,10 +370,27 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                     });
                     continue;
                 }
-                if in_flight.len() == depth {
-                    let (id, confirm) = in_flight.pop_front().expect("depth > 0");
-                    outcome.record(id, confirm.await?);
-                }
+                let permit = loop {
+                    // A permit frees when the previous batch's tail or this
+                    // batch's oldest publish is confirmed, whichever first.
+                    let Some((_, oldest, _)) = pending.front_mut() else {
+                        break permits
+                            .acquire()
+                            .await
+                            .expect("the semaphore is never closed");
+                    };
+                    tokio::select! {
+                        biased;
+                        permit = permits.acquire() => {
+                            break permit.expect("the semaphore is never closed");
+                        }
+                        confirm = oldest => {
+                            let (id, _, permit) = pending.pop_front().expect("non-empty");
+                            outcome.record(id, confirm?);
+                            drop(permit);
+                        }
+                    }
+                };
                 let confirm = channel
                     .channel_publish(OutgoingMessage {
                         exchange: &self.config.exchange,
@@ -209,19 +399,45 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                         body: &row.body,
                     })
                     .await?;
-                in_flight.push_back((row.id, confirm));
-            }
-            while let Some((id, confirm)) = in_flight.pop_front() {
-                outcome.record(id, confirm.await?);
+                pending.push_back((row.id, confirm, permit));
             }
             Ok::<(), BrokerError>(())
         }
         .await;
-        channel.channel_close().await;
-        result.map(|()| outcome)
+        match result {
+            Ok(()) => Ok((channel, pending, outcome)),
+            Err(e) => {
+                drop(pending);
+                channel.channel_close().await;
+                Err(e)
+            }
+        }
+    }
+
+    fn confirm_timeout(&self, rows: usize) -> DrainError {
+        DrainError::ConfirmTimeout {
+            rows,
+            timeout_secs: self.config.confirm_timeout.as_secs(),
+        }
+    }
+
+    /// A Phase 2 infrastructure failure: every claim of the batch released
+    /// (attempts untouched), the connection replaced (single-flight).
+    async fn phase2_failed(
+        &self,
+        rows: &[ClaimedRow],
+        generation: u64,
+        error: DrainError,
+    ) -> DrainError {
+        self.release_all(rows).await;
+        self.reconnect(generation).await;
+        error
     }
 
     async fn release_all(&self, rows: &[ClaimedRow]) {
+        if rows.is_empty() {
+            return;
+        }
         let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
         if let Err(e) = self
             .store
@@ -258,20 +474,17 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 break;
             }
             let mut wakeable = true;
-            let delay = match self.tick().await {
+            // `drain` returns once a claim comes back short of a full batch:
+            // the backlog is drained, so the next claim waits a tick.
+            let delay = match self.drain(&shutdown).await {
                 Ok(report) => {
                     consecutive_errors = 0;
                     if report.claimed > 0 {
                         last_busy = Some(self.clock.now());
                     }
-                    if report.claimed >= cfg.batch_size as usize {
-                        // A full batch: more is waiting. Drain flat out.
-                        Duration::ZERO
-                    } else {
-                        let steady = last_busy
-                            .is_none_or(|t| self.clock.now().saturating_sub(t) >= STEADY_AFTER);
-                        if steady { idle_tick } else { cfg.tick }
-                    }
+                    let steady = last_busy
+                        .is_none_or(|t| self.clock.now().saturating_sub(t) >= STEADY_AFTER);
+                    if steady { idle_tick } else { cfg.tick }
                 }
                 Err(e) => {
                     consecutive_errors = consecutive_errors.saturating_add(1);
@@ -334,6 +547,49 @@ fn unpublishable(row: &ClaimedRow) -> Option<String> {
         ));
     }
     None
+}
+
+/// Rows from one claim and the clock time the claim returned (where the
+/// batch's deadline starts).
+struct Claimed {
+    rows: Vec<ClaimedRow>,
+    at: Duration,
+}
+
+impl Claimed {
+    fn none() -> Self {
+        Self {
+            rows: Vec::new(),
+            at: Duration::ZERO,
+        }
+    }
+}
+
+/// Unconfirmed publishes of one batch, oldest first, each holding a permit.
+type Pending<'p, Ch> = VecDeque<(Uuid, <Ch as PublishChannel>::Confirm, SemaphorePermit<'p>)>;
+
+/// A batch between its last publish and its last confirm.
+struct Sending<'p, Ch: PublishChannel> {
+    rows: Vec<ClaimedRow>,
+    channel: Ch,
+    pending: Pending<'p, Ch>,
+    outcome: BatchOutcome,
+    /// Clock time by which the last confirm must be in.
+    deadline: Duration,
+    generation: u64,
+}
+
+impl TickReport {
+    fn absorb(&mut self, other: &TickReport) {
+        self.claimed += other.claimed;
+        self.published += other.published;
+        self.mark_lost += other.mark_lost;
+        self.failed += other.failed;
+        self.parked += other.parked;
+        self.claim_time += other.claim_time;
+        self.publish_time += other.publish_time;
+        self.mark_time += other.mark_time;
+    }
 }
 
 /// The confirms of one batch, split by verdict.

@@ -216,7 +216,7 @@ pub trait Broker: Send + Sync + 'static {
 /// A channel on which the drainer publishes one batch.
 pub trait PublishChannel: Send {
     /// Resolves to the broker's verdict on one publish.
-    type Confirm: Future<Output = Result<Confirm, BrokerError>> + Send;
+    type Confirm: Future<Output = Result<Confirm, BrokerError>> + Send + Unpin;
 
     /// Puts the channel into publisher-confirm mode (once per channel).
     fn channel_confirm_select(&mut self) -> impl Future<Output = Result<(), BrokerError>> + Send;
