@@ -1,2 +1,72 @@
 //! Criterion benches and the side-by-side throughput/latency harness live in
-//! this crate; see ARCHITECTURE.md ("Performance").
+//! this crate; see ARCHITECTURE.md ("Performance"). This library holds what
+//! the harness and the database benches share.
+
+use outbox::{EventEnvelope, redact_url};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Executor, PgPool};
+
+/// A payload like the services': ~200 bytes of JSON once enveloped.
+pub fn envelope(i: usize) -> EventEnvelope {
+    EventEnvelope::new(
+        "harness.order.created",
+        serde_json::json!({ "order_id": i, "customer": "c-4711", "total_cents": 12_345, "currency": "EUR" }),
+    )
+}
+
+/// Drops and recreates database `name` (lower-case letters and `_` only)
+/// on the server `admin_url` points at, migrates it, adds an `orders` table
+/// for the domain side of a transaction, and returns a pool of
+/// `max_connections` on it.
+pub async fn fresh_database(
+    admin_url: &str,
+    name: &str,
+    max_connections: u32,
+) -> Result<PgPool, Box<dyn std::error::Error>> {
+    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
+        return Err(format!("database name {name:?}: lower-case letters and _ only").into());
+    }
+    let admin = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(admin_url)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(admin_url)))?;
+    // The name was checked above: only letters and underscores.
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+        )))
+        .await?;
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .await?;
+    admin.close().await;
+    let url = match admin_url.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/{name}"),
+        None => return Err("DATABASE_URL has no database part".into()),
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect(&url)
+        .await?;
+    outbox::migrator().run(&pool).await?;
+    pool.execute("CREATE TABLE orders (id BIGINT NOT NULL, note TEXT NOT NULL)")
+        .await?;
+    Ok(pool)
+}
+
+/// Fills the outbox with `n` rows through `publish_many_tx` (1 000 per
+/// transaction), then `VACUUM ANALYZE`s it.
+pub async fn prefill(pool: &PgPool, n: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let publisher = outbox::Publisher::new(pool.clone());
+    let mut i = 0;
+    while i < n {
+        let batch: Vec<EventEnvelope> = (i..(i + 1000).min(n)).map(envelope).collect();
+        let mut tx = pool.begin().await?;
+        publisher.publish_many_tx(&mut tx, &batch).await?;
+        tx.commit().await?;
+        i += batch.len();
+    }
+    pool.execute("VACUUM ANALYZE event_outbox").await?;
+    Ok(())
+}

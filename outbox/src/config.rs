@@ -5,6 +5,7 @@
 //! same checks, so a misconfiguration fails at boot with an error naming the
 //! variable, the value and the rule, never silently at the first tick.
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use crate::error::ConfigError;
@@ -27,10 +28,12 @@ pub mod vars {
     pub const BATCH_SIZE: &str = "CANOPY_MQ_DRAINER_BATCH_SIZE";
     /// Lease length; an older claim is reclaimable by any drainer.
     pub const LEASE_TTL_SECS: &str = "CANOPY_MQ_DRAINER_LEASE_TTL_SECS";
-    /// Unconfirmed publishes in flight per batch.
+    /// Unconfirmed publishes in flight per replica.
     pub const PIPELINE_DEPTH: &str = "CANOPY_MQ_DRAINER_PIPELINE_DEPTH";
     /// Deadline over the whole Phase 2 of one batch.
     pub const CONFIRM_TIMEOUT_SECS: &str = "CANOPY_MQ_DRAINER_CONFIRM_TIMEOUT_SECS";
+    /// Upper bound on the rows one replica claims per second (0: none).
+    pub const MAX_ROWS_PER_SEC: &str = "CANOPY_MQ_DRAINER_MAX_ROWS_PER_SEC";
     /// Row-culpable failures before a row parks.
     pub const MAX_ATTEMPTS: &str = "CANOPY_MQ_DRAINER_MAX_ATTEMPTS";
     /// Days a published row is kept before the janitor deletes it.
@@ -238,10 +241,16 @@ pub struct DrainerConfig {
     pub batch_size: u32,
     /// Lease length: a claim older than this is reclaimable.
     pub lease_ttl: Duration,
-    /// Unconfirmed publishes in flight per batch.
+    /// Unconfirmed publishes in flight per replica (overlapping batches
+    /// share the bound).
     pub pipeline_depth: u32,
     /// Deadline over the whole of Phase 2 of one batch.
     pub confirm_timeout: Duration,
+    /// At most this many rows claimed per second by this replica (`None`:
+    /// drain as fast as the database and the broker allow). Bounds the
+    /// drainer's share of a database it shares with foreground traffic while
+    /// it works off a backlog.
+    pub max_rows_per_sec: Option<NonZeroU32>,
     /// Row-culpable failures after which a row parks.
     pub max_attempts: u32,
     /// Age after which published rows are deleted.
@@ -291,6 +300,9 @@ impl DrainerConfig {
         }
         if let Some(v) = lookup(vars::MAX_ATTEMPTS) {
             b.max_attempts = parse(vars::MAX_ATTEMPTS, &v)?;
+        }
+        if let Some(v) = lookup(vars::MAX_ROWS_PER_SEC) {
+            b.max_rows_per_sec = parse(vars::MAX_ROWS_PER_SEC, &v)?;
         }
         if let Some(v) = lookup(vars::RETENTION_DAYS) {
             let days: u64 = parse(vars::RETENTION_DAYS, &v)?;
@@ -354,6 +366,7 @@ pub struct DrainerConfigBuilder {
     lease_ttl_secs: u64,
     pipeline_depth: u32,
     confirm_timeout_secs: u64,
+    max_rows_per_sec: u32,
     max_attempts: u32,
     retention: Duration,
     janitor_interval: Duration,
@@ -373,6 +386,7 @@ impl Default for DrainerConfigBuilder {
             lease_ttl_secs: 60,
             pipeline_depth: 32,
             confirm_timeout_secs: 30,
+            max_rows_per_sec: 0,
             max_attempts: 10,
             retention: Duration::from_secs(7 * 86_400),
             janitor_interval: Duration::from_secs(3600),
@@ -418,6 +432,9 @@ impl DrainerConfigBuilder {
         pipeline_depth: u32);
     setter!(/// Phase-2 deadline (`CANOPY_MQ_DRAINER_CONFIRM_TIMEOUT_SECS`, default 30).
         confirm_timeout_secs: u64);
+    setter!(/// Rows claimed per second at most, 0 for no bound
+        /// (`CANOPY_MQ_DRAINER_MAX_ROWS_PER_SEC`, default 0).
+        max_rows_per_sec: u32);
     setter!(/// Parking budget (`CANOPY_MQ_DRAINER_MAX_ATTEMPTS`, default 10).
         max_attempts: u32);
     /// Retention in days (`CANOPY_MQ_OUTBOX_RETENTION_DAYS`, default 7),
@@ -538,6 +555,7 @@ impl DrainerConfigBuilder {
             lease_ttl: Duration::from_secs(self.lease_ttl_secs),
             pipeline_depth: self.pipeline_depth,
             confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
+            max_rows_per_sec: NonZeroU32::new(self.max_rows_per_sec),
             max_attempts: self.max_attempts,
             retention: self.retention,
             janitor_interval: self.janitor_interval,

@@ -53,6 +53,7 @@ fn defaults_are_the_adrs() {
     assert_eq!(c.pending_warn, 10_000);
     assert_eq!(c.oldest_warn, Duration::from_secs(900));
     assert_eq!(c.exchange, "canopy.events");
+    assert_eq!(c.max_rows_per_sec, None, "no drain-rate bound by default");
 }
 
 #[test]
@@ -69,6 +70,7 @@ fn every_variable_is_read() {
         (vars::EXCHANGE, "orders.events"),
         (vars::PENDING_WARN, "50"),
         (vars::OLDEST_WARN_SECS, "60"),
+        (vars::MAX_ROWS_PER_SEC, "2500"),
     ])
     .unwrap();
     assert_eq!(c.tick, Duration::from_millis(100));
@@ -82,6 +84,9 @@ fn every_variable_is_read() {
     assert_eq!(c.exchange, "orders.events");
     assert_eq!(c.pending_warn, 50);
     assert_eq!(c.oldest_warn, Duration::from_secs(60));
+    assert_eq!(c.max_rows_per_sec.map(|r| r.get()), Some(2500));
+    let unbounded = from(&[(vars::MAX_ROWS_PER_SEC, "0")]).unwrap();
+    assert_eq!(unbounded.max_rows_per_sec, None, "0 means no bound");
 }
 
 #[test]
@@ -108,6 +113,7 @@ fn non_numbers_are_refused_naming_the_variable() {
         vars::RETENTION_DAYS,
         vars::PENDING_WARN,
         vars::OLDEST_WARN_SECS,
+        vars::MAX_ROWS_PER_SEC,
     ] {
         assert_invalid(&[(var, "ten")], var, "ten", "whole number");
         assert_invalid(&[(var, "-1")], var, "-1", "whole number");

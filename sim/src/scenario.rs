@@ -124,6 +124,8 @@ pub struct ConfigOverrides {
     pub lease_ttl_secs: Option<u64>,
     pub pipeline_depth: Option<u32>,
     pub confirm_timeout_secs: Option<u64>,
+    /// The drainer's rate bound (rows claimed per second, 0 for none).
+    pub max_rows_per_sec: Option<u32>,
     pub max_attempts: Option<u32>,
     pub retention_secs: Option<u64>,
     pub janitor_interval_secs: Option<u64>,

@@ -70,6 +70,7 @@ pub fn drainer_config(s: &Scenario, replica: &str) -> DrainerConfig {
         .lease_ttl_secs(c.lease_ttl_secs.unwrap_or(5))
         .confirm_timeout_secs(c.confirm_timeout_secs.unwrap_or(2))
         .max_attempts(c.max_attempts.unwrap_or(3))
+        .max_rows_per_sec(c.max_rows_per_sec.unwrap_or(0))
         .retention(Duration::from_secs(c.retention_secs.unwrap_or(3)))
         .janitor_interval(Duration::from_secs(c.janitor_interval_secs.unwrap_or(2)))
         .janitor_batch(c.janitor_batch.unwrap_or(1000))

@@ -23,6 +23,7 @@
 
 use std::time::{Duration, Instant};
 
+use benches::{envelope, fresh_database, prefill};
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
@@ -35,7 +36,7 @@ use sqlx::{Executor, PgPool};
 
 const EXCHANGE: &str = "harness.events";
 const QUEUE: &str = "harness.sink";
-/// The harness's own database (named literally in its DROP/CREATE).
+/// The harness's own database (dropped and recreated).
 const DATABASE: &str = "outbox_harness";
 /// The drainer's default pipeline depth, used for the ceiling.
 const DEPTH: usize = 32;
@@ -47,6 +48,8 @@ struct Args {
     /// Backlog of the large P2 measurement (0 skips P2).
     p2_rows: usize,
     json: String,
+    /// Drain-rate bounds (rows/s) P3 also measures the drainer at.
+    p3_bounds: Vec<u32>,
     /// Sections to run (`p1,phases,antipattern,p2,p3,p4,p5`); all if empty.
     /// The ceiling always runs: every ratio needs it.
     only: Vec<String>,
@@ -60,6 +63,7 @@ fn parse_args() -> Result<Args, String> {
         p2_rows: 1_000_000,
         json: "target/harness.json".into(),
         only: Vec::new(),
+        p3_bounds: vec![500, 1000, 2000, 4000],
         database_url: std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
         amqp_url: std::env::var("AMQP_URL")
@@ -82,28 +86,28 @@ fn parse_args() -> Result<Args, String> {
                     .map_err(|_| format!("--p2-rows must be a whole number, got {v:?}"))?;
             }
             "--json" => a.json = value()?,
+            "--p3-bounds" => {
+                let v = value()?;
+                a.p3_bounds = v
+                    .split(',')
+                    .filter(|s| !s.trim().is_empty())
+                    .map(|s| s.trim().parse())
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| format!("--p3-bounds takes rows/s like 2000,4000, got {v:?}"))?;
+            }
             "--only" => a.only = value()?.split(',').map(|s| s.trim().to_owned()).collect(),
             "--database-url" => a.database_url = value()?,
             "--amqp-url" => a.amqp_url = value()?,
             "-h" | "--help" => {
-                return Err(
-                    "usage: harness [--rows N] [--p2-rows N] [--only p1,phases,antipattern,p2,p3,p4,p5] \
+                return Err("usage: harness [--rows N] [--p2-rows N] [--p3-bounds R,R] \
+                     [--only p1,beside,phases,antipattern,p2,p3,p4,p5] \
                      [--json FILE] [--database-url URL] [--amqp-url URL]"
-                        .into(),
-                );
+                    .into());
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
         }
     }
     Ok(a)
-}
-
-/// A payload like the services': ~200 bytes of JSON once enveloped.
-fn envelope(i: usize) -> EventEnvelope {
-    EventEnvelope::new(
-        "harness.order.created",
-        serde_json::json!({ "order_id": i, "customer": "c-4711", "total_cents": 12_345, "currency": "EUR" }),
-    )
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -116,31 +120,6 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
-}
-
-async fn fresh_database(admin_url: &str) -> Result<PgPool, Box<dyn std::error::Error>> {
-    let admin = PgPoolOptions::new()
-        .max_connections(1)
-        .connect(admin_url)
-        .await
-        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(admin_url)))?;
-    admin
-        .execute("DROP DATABASE IF EXISTS outbox_harness WITH (FORCE)")
-        .await?;
-    admin.execute("CREATE DATABASE outbox_harness").await?;
-    admin.close().await;
-    let url = match admin_url.rsplit_once('/') {
-        Some((base, _)) => format!("{base}/{DATABASE}"),
-        None => return Err("DATABASE_URL has no database part".into()),
-    };
-    let pool = PgPoolOptions::new()
-        .max_connections(16)
-        .connect(&url)
-        .await?;
-    outbox::migrator().run(&pool).await?;
-    pool.execute("CREATE TABLE orders (id BIGINT NOT NULL, note TEXT NOT NULL)")
-        .await?;
-    Ok(pool)
 }
 
 async fn broker_topology(conn: &Connection) -> Result<(), Box<dyn std::error::Error>> {
@@ -220,20 +199,6 @@ async fn ceiling(conn: &Connection, n: usize) -> Result<f64, Box<dyn std::error:
         c.await?;
     }
     Ok(n as f64 / started.elapsed().as_secs_f64())
-}
-
-async fn prefill(pool: &PgPool, n: usize) -> Result<(), Box<dyn std::error::Error>> {
-    let publisher = Publisher::new(pool.clone());
-    let mut i = 0;
-    while i < n {
-        let batch: Vec<EventEnvelope> = (i..(i + 1000).min(n)).map(envelope).collect();
-        let mut tx = pool.begin().await?;
-        publisher.publish_many_tx(&mut tx, &batch).await?;
-        tx.commit().await?;
-        i += batch.len();
-    }
-    pool.execute("VACUUM ANALYZE event_outbox").await?;
-    Ok(())
 }
 
 /// The production drainer, default configuration, `replicas` of them.
@@ -504,6 +469,40 @@ async fn foreground(
     Ok(lat)
 }
 
+/// [`foreground`] on a thread and runtime of its own with a connection of
+/// its own, as another service (or a service's request path on its own
+/// threads) would commit against the shared database: what it measures is
+/// the drainer's effect through PostgreSQL and the machine, not queueing
+/// behind the drainer's tasks on a shared tokio runtime.
+async fn foreground_apart(
+    pool: &PgPool,
+    rate: u64,
+    secs: u64,
+) -> Result<Vec<Duration>, Box<dyn std::error::Error>> {
+    let options = pool.connect_options();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let result = rt.block_on(async move {
+            let own = PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with((*options).clone())
+                .await
+                .map_err(|e| e.to_string())?;
+            let lat = foreground(&own, rate, secs)
+                .await
+                .map_err(|e| e.to_string());
+            own.close().await;
+            lat
+        });
+        let _ = tx.send(result);
+    });
+    Ok(rx.await??)
+}
+
 /// Foreground latency at 200 single-row transactions/s for 10 s (sorted),
 /// and the rows per second the drainer running meanwhile published.
 struct Foreground {
@@ -512,17 +511,19 @@ struct Foreground {
 }
 
 /// P3: foreground latency idle, while the production drainer drains a
-/// backlog flat out, and while the antipattern does.
+/// backlog flat out (defaults, then bounded to each of `bounds` rows/s), and
+/// while the antipattern does.
 async fn foreground_impact(
     pool: &PgPool,
     amqp_url: &str,
     backlog: usize,
+    bounds: &[u32],
     with_antipattern: bool,
-) -> Result<Vec<(&'static str, Foreground)>, Box<dyn std::error::Error>> {
+) -> Result<Vec<(String, Foreground)>, Box<dyn std::error::Error>> {
     let publisher = Publisher::new(pool.clone());
-    let idle = foreground(pool, 200, 10).await?;
+    let idle = foreground_apart(pool, 200, 10).await?;
     let mut out = vec![(
-        "idle",
+        "idle".to_owned(),
         Foreground {
             latencies: idle,
             drain_rate: 0.0,
@@ -536,7 +537,7 @@ async fn foreground_impact(
         tokio::time::sleep(Duration::from_millis(500)).await;
         let before = publisher.outbox_pending_count().await?;
         let t = Instant::now();
-        let latencies = foreground(pool, 200, 10).await?;
+        let latencies = foreground_apart(pool, 200, 10).await?;
         let after = publisher.outbox_pending_count().await?;
         let drain_rate = before.saturating_sub(after) as f64 / t.elapsed().as_secs_f64();
         Ok(Foreground {
@@ -545,17 +546,24 @@ async fn foreground_impact(
         })
     }
 
-    prefill(pool, backlog).await?;
-    let config = DrainerConfig::builder()
-        .exchange(EXCHANGE)
-        .replica_id("harness-p3")
-        .build()
-        .expect("defaults are valid");
-    let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::new(amqp_url), config);
-    let draining = measured(pool, &publisher).await?;
-    drainer.shutdown().await;
-    out.push(("while the drainer drains", draining));
-    pool.execute("TRUNCATE event_outbox, orders").await?;
+    for bound in std::iter::once(0).chain(bounds.iter().copied()) {
+        prefill(pool, backlog).await?;
+        let config = DrainerConfig::builder()
+            .exchange(EXCHANGE)
+            .replica_id("harness-p3")
+            .max_rows_per_sec(bound)
+            .build()
+            .expect("defaults are valid");
+        let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::new(amqp_url), config);
+        let draining = measured(pool, &publisher).await?;
+        drainer.shutdown().await;
+        let name = match bound {
+            0 => "while the drainer drains (defaults)".to_owned(),
+            b => format!("while the drainer drains, max_rows_per_sec {b}"),
+        };
+        out.push((name, draining));
+        pool.execute("TRUNCATE event_outbox, orders").await?;
+    }
 
     if with_antipattern {
         prefill(pool, backlog).await?;
@@ -564,7 +572,7 @@ async fn foreground_impact(
         let draining = measured(pool, &publisher).await?;
         let _ = stop_tx.send(true);
         naive.await?.map_err(|e| e.to_string())?;
-        out.push(("while the antipattern drains", draining));
+        out.push(("while the antipattern drains".to_owned(), draining));
         pool.execute("TRUNCATE event_outbox, orders").await?;
     }
     Ok(out)
@@ -671,7 +679,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let want = |section: &str| args.only.is_empty() || args.only.iter().any(|s| s == section);
-    let pool = fresh_database(&args.database_url).await?;
+    let pool = fresh_database(&args.database_url, DATABASE, 16).await?;
     let conn = Connection::connect(&args.amqp_url, ConnectionProperties::default())
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.amqp_url)))?;
@@ -788,7 +796,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     if want("p3") {
         eprintln!("P3: foreground latency idle and while draining ...");
-        let runs = foreground_impact(&pool, &args.amqp_url, n, want("antipattern")).await?;
+        let runs = foreground_impact(
+            &pool,
+            &args.amqp_url,
+            n,
+            &args.p3_bounds,
+            want("antipattern"),
+        )
+        .await?;
         purge(&conn).await?;
         let idle_p99 = percentile(&runs[0].1.latencies, 0.99);
         let mut p3 = serde_json::Map::new();
@@ -808,7 +823,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 p99.as_secs_f64() / idle_p99.as_secs_f64()
             ));
             p3.insert(
-                (*name).into(),
+                name.clone(),
                 serde_json::json!({
                     "p50_ms": ms(p50), "p99_ms": ms(p99), "drain_rows_per_sec": f.drain_rate
                 }),

@@ -10,6 +10,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Semaphore, SemaphorePermit, watch};
@@ -65,6 +66,9 @@ pub struct Drainer<S, B, C, E> {
     /// Signalled when new rows commit (production: PostgreSQL NOTIFY), so
     /// an idle drainer claims at once instead of at its next tick.
     wakeup: Option<Arc<tokio::sync::Notify>>,
+    /// With `max_rows_per_sec`: the clock time (ns) before which the next
+    /// claim may not start.
+    next_claim_at: AtomicU64,
 }
 
 impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
@@ -92,6 +96,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             entropy,
             config,
             wakeup: None,
+            next_claim_at: AtomicU64::new(0),
         }
     }
 
@@ -107,6 +112,10 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// [`drain`]: Self::drain
     pub async fn tick(&self) -> Result<TickReport, DrainError> {
         let mut report = TickReport::default();
+        let wait = self.pace_wait();
+        if !wait.is_zero() {
+            self.clock.sleep(wait).await;
+        }
         let claimed = self.claim(&mut report).await?;
         if claimed.rows.is_empty() {
             return Ok(report);
@@ -138,6 +147,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let batch = self.config.batch_size as usize;
         let permits = Semaphore::new(self.config.pipeline_depth as usize);
         let mut report = TickReport::default();
+        if !self.pace(shutdown).await {
+            return Ok(report);
+        }
         let mut next = self.claim(&mut report).await?;
         let mut tail: Option<Sending<'_, B::Channel>> = None;
         let mut first_error: Option<DrainError> = None;
@@ -170,7 +182,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                     self.mark(&rows, outcome, &mut settle_report).await
                 },
                 async {
-                    if more {
+                    if more && self.pace(shutdown).await {
                         self.claim(&mut claim_report).await
                     } else {
                         Ok(Claimed::none())
@@ -215,7 +227,25 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         }
     }
 
-    /// Phase 1: one claim of up to a batch.
+    /// With `max_rows_per_sec`, waits until the next claim may start;
+    /// false if `shutdown` turned true meanwhile.
+    async fn pace(&self, shutdown: &watch::Receiver<bool>) -> bool {
+        let wait = self.pace_wait();
+        wait.is_zero() || !sleep_or_shutdown(&*self.clock, wait, &mut shutdown.clone()).await
+    }
+
+    /// How long until the next claim may start (zero without a bound).
+    fn pace_wait(&self) -> Duration {
+        if self.config.max_rows_per_sec.is_none() {
+            return Duration::ZERO;
+        }
+        let at = Duration::from_nanos(self.next_claim_at.load(Ordering::Relaxed));
+        at.saturating_sub(self.clock.now())
+    }
+
+    /// Phase 1: one claim of up to a batch. With `max_rows_per_sec`, the
+    /// claimed rows push the next claim's earliest start back by their share
+    /// of a second, counted from this claim's start (no burst allowance).
     async fn claim(&self, report: &mut TickReport) -> Result<Claimed, DrainError> {
         let cfg = &self.config;
         let t0 = self.clock.now();
@@ -229,6 +259,12 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             .await?;
         let at = self.clock.now();
         debug_assert!(rows.len() <= cfg.batch_size as usize, "store over-claimed");
+        if let Some(rate) = cfg.max_rows_per_sec {
+            let from = Duration::from_nanos(self.next_claim_at.load(Ordering::Relaxed)).max(t0);
+            let share = Duration::from_secs(rows.len() as u64) / rate.get();
+            let next = (from + share).as_nanos().min(u128::from(u64::MAX)) as u64;
+            self.next_claim_at.store(next, Ordering::Relaxed);
+        }
         report.claimed += rows.len();
         report.claim_time += at.saturating_sub(t0);
         Ok(Claimed { rows, at })
