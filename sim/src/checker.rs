@@ -290,7 +290,19 @@ pub fn check(
             unmet.push(what.to_owned());
         }
     }
+    let mut noisy = Vec::new();
+    if expect.quiet {
+        if releases > 0 {
+            noisy.push(format!(
+                "{releases} claims released in a run without faults"
+            ));
+        }
+        if duplicates > 0 {
+            noisy.push(format!("{duplicates} republishes in a run without faults"));
+        }
+    }
     push_all(&mut v.violations, "lost", lost);
+    push_all(&mut v.violations, "wasted work", noisy);
     push_all(&mut v.violations, "not drained", undrained);
     push_all(
         &mut v.violations,
@@ -504,6 +516,40 @@ mod tests {
         e.swap(3, 4); // publish before TxEnd
         e.insert(3, idle);
         assert_eq!(kinds(&run(e, &[1])), ["broker I/O in a transaction"]);
+    }
+
+    #[test]
+    fn a_run_without_faults_may_not_release_or_republish() {
+        let mut e = happy();
+        e.insert(
+            7,
+            Event::Released {
+                replica: "a".into(),
+                ids: vec![id(1)],
+            },
+        );
+        let quiet = Expect {
+            quiet: true,
+            ..Expect::default()
+        };
+        let timed = at(e);
+        let check_with = |expect: &Expect, stored_ids: &BTreeMap<Uuid, u32>| {
+            check(
+                &timed,
+                stored_ids,
+                &BTreeSet::new(),
+                &BTreeMap::new(),
+                &BTreeSet::new(),
+                3,
+                expect,
+            )
+        };
+        // With faults a release is fine; without, it is wasted work.
+        assert!(check_with(&Expect::default(), &stored(&[1])).ok());
+        assert_eq!(kinds(&check_with(&quiet, &stored(&[1]))), ["wasted work"]);
+        let twice: BTreeMap<Uuid, u32> = [(id(1), 2)].into_iter().collect();
+        let v = check_with(&quiet, &twice);
+        assert_eq!(v.violations.len(), 2, "{:?}", v.violations);
     }
 
     #[test]

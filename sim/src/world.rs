@@ -534,6 +534,10 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     let overdue = env.pg.published_before(
         config.retention + config.janitor_interval * 2 + crate::adapters::STORE_REQUEST_TIMEOUT,
     );
+    let expect = crate::scenario::Expect {
+        quiet: faults.is_empty(),
+        ..scenario.expect.clone()
+    };
     let verdict = checker::check(
         &trace.events(),
         &stored,
@@ -541,7 +545,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         &env.pg.attempts(),
         &env.pg.unpublished(),
         max_attempts,
-        &scenario.expect,
+        &expect,
     );
     let mut verdict = verdict;
     if consumers > 0 {

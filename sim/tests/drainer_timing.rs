@@ -84,6 +84,10 @@ fn a_rate_bound_paces_a_backlog_to_the_configured_rows_per_second() {
     s.workload.interval_ms = [5, 5]; // 1 200 rows within about two seconds
     s.timing.fault_phase_secs = 5.0;
     s.timing.liveness_secs = 60.0;
+    // A tick longer than a claim's share of a second (20 rows / 40 per s): a
+    // drainer that waited for its next tick instead of the paced instant
+    // would fall well below the bound.
+    s.config.tick_ms = Some(700);
     let unbounded = sim::world::run(&s, 3);
     assert!(unbounded.verdict.ok(), "{:?}", unbounded.verdict.violations);
     let fastest = claimed_per_window(&unbounded, 1.0)
