@@ -540,11 +540,15 @@ where
     let broker = Arc::new(outbox::LapinBroker::new(proxy.amqp_url()));
     body(RealBroker {
         broker,
-        exchange,
+        exchange: exchange.clone(),
         proxy,
         admin,
     })
     .await;
+    // The body passed: leave nothing behind on the shared broker.
+    ch.exchange_delete(exchange.as_str().into(), Default::default())
+        .await
+        .unwrap();
 }
 
 /// Opens a channel, publishes one message and awaits its confirm, all under

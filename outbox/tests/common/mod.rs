@@ -153,7 +153,8 @@ pub async fn declare_exchange(ch: &lapin::Channel, exchange: &str) {
 }
 
 /// Declares a queue that nacks everything routed to it: `x-max-length` 0
-/// with `x-overflow` `reject-publish`.
+/// with `x-overflow` `reject-publish`. The broker deletes it two minutes
+/// after its test stops using it (`x-expires`), so runs leave nothing behind.
 pub async fn declare_rejecting_queue(conn: &Connection, exchange: &str, binding: &str) -> String {
     let ch = conn.create_channel().await.unwrap();
     declare_exchange(&ch, exchange).await;
@@ -164,6 +165,7 @@ pub async fn declare_rejecting_queue(conn: &Connection, exchange: &str, binding:
         "x-overflow".into(),
         AMQPValue::LongString("reject-publish".into()),
     );
+    args.insert("x-expires".into(), AMQPValue::LongInt(120_000));
     ch.queue_declare(
         queue.as_str().into(),
         QueueDeclareOptions {
