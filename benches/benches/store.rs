@@ -14,9 +14,8 @@
 
 use std::time::{Duration, Instant};
 
-use benches::{envelope, fresh_database, prefill};
+use benches::{claim_and_mark, envelope, fresh_database, prefill};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use outbox::core::ports::{ClaimParams, OutboxStore};
 use outbox::{EventEnvelope, PgOutboxStore, Publisher};
 use sqlx::{Executor, PgPool};
 
@@ -122,19 +121,9 @@ fn claim_mark(c: &mut Criterion) {
                     let mut spent = Duration::ZERO;
                     for _ in 0..iters {
                         let t = Instant::now();
-                        let rows = store
-                            .outbox_claim(ClaimParams {
-                                replica_id: "bench",
-                                batch_size: 100,
-                                lease_ttl: Duration::from_secs(60),
-                            })
+                        let (ids, marked) = claim_and_mark(&store, "bench")
                             .await
-                            .expect("claim");
-                        let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.id).collect();
-                        let marked = store
-                            .outbox_mark_published("bench", &ids)
-                            .await
-                            .expect("mark");
+                            .expect("claim and mark");
                         spent += t.elapsed();
                         assert_eq!(marked, 100, "the backlog ran dry");
                         // Untimed: the rows go back to the end of the backlog.

@@ -70,3 +70,23 @@ pub async fn prefill(pool: &PgPool, n: usize) -> Result<(), Box<dyn std::error::
     pool.execute("VACUUM ANALYZE event_outbox").await?;
     Ok(())
 }
+
+/// The drainer's Phase 1 and Phase 3 without the broker: claims up to 100
+/// rows for `replica` (60 s lease) and marks them published. Returns the
+/// claimed ids and how many rows the mark changed.
+pub async fn claim_and_mark(
+    store: &outbox::PgOutboxStore,
+    replica: &str,
+) -> Result<(Vec<uuid::Uuid>, u64), outbox::StoreError> {
+    use outbox::core::ports::{ClaimParams, OutboxStore};
+    let claimed = store
+        .outbox_claim(ClaimParams {
+            replica_id: replica,
+            batch_size: 100,
+            lease_ttl: std::time::Duration::from_secs(60),
+        })
+        .await?;
+    let ids: Vec<uuid::Uuid> = claimed.iter().map(|r| r.id).collect();
+    let marked = store.outbox_mark_published(replica, &ids).await?;
+    Ok((ids, marked))
+}

@@ -437,14 +437,24 @@ mod tests {
     }
 
     fn run(events: Vec<Event>, st: &[u128]) -> Verdict {
+        check_timed(&at(events), &stored(st), &Expect::default())
+    }
+
+    /// `check` on timed events with nothing parked, no attempts and nothing
+    /// left unpublished in the store.
+    fn check_timed(
+        timed: &[(Duration, Event)],
+        stored: &BTreeMap<Uuid, u32>,
+        expect: &Expect,
+    ) -> Verdict {
         check(
-            &at(events),
-            &stored(st),
+            timed,
+            stored,
             &BTreeSet::new(),
             &BTreeMap::new(),
             &BTreeSet::new(),
             3,
-            &Expect::default(),
+            expect,
         )
     }
 
@@ -533,22 +543,14 @@ mod tests {
             ..Expect::default()
         };
         let timed = at(e);
-        let check_with = |expect: &Expect, stored_ids: &BTreeMap<Uuid, u32>| {
-            check(
-                &timed,
-                stored_ids,
-                &BTreeSet::new(),
-                &BTreeMap::new(),
-                &BTreeSet::new(),
-                3,
-                expect,
-            )
-        };
         // With faults a release is fine; without, it is wasted work.
-        assert!(check_with(&Expect::default(), &stored(&[1])).ok());
-        assert_eq!(kinds(&check_with(&quiet, &stored(&[1]))), ["wasted work"]);
+        assert!(check_timed(&timed, &stored(&[1]), &Expect::default()).ok());
+        assert_eq!(
+            kinds(&check_timed(&timed, &stored(&[1]), &quiet)),
+            ["wasted work"]
+        );
         let twice: BTreeMap<Uuid, u32> = [(id(1), 2)].into_iter().collect();
-        let v = check_with(&quiet, &twice);
+        let v = check_timed(&timed, &twice, &quiet);
         assert_eq!(v.violations.len(), 2, "{:?}", v.violations);
     }
 
@@ -566,15 +568,7 @@ mod tests {
         let t = timed[3].0;
         timed.insert(3, (t, idle));
         timed.insert(5, (t, resumed));
-        let v = check(
-            &timed,
-            &stored(&[1]),
-            &BTreeSet::new(),
-            &BTreeMap::new(),
-            &BTreeSet::new(),
-            3,
-            &Expect::default(),
-        );
+        let v = check_timed(&timed, &stored(&[1]), &Expect::default());
         assert!(v.ok(), "{:?}", v.violations);
     }
 

@@ -23,7 +23,7 @@
 
 use std::time::{Duration, Instant};
 
-use benches::{envelope, fresh_database, prefill};
+use benches::{claim_and_mark, envelope, fresh_database, prefill};
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
@@ -360,7 +360,6 @@ async fn ceiling_beside_database(
     n: usize,
     rows_per_sec: f64,
 ) -> Result<f64, Box<dyn std::error::Error>> {
-    use outbox::core::ports::{ClaimParams, OutboxStore};
     prefill(pool, n).await?;
     let (stop_tx, mut stop) = tokio::sync::watch::channel(false);
     let store = outbox::PgOutboxStore::new(pool.clone());
@@ -368,18 +367,10 @@ async fn ceiling_beside_database(
     let database = tokio::spawn(async move {
         let mut next = tokio::time::Instant::now();
         while !*stop.borrow() {
-            let claimed = store
-                .outbox_claim(ClaimParams {
-                    replica_id: "harness-beside",
-                    batch_size: 100,
-                    lease_ttl: Duration::from_secs(60),
-                })
-                .await?;
-            if claimed.is_empty() {
+            let (ids, _) = claim_and_mark(&store, "harness-beside").await?;
+            if ids.is_empty() {
                 break;
             }
-            let ids: Vec<uuid::Uuid> = claimed.iter().map(|r| r.id).collect();
-            store.outbox_mark_published("harness-beside", &ids).await?;
             next += every;
             tokio::select! {
                 _ = tokio::time::sleep_until(next) => {}
@@ -398,7 +389,6 @@ async fn ceiling_beside_database(
 /// Claim + mark rate (rows/s) of the store alone, `cycles` batches of 100,
 /// on whatever backlog the table holds.
 async fn claim_mark_rate(pool: &PgPool, cycles: usize) -> Result<f64, Box<dyn std::error::Error>> {
-    use outbox::core::ports::{ClaimParams, OutboxStore};
     let store = outbox::PgOutboxStore::new(pool.clone());
     let mut started = Instant::now();
     let mut rows = 0usize;
@@ -409,15 +399,7 @@ async fn claim_mark_rate(pool: &PgPool, cycles: usize) -> Result<f64, Box<dyn st
             started = Instant::now();
             rows = 0;
         }
-        let claimed = store
-            .outbox_claim(ClaimParams {
-                replica_id: "harness-p2",
-                batch_size: 100,
-                lease_ttl: Duration::from_secs(60),
-            })
-            .await?;
-        let ids: Vec<uuid::Uuid> = claimed.iter().map(|r| r.id).collect();
-        store.outbox_mark_published("harness-p2", &ids).await?;
+        let (ids, _) = claim_and_mark(&store, "harness-p2").await?;
         rows += ids.len();
     }
     Ok(rows as f64 / started.elapsed().as_secs_f64())

@@ -282,8 +282,10 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let generation = self.broker.connection_generation();
         let deadline = claimed.at + self.config.confirm_timeout;
         let left = deadline.saturating_sub(self.clock.now());
-        match with_deadline(&*self.clock, left, self.publish_all(&claimed.rows, permits)).await {
-            Some(Ok((channel, pending, outcome))) => Ok(Sending {
+        let published =
+            with_deadline(&*self.clock, left, self.publish_all(&claimed.rows, permits)).await;
+        match self.phase2_result(published, claimed.rows.len()) {
+            Ok((channel, pending, outcome)) => Ok(Sending {
                 rows: claimed.rows,
                 channel,
                 pending,
@@ -291,13 +293,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 deadline,
                 generation,
             }),
-            Some(Err(e)) => Err(self
-                .phase2_failed(&claimed.rows, generation, e.into())
-                .await),
-            None => {
-                let e = self.confirm_timeout(claimed.rows.len());
-                Err(self.phase2_failed(&claimed.rows, generation, e).await)
-            }
+            Err(e) => Err(self.phase2_failed(&claimed.rows, generation, e).await),
         }
     }
 
@@ -325,13 +321,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         };
         let settled = with_deadline(&*self.clock, left, confirms).await;
         channel.channel_close().await;
-        match settled {
-            Some(Ok(())) => Ok((rows, outcome)),
-            Some(Err(e)) => Err(self.phase2_failed(&rows, generation, e.into()).await),
-            None => {
-                let e = self.confirm_timeout(rows.len());
-                Err(self.phase2_failed(&rows, generation, e).await)
-            }
+        match self.phase2_result(settled, rows.len()) {
+            Ok(()) => Ok((rows, outcome)),
+            Err(e) => Err(self.phase2_failed(&rows, generation, e).await),
         }
     }
 
@@ -450,10 +442,19 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         }
     }
 
-    fn confirm_timeout(&self, rows: usize) -> DrainError {
-        DrainError::ConfirmTimeout {
-            rows,
-            timeout_secs: self.config.confirm_timeout.as_secs(),
+    /// What a Phase 2 step under the batch's deadline came to: its value, a
+    /// broker error, or (`None`) the confirm timeout for a batch of `rows`.
+    fn phase2_result<T>(
+        &self,
+        step: Option<Result<T, BrokerError>>,
+        rows: usize,
+    ) -> Result<T, DrainError> {
+        match step {
+            Some(result) => result.map_err(DrainError::from),
+            None => Err(DrainError::ConfirmTimeout {
+                rows,
+                timeout_secs: self.config.confirm_timeout.as_secs(),
+            }),
         }
     }
 
