@@ -56,10 +56,22 @@ pub mod vars {
     pub const SUBSCRIBER_CONCURRENCY: &str = "CANOPY_MQ_SUBSCRIBER_CONCURRENCY";
     /// Failed handler attempts before a delivery is dead-lettered.
     pub const SUBSCRIBER_MAX_ATTEMPTS: &str = "CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS";
+    /// Largest delivery body a subscriber handles; larger ones are
+    /// dead-lettered at once.
+    pub const SUBSCRIBER_MAX_DELIVERY_BYTES: &str = "CANOPY_MQ_SUBSCRIBER_MAX_DELIVERY_BYTES";
 }
 
 /// Upper bound on a subscriber's handler concurrency.
 pub const SUBSCRIBER_CONCURRENCY_MAX: u32 = 1024;
+
+/// Default largest delivery a subscriber handles: four times the largest
+/// envelope [`crate::Publisher`] writes by default, so every default-sized
+/// event passes with room to spare, while a stray huge message cannot make
+/// every worker hold a broker-sized (128 MiB) body at once.
+pub const SUBSCRIBER_MAX_DELIVERY_BYTES_DEFAULT: u32 =
+    4 * crate::envelope::DEFAULT_MAX_ENVELOPE_BYTES as u32;
+/// RabbitMQ's own largest message (`max_message_size`, 128 MiB).
+pub const SUBSCRIBER_MAX_DELIVERY_BYTES_MAX: u32 = 128 * 1024 * 1024;
 
 impl crate::core::subscriber::SubscriberSettings {
     /// A subscription of `queue` to `bindings` on the default exchange
@@ -76,12 +88,14 @@ impl crate::core::subscriber::SubscriberSettings {
             },
             concurrency: 4,
             max_attempts: 5,
+            max_delivery_bytes: SUBSCRIBER_MAX_DELIVERY_BYTES_DEFAULT,
         }
     }
 
     /// [`new`](Self::new) with `CANOPY_MQ_EXCHANGE`,
-    /// `CANOPY_MQ_SUBSCRIBER_PREFETCH`, `CANOPY_MQ_SUBSCRIBER_CONCURRENCY` and
-    /// `CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS` applied, then validated.
+    /// `CANOPY_MQ_SUBSCRIBER_PREFETCH`, `CANOPY_MQ_SUBSCRIBER_CONCURRENCY`,
+    /// `CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS` and
+    /// `CANOPY_MQ_SUBSCRIBER_MAX_DELIVERY_BYTES` applied, then validated.
     pub fn from_env(queue: impl Into<String>, bindings: &[&str]) -> Result<Self, ConfigError> {
         Self::from_lookup(queue, bindings, |name| std::env::var(name).ok())
     }
@@ -118,6 +132,9 @@ impl crate::core::subscriber::SubscriberSettings {
         }
         if let Some(v) = lookup(vars::SUBSCRIBER_MAX_ATTEMPTS) {
             s.max_attempts = parse(vars::SUBSCRIBER_MAX_ATTEMPTS, &v)?;
+        }
+        if let Some(v) = lookup(vars::SUBSCRIBER_MAX_DELIVERY_BYTES) {
+            s.max_delivery_bytes = parse(vars::SUBSCRIBER_MAX_DELIVERY_BYTES, &v)?;
         }
         s.validate()?;
         Ok(s)
@@ -179,6 +196,13 @@ impl crate::core::subscriber::SubscriberSettings {
                 vars::SUBSCRIBER_MAX_ATTEMPTS,
                 &self.max_attempts,
                 "must be > 0",
+            );
+        }
+        if !(1024..=SUBSCRIBER_MAX_DELIVERY_BYTES_MAX).contains(&self.max_delivery_bytes) {
+            return invalid(
+                vars::SUBSCRIBER_MAX_DELIVERY_BYTES,
+                &self.max_delivery_bytes,
+                "must be >= 1024 and <= 134217728 (RabbitMQ's largest message)",
             );
         }
         Ok(())

@@ -84,18 +84,64 @@ pub enum ConfigError {
     },
 }
 
-/// A failure of the database (the outbox or the inbox store). Always
-/// blameless for the rows involved: neither the drainer nor the subscriber
-/// bumps `attempts` because of one.
+/// A failure of the database (the outbox or the inbox store). Neither the
+/// drainer nor the subscriber ever bumps `attempts` because of one; only
+/// [`StoreError::Refused`] blames the data, and the subscriber dead-letters
+/// such a delivery at once instead of retrying it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
-    /// No connection could be had, or it broke mid-statement. Retry later.
+    /// The database could not run the statement now: no connection, a broken
+    /// one, the server shutting down or out of resources, or a transient
+    /// conflict (serialization failure, deadlock). Retry later.
     #[error("store unavailable: {0}")]
     Unavailable(String),
-    /// The statement failed (timeout, serialization, constraint). Retry later.
+    /// The statement failed for another reason (a timeout, a constraint).
+    /// Retry later.
     #[error("store statement failed: {0}")]
     Statement(String),
+    /// The database refused the data itself (SQLSTATE class 22, data
+    /// exception): a `\u0000` or a lone surrogate in a `jsonb` string, a
+    /// number beyond `jsonb`'s range, text that is not UTF-8. Retrying cannot
+    /// help; the input is to blame.
+    #[error("store refused the data: {0}")]
+    Refused(String),
+}
+
+impl StoreError {
+    /// The one map from a PostgreSQL SQLSTATE to a store error, used by the
+    /// production adapter and by the simulation's fake alike: class 22 (data
+    /// exception) is [`Refused`](Self::Refused); classes 08 (connection), 53
+    /// (insufficient resources), 57P01–57P05 (shutdown, cannot connect now,
+    /// idle session timeout) and the transient conflicts 40001 and 40P01 are
+    /// [`Unavailable`](Self::Unavailable); anything else is a
+    /// [`Statement`](Self::Statement) failure.
+    ///
+    /// ```
+    /// use outbox::StoreError;
+    /// assert!(matches!(StoreError::from_sqlstate("22P05", "unsupported Unicode escape".into()),
+    ///                  StoreError::Refused(_)));
+    /// assert!(matches!(StoreError::from_sqlstate("40001", "could not serialize".into()),
+    ///                  StoreError::Unavailable(_)));
+    /// assert!(matches!(StoreError::from_sqlstate("23505", "duplicate key".into()),
+    ///                  StoreError::Statement(_)));
+    /// ```
+    pub fn from_sqlstate(code: &str, message: String) -> Self {
+        let class = code.get(..2).unwrap_or("");
+        match (class, code) {
+            ("22", _) => Self::Refused(message),
+            ("08" | "53", _)
+            | (_, "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "57P04" | "57P05") => {
+                Self::Unavailable(message)
+            }
+            _ => Self::Statement(message),
+        }
+    }
+
+    /// Whether the failure is the infrastructure's and passes with time.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Self::Unavailable(_))
+    }
 }
 
 /// A failure of the broker. Always blameless for the rows involved (a
@@ -165,17 +211,36 @@ pub enum SubscribeError {
 /// rolls back the handler's transaction, records the message in the inbox
 /// row's `last_error` and retries the delivery until the attempt budget is
 /// spent, then dead-letters it.
+///
+/// Database trouble is nobody's fault: an error built from a database error
+/// that says the database is unavailable (a lost connection, a shutdown, a
+/// serialization failure or deadlock; see [`StoreError::from_sqlstate`]), or
+/// with [`HandlerError::unavailable`], counts no attempt: the delivery is
+/// rolled back and retried in place once the database answers, and is never
+/// dead-lettered because of it.
 #[derive(Debug)]
 pub struct HandlerError {
     message: String,
+    unavailable: bool,
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
 }
 
 impl HandlerError {
-    /// A failure described by `message`.
+    /// A failure described by `message`: it counts an attempt.
     pub fn msg(message: impl Into<String>) -> Self {
         Self {
             message: message.into(),
+            unavailable: false,
+            source: None,
+        }
+    }
+
+    /// The infrastructure the handler needs is unavailable: retried in
+    /// place, no attempt counted.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            unavailable: true,
             source: None,
         }
     }
@@ -183,6 +248,11 @@ impl HandlerError {
     /// The message recorded in `last_error`.
     pub fn message(&self) -> &str {
         &self.message
+    }
+
+    /// Whether this is infrastructure trouble (no attempt counted).
+    pub fn is_unavailable(&self) -> bool {
+        self.unavailable
     }
 }
 
@@ -204,6 +274,17 @@ impl From<sqlx::Error> for HandlerError {
     fn from(e: sqlx::Error) -> Self {
         Self {
             message: e.to_string(),
+            unavailable: crate::pg::map_err_ref(&e).is_unavailable(),
+            source: Some(Box::new(e)),
+        }
+    }
+}
+
+impl From<StoreError> for HandlerError {
+    fn from(e: StoreError) -> Self {
+        Self {
+            message: e.to_string(),
+            unavailable: e.is_unavailable(),
             source: Some(Box::new(e)),
         }
     }
@@ -213,6 +294,7 @@ impl From<serde_json::Error> for HandlerError {
     fn from(e: serde_json::Error) -> Self {
         Self {
             message: format!("payload: {e}"),
+            unavailable: false,
             source: Some(Box::new(e)),
         }
     }

@@ -11,6 +11,7 @@ use crate::amqp::LapinBroker;
 use crate::config::DrainerConfig;
 use crate::core::drainer::Drainer;
 use crate::core::janitor::InboxJanitorSettings;
+use crate::core::marks::Marks;
 use crate::core::ports::{Clock, Entropy};
 use crate::core::stats::{OutboxHealth, Readiness};
 use crate::core::{janitor, stats};
@@ -137,6 +138,7 @@ impl DrainerHandle {
                 clock_arc.clone(),
                 config.clone(),
                 rx.clone(),
+                Marks::default(),
             )),
             tokio::spawn(stats::run(
                 store.clone(),
@@ -272,6 +274,7 @@ impl InboxDrainer {
             Arc::new(TokioClock::default()),
             settings,
             rx,
+            Marks::default(),
         ));
         Self { shutdown: tx, task }
     }

@@ -118,6 +118,7 @@ async fn start_with(pool: PgPool, o: Options) -> Running {
         },
         concurrency: 4,
         max_attempts: 3,
+        max_delivery_bytes: 64 * 1024,
     };
     let subscriber = Arc::new(Subscriber::new(
         Arc::new(PgInboxStore::new(pool.clone())),

@@ -1,33 +1,38 @@
-//! The deterministic simulation testbed: the production drainer, built with
-//! simulation adapters of its ports, run against fake PostgreSQL and RabbitMQ
-//! servers on a turmoil network under seeded fault scenarios.
+//! The deterministic simulation testbed: the production drainer, janitors
+//! and subscriber, built with simulation adapters of their ports, run
+//! against fake PostgreSQL and RabbitMQ servers on a turmoil network under
+//! seeded fault scenarios, and judged rule by rule against ADR-018.
 //!
 //! # Layout (after TigerBeetle's VOPR)
 //! - `main.rs`: the `sim` binary: `run SCENARIO --seed N`, `sweep`; the seed
-//!   is printed first, a failure prints the command that reproduces it.
-//! - [`world`]: builds the turmoil simulation from a scenario and a seed,
-//!   applies the fault schedule, heals, and runs the liveness phase.
-//! - [`pg_fake`], [`mq_fake`]: the fakes, with their fault catalogues.
+//!   is printed first, a failure prints the command that reproduces it, a
+//!   sweep prints violations and coverage (marks, faults) by scenario.
+//! - [`scenario`]: parses `scenarios/*.toml`: typed timed faults and swarm
+//!   families.
+//! - [`world`]: builds the simulation from a scenario and a seed (hosts, the
+//!   fakes, the fault schedule), heals, runs the liveness phase, judges.
+//! - [`fakes`]: the fake PostgreSQL ([`fakes::pg`]) and RabbitMQ
+//!   ([`fakes::mq`]), each with its fault catalogue in its module doc,
+//!   hostile messages ([`fakes::mq::hostile`]) and what PostgreSQL refuses
+//!   to store ([`fakes::pg::jsonb`]).
 //! - [`adapters`]: the ports over the simulated network, with crash and
-//!   pause points.
-//! - [`workload`]: the producer's transactions.
-//! - [`checker`]: the invariants, checked from the trace and final state.
-//! - [`scenario`]: parses `scenarios/*.toml`.
-//! - [`trace`]: the event trace and its hash.
-//! - [`wire`]: the protocol between adapters and fakes.
+//!   pause points and the trace of what the production code asked for.
+//! - [`workload`]: the producer's transactions and the consumer's handler.
+//! - [`model`]: what must be true, folded from the trace, and the oracle
+//!   that reads what is true from the fakes.
+//! - [`checker`]: the invariants, one family per file, each violation a
+//!   typed value.
+//! - [`trace`]: the typed event trace and its hash; [`wire`]: the protocol
+//!   between adapters and fakes.
 //!
-//! One seeded RNG drives everything: the workload, the fault plan, the
-//! fakes' random faults and turmoil's network. The same seed gives the same
-//! trace, byte for byte.
+//! One seed drives everything: the workload, the fault plan, the fakes'
+//! random faults and turmoil's network, each from its own stream drawn from
+//! the seed. The same seed gives the same trace, byte for byte.
 
 pub mod adapters;
 pub mod checker;
-pub mod consumer;
-pub mod inbox_adapter;
-pub mod mq_fake;
-pub mod mq_queues;
-pub mod pg_fake;
-pub mod pg_inbox;
+pub mod fakes;
+pub mod model;
 pub mod scenario;
 pub mod trace;
 pub mod wire;

@@ -7,7 +7,10 @@
 //! sim sweep [SCENARIO...] --seeds 0..200 [--jobs 2] [--scenarios DIR]
 //! ```
 //! A sweep without names runs every scenario in `scenarios/` and the clean
-//! twin (`NAME.clean`) of each faulty one.
+//! twin (`NAME.clean`) of each faulty one. It prints, besides the failures,
+//! how many runs broke each invariant, how often each coverage mark and
+//! each kind of fault was hit, and fails if a scenario never reached a mark
+//! its `[expect] reach` list names.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -16,8 +19,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use sim::checker::Invariant;
 use sim::scenario::Scenario;
-use sim::world::{self, RunOutcome};
+use sim::world::{self, Coverage, RunOutcome};
 
 const USAGE: &str = "usage:
   sim run SCENARIO --seed N [--trace FILE] [--scenarios DIR]
@@ -115,6 +119,11 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
     for violation in &v.violations {
         println!("violated {violation}");
     }
+    for (invariant, n) in &v.counts {
+        if *n > sim::checker::LISTED_MAX {
+            println!("violated {invariant}: {n} in all");
+        }
+    }
     if let Some(file) = trace_file {
         std::fs::write(&file, o.trace.render()).map_err(|e| format!("cannot write {file}: {e}"))?;
         println!("trace written to {file}");
@@ -183,13 +192,14 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
                 loop {
                     let next = work.lock().expect("work").next();
                     let Some((i, seed)) = next else { break };
-                    let o = world::run(&scenarios[i], seed);
+                    let mut o = world::run(&scenarios[i], seed);
                     if !o.verdict.ok() {
                         eprintln!(
                             "\nFAIL seed {seed} {}: {}",
                             o.scenario, o.verdict.violations[0]
                         );
                     }
+                    o.trace = Default::default(); // the coverage is kept
                     results.lock().expect("results").push(o);
                     let n = done.fetch_add(1, Ordering::SeqCst) + 1;
                     progress(n, total, tty);
@@ -221,14 +231,20 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
         );
         failures.extend(rs.into_iter().filter(|r| !r.verdict.ok()));
     }
+    print_invariants(&results);
+    let unreached = print_coverage(&scenarios, &results);
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "{} runs in {:.1} s ({:.0} runs/min), {} failed",
+        "{} runs in {:.1} s ({:.0} runs/min), {} failed, {} expected marks never reached",
         total,
         secs,
         total as f64 * 60.0 / secs.max(1e-9),
-        failures.len()
+        failures.len(),
+        unreached.len()
     );
+    for u in &unreached {
+        println!("UNREACHED {u}");
+    }
     for f in &failures {
         println!("\nFAIL {} seed {}", f.scenario, f.seed);
         for v in &f.verdict.violations {
@@ -236,11 +252,72 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
         }
         println!("  reproduce: {}", reproduce(f));
     }
-    Ok(if failures.is_empty() {
+    Ok(if failures.is_empty() && unreached.is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
     })
+}
+
+/// Runs that broke each invariant, and violations in all.
+fn print_invariants(results: &[RunOutcome]) {
+    let mut runs: std::collections::BTreeMap<Invariant, (usize, usize)> = Default::default();
+    for r in results {
+        for (invariant, n) in &r.verdict.counts {
+            let e = runs.entry(*invariant).or_default();
+            e.0 += 1;
+            e.1 += n;
+        }
+    }
+    if runs.is_empty() {
+        println!("invariants: every one held in every run");
+        return;
+    }
+    println!(
+        "\n{:<36} {:>6} {:>10}",
+        "invariant broken", "runs", "violations"
+    );
+    for (invariant, (n, total)) in runs {
+        println!("{:<36} {n:>6} {total:>10}", invariant.name());
+    }
+}
+
+/// Prints how often each mark and fault kind was hit, and returns the
+/// marks a scenario expects to reach but never did.
+fn print_coverage(scenarios: &[Scenario], results: &[RunOutcome]) -> Vec<String> {
+    let mut total = Coverage::default();
+    let mut reached_by: std::collections::BTreeMap<String, usize> = Default::default();
+    let mut unreached = Vec::new();
+    for s in scenarios {
+        let mut c = Coverage::default();
+        for r in results.iter().filter(|r| r.scenario == s.name) {
+            c.absorb(&r.coverage);
+        }
+        for m in c.marks.keys() {
+            *reached_by.entry(m.name().to_owned()).or_insert(0) += 1;
+        }
+        for name in &s.expect.reach {
+            let hit = outbox::core::marks::Mark::from_name(name)
+                .and_then(|m| c.marks.get(&m))
+                .copied()
+                .unwrap_or(0);
+            if hit == 0 {
+                unreached.push(format!("{}: mark {name} was never hit", s.name));
+            }
+        }
+        total.absorb(&c);
+    }
+    println!("\n{:<28} {:>10} {:>10}", "mark", "hits", "scenarios");
+    for m in outbox::core::marks::Mark::ALL {
+        let hits = total.marks.get(m).copied().unwrap_or(0);
+        let by = reached_by.get(m.name()).copied().unwrap_or(0);
+        println!("{:<28} {hits:>10} {by:>10}", m.name());
+    }
+    println!("\n{:<28} {:>10}", "fault", "hits");
+    for (kind, n) in &total.faults {
+        println!("{:<28} {n:>10}", format!("{kind:?}"));
+    }
+    unreached
 }
 
 fn progress(n: usize, total: usize, tty: bool) {

@@ -1,35 +1,194 @@
-//! The trace: every port call, fault and delivery, with simulated time, in
-//! the order the single-threaded simulation produced them. Its FNV-1a hash is
-//! printed with every run; the same seed gives the same trace, byte for byte.
+//! The trace: every port call, fault, delivery and coverage mark, with
+//! simulated time, in the order the single-threaded simulation produced
+//! them. Its FNV-1a hash is printed with every run; the same seed gives the
+//! same trace, byte for byte.
+//!
+//! Who records what: the fakes record what the services did (commits,
+//! claims, marks, confirms, deliveries, settlements, inbox writes); the
+//! adapters record what the production code asked for and saw (calls,
+//! returns, failures, publishes, confirms received, transaction idleness);
+//! the simulated handler and the operator record what they ran; the world
+//! records faults and hosts. The checker judges from these and the fakes'
+//! final state, never from the core's own marks, which are coverage only.
 
-use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use outbox::core::marks::Mark;
 use uuid::Uuid;
+
+/// A kind of fault, as the sweep counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FaultKind {
+    /// A link to the broker holds every byte.
+    Blackhole,
+    /// Two hosts cannot reach each other.
+    Partition,
+    /// A host crashes (and restarts later).
+    Crash,
+    /// A crash point fired inside a port call.
+    CrashPoint,
+    /// A stop-the-world pause fired inside a port call.
+    Pause,
+    /// The fake PostgreSQL failed a statement.
+    PgFailure,
+    /// The fake PostgreSQL applied a request and lost its reply.
+    PgReplyLost,
+    /// The fake PostgreSQL ended a session idle in transaction.
+    PgIdleTimeout,
+    /// The fake RabbitMQ dropped a connection.
+    MqDrop,
+    /// The fake RabbitMQ nacked a publish.
+    MqNack,
+    /// The fake RabbitMQ held confirms back.
+    ConfirmDelay,
+    /// The fake RabbitMQ kept a redelivered copy of a delivery.
+    DuplicateDelivery,
+    /// A peer went silent past the heartbeat timeout.
+    HeartbeatTimeout,
+    /// The consumers' downstream refused poison events.
+    Downstream,
+    /// The fake RabbitMQ delivered a hostile message.
+    Hostile,
+}
+
+/// Which drainer store call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    Claim,
+    MarkPublished,
+    MarkFailed,
+    Release,
+}
+
+/// How a consumer settled a delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    Ack,
+    Requeue,
+    DeadLetter,
+}
+
+/// What one run of the simulated handler came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandlerResult {
+    /// It wrote its effect and returned Ok.
+    Ok,
+    /// It failed for a reason of its own (a transient failure, a broken
+    /// downstream): an attempt must be counted.
+    Failed,
+    /// Its database was unavailable: no attempt may be counted.
+    Unavailable,
+}
+
+/// What a replay of one row came to, as the operator saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replay {
+    Applied,
+    AlreadyProcessed,
+    Failed,
+    Undecodable,
+}
+
+/// Hostile messages the fake broker can deliver (see `fakes::mq::hostile`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostileKind {
+    /// Text that is not JSON.
+    NotJson,
+    /// Bytes that are not UTF-8.
+    Binary,
+    /// An envelope whose id is not a UUID v7.
+    NotV7,
+    /// A valid envelope whose AMQP `message_id` is another id, not a UUID,
+    /// or absent: it must take effect once, keyed by the envelope id.
+    ForeignMessageId,
+    /// An envelope with an extra field holding `\u0000` (jsonb refuses it).
+    NulEscape,
+    /// An envelope with an extra field holding a lone surrogate.
+    LoneSurrogate,
+    /// An envelope with an extra field holding a number beyond jsonb's range.
+    NumberOutOfRange,
+    /// A valid envelope over the subscriber's size limit.
+    Oversized,
+}
+
+impl HostileKind {
+    /// Every kind.
+    pub const ALL: &'static [HostileKind] = &[
+        HostileKind::NotJson,
+        HostileKind::Binary,
+        HostileKind::NotV7,
+        HostileKind::ForeignMessageId,
+        HostileKind::NulEscape,
+        HostileKind::LoneSurrogate,
+        HostileKind::NumberOutOfRange,
+        HostileKind::Oversized,
+    ];
+
+    /// Whether the subscriber must apply it (once) rather than dead-letter
+    /// it at once.
+    pub fn applies(self) -> bool {
+        self == HostileKind::ForeignMessageId
+    }
+}
 
 /// One thing that happened.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    /// A scheduled or swarm fault was applied or healed.
-    Fault(String),
+    // --- faults and hosts (the world and the fakes) ------------------------
+    /// A fault window opened.
+    FaultStart { kind: FaultKind, detail: String },
+    /// A fault window closed.
+    FaultEnd { kind: FaultKind },
+    /// One injected fault happened.
+    Fault { kind: FaultKind, detail: String },
+    /// Every fault ended; the liveness phase begins.
+    Heal,
+    /// A host crashed or restarted.
+    Host { host: String, up: bool },
+    /// turmoil stopped the run (a host's task returned an error).
+    SimulationError { message: String },
+
+    // --- the producer (the fake PostgreSQL and the workload) ---------------
     /// The workload committed a transaction holding these envelopes.
     Committed { client: String, ids: Vec<Uuid> },
-    /// A transaction holding these envelopes was rolled back (explicitly or
+    /// A transaction holding these envelopes rolled back (explicitly or
     /// because its connection died).
     RolledBack { client: String, ids: Vec<Uuid> },
     /// The workload wrote a row no broker can accept (bypassing validation).
     Unpublishable { id: Uuid },
-    /// A client sent BEGIN (recorded by the client: its own view).
+
+    // --- transactions as store clients see them (the adapters) -------------
+    /// A client sent BEGIN.
     TxBegin { client: String },
-    /// A client's transaction ended: commit or rollback answered, or the
-    /// client abandoned the connection (recorded by the client).
+    /// A client's transaction ended (commit or rollback answered, or the
+    /// client abandoned the connection).
     TxEnd { client: String },
-    /// A statement of a client's open transaction answered: until its next
-    /// statement (or its end) the transaction waits on the client.
+    /// A statement of the open transaction answered: until the next one (or
+    /// the end) the transaction waits on the client.
     TxIdle { client: String },
     /// The client sent the next statement of its open transaction.
     TxResumed { client: String },
+
+    // --- the drainer's store calls as the replica made them (the adapter) --
+    /// The replica called `outbox_claim`.
+    ClaimCalled { replica: String },
+    /// `outbox_claim` returned these rows to the replica (its view: the
+    /// batch's Phase-2 deadline counts from here).
+    ClaimReturned { replica: String, ids: Vec<Uuid> },
+    /// The replica called a mark or a release for these rows.
+    StoreCalled {
+        replica: String,
+        call: Call,
+        ids: Vec<Uuid>,
+    },
+    /// A drainer store call returned an error to the replica.
+    StoreFailed { replica: String, call: Call },
+    /// A drainer store call returned successfully to the replica.
+    StoreAnswered { replica: String, call: Call },
+
+    // --- what the fake PostgreSQL did with the outbox ----------------------
     /// The store applied a claim; `attempts` are the claimed rows' attempts
     /// as the store returned them, in the same order.
     Claimed {
@@ -50,39 +209,95 @@ pub enum Event {
     LeasesRestored { owners: Vec<(Uuid, Option<String>)> },
     /// The store released leases.
     Released { replica: String, ids: Vec<Uuid> },
-    /// The janitor deleted rows.
+    /// The outbox janitor deleted rows.
     Deleted { ids: Vec<Uuid> },
     /// An operator unparked rows.
     Unparked { ids: Vec<Uuid> },
-    /// A client sent a publish to the broker.
-    PublishSent { client: String, message_id: Uuid },
-    /// The broker confirmed a publish (ack: stored in the queue).
+
+    // --- the broker, producer side ------------------------------------------
+    /// A client sent a publish; `body_id` is the envelope id its body holds.
+    PublishSent {
+        client: String,
+        message_id: Uuid,
+        body_id: Option<Uuid>,
+    },
+    /// The broker decided on a publish (ack: stored and routed).
     Confirmed {
         client: String,
         message_id: Uuid,
         ack: bool,
     },
-    /// A fake dropped a reply it had already applied.
-    ReplyLost { server: &'static str, what: String },
-    /// A drainer tick ended.
-    Tick { replica: String, outcome: String },
+    /// The confirm of a publish reached the client.
+    ConfirmReceived { client: String, message_id: Uuid },
+
+    // --- the broker, consumer side -----------------------------------------
+    /// The broker pushed a message to a consumer.
+    Delivered {
+        client: String,
+        message_id: Option<String>,
+        redelivered: bool,
+    },
+    /// A consumer acked or nacked a delivery (as the broker received it).
+    Settled {
+        client: String,
+        message_id: Option<String>,
+        settle: Settle,
+    },
+    /// The broker put a hostile message in the subscription's queue.
+    Hostile {
+        kind: HostileKind,
+        message_id: Option<String>,
+        envelope_id: Option<Uuid>,
+    },
+
+    // --- the consumer (handler, fake inbox, operator) ------------------------
+    /// The simulated handler ran for an event.
+    HandlerRan {
+        client: String,
+        event_id: Uuid,
+        result: HandlerResult,
+    },
     /// A handler transaction committed: these inbox rows became processed
     /// and these effects (subscription, event) took place.
     InboxCommitted {
         client: String,
+        /// When the transaction began: its `now()`, so the processed rows'
+        /// `processed_at`.
+        began: Duration,
         processed: Vec<Uuid>,
         effects: Vec<(String, Uuid)>,
     },
     /// A delivery found its event already processed (a duplicate absorbed).
     InboxDuplicate { client: String, event_id: Uuid },
-    /// A failed handler attempt was recorded on an inbox row.
+    /// A failed attempt was recorded on an inbox row.
     InboxFailure {
+        client: String,
         event_id: Uuid,
         attempts: i32,
         dead_lettered: bool,
     },
-    /// A host crashed or restarted.
-    Host { host: String, up: bool },
+    /// The fake PostgreSQL refused an inbox row's data (SQLSTATE `code`).
+    InboxRefused {
+        client: String,
+        event_id: Uuid,
+        code: &'static str,
+    },
+    /// Replay gave these rows a fresh budget.
+    InboxReset { ids: Vec<Uuid> },
+    /// The inbox janitor deleted rows.
+    InboxDeleted { ids: Vec<Uuid> },
+    /// The operator started a replay.
+    ReplayStarted { client: String },
+    /// The operator's replay reported on one row.
+    Replayed {
+        client: String,
+        event_id: Uuid,
+        outcome: Replay,
+    },
+
+    // --- coverage ------------------------------------------------------------
+    /// The core took a named path (coverage only; never evidence).
+    Mark { who: String, mark: Mark },
 }
 
 /// Shared, append-only trace.
@@ -107,28 +322,83 @@ impl Trace {
         self.inner.lock().expect("trace lock").clone()
     }
 
+    /// How many events so far.
+    pub fn len(&self) -> usize {
+        self.inner.lock().expect("trace lock").len()
+    }
+
+    /// Whether nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The trace as text, one event per line.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        for (at, e) in self.inner.lock().expect("trace lock").iter() {
-            let _ = writeln!(out, "{:>10.3} {e:?}", at.as_secs_f64());
-        }
+        self.write_to(&mut out);
         out
     }
 
-    /// FNV-1a 64 of the rendered trace.
+    /// FNV-1a 64 of the rendered trace, computed without building it.
     pub fn hash(&self) -> u64 {
-        fnv1a(self.render().as_bytes())
+        let mut h = Fnv1a::default();
+        self.write_to(&mut h);
+        h.0
+    }
+
+    fn write_to(&self, out: &mut impl std::fmt::Write) {
+        for (at, e) in self.inner.lock().expect("trace lock").iter() {
+            let _ = writeln!(out, "{:>10.3} {e:?}", at.as_secs_f64());
+        }
     }
 }
 
 /// FNV-1a, 64 bit: stable across platforms and releases (unlike std's
 /// `DefaultHasher`).
 pub fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    let mut h = Fnv1a::default();
+    h.feed(bytes);
+    h.0
+}
+
+/// A running FNV-1a 64 hash that text can be written into.
+struct Fnv1a(u64);
+
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
     }
-    h
+}
+
+impl Fnv1a {
+    fn feed(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+impl std::fmt::Write for Fnv1a {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        self.feed(s.as_bytes());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_streamed_hash_is_the_hash_of_the_rendered_text() {
+        let t = Trace::default();
+        t.record(Duration::from_millis(5), Event::Heal);
+        t.record(
+            Duration::from_millis(7),
+            Event::TxBegin { client: "a".into() },
+        );
+        assert_eq!(t.hash(), fnv1a(t.render().as_bytes()));
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+    }
 }

@@ -56,6 +56,66 @@ pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
         .map_err(std::io::Error::other)
 }
 
+/// A message body on the wire: text when it is UTF-8 (compact and
+/// readable), bytes otherwise, so a broker can carry any bytes a real one
+/// carries, binary included.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum WireBody {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+impl WireBody {
+    /// The body of `bytes`.
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => Self::Text(text.to_owned()),
+            Err(_) => Self::Bytes(bytes.to_vec()),
+        }
+    }
+
+    /// The bytes.
+    pub fn into_bytes(self) -> Vec<u8> {
+        match self {
+            Self::Text(text) => text.into_bytes(),
+            Self::Bytes(bytes) => bytes,
+        }
+    }
+
+    /// The bytes, borrowed.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Self::Text(text) => text.as_bytes(),
+            Self::Bytes(bytes) => bytes,
+        }
+    }
+}
+
+/// A statement's failure, as PostgreSQL reports it: SQLSTATE and message.
+/// Adapters turn it into a `StoreError` with the production mapping
+/// (`StoreError::from_sqlstate`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PgError {
+    pub code: String,
+    pub message: String,
+}
+
+impl PgError {
+    /// An error with SQLSTATE `code`.
+    pub fn new(code: &str, message: impl Into<String>) -> Self {
+        Self {
+            code: code.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    /// The production adapter's view of it.
+    pub fn into_store_error(self) -> outbox::StoreError {
+        outbox::StoreError::from_sqlstate(&self.code, format!("{} ({})", self.message, self.code))
+    }
+}
+
 /// A request to the fake PostgreSQL.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum PgRequest {
@@ -122,10 +182,13 @@ pub enum PgRequest {
         subscription: String,
         event_id: Uuid,
     },
-    /// `inbox_record_failure`: autocommit; waits while another open
-    /// transaction holds the row.
+    /// `SAVEPOINT canopy_handler`, right after `InboxTryInsert`.
+    InboxSavepoint,
+    /// `inbox_record_failure`, in the handler's transaction: back to the
+    /// savepoint, then attempts + 1, `last_error`, dead-lettered at the
+    /// budget; takes effect at commit.
     InboxRecordFailure {
-        entry: WireInboxEntry,
+        event_id: Uuid,
         error: String,
         max_attempts: u32,
     },
@@ -232,8 +295,9 @@ pub enum PgReply {
         dead_lettered: bool,
     },
     InboxRows(Vec<WireInboxRow>),
-    /// The statement failed (duplicate key, no transaction, injected failure).
-    Error(String),
+    /// The statement failed (duplicate key, no transaction, refused data,
+    /// injected failure).
+    Error(PgError),
 }
 
 /// A request to the fake RabbitMQ.
@@ -253,7 +317,7 @@ pub enum MqRequest {
         exchange: String,
         routing_key: String,
         message_id: Uuid,
-        body: String,
+        body: WireBody,
     },
     ChannelClose {
         channel: u32,
@@ -307,9 +371,9 @@ pub enum MqReply {
     Deliver {
         channel: u32,
         tag: u64,
-        message_id: Uuid,
+        message_id: Option<String>,
         routing_key: String,
-        body: String,
+        body: WireBody,
         redelivered: bool,
     },
 }

@@ -57,6 +57,7 @@ fn every_scenario_file_has_a_test_here() {
         "crash_at_every_phase",
         "crash_between_publish_and_mark",
         "db_outage",
+        "hostile_deliveries",
         "lease_expiry_mid_confirm",
         "overlapping_batches",
         "poison_parking",
@@ -141,4 +142,8 @@ fn producer_and_consumer_swarm() {
 #[test]
 fn redelivery_storm() {
     check("redelivery_storm");
+}
+#[test]
+fn hostile_deliveries() {
+    check("hostile_deliveries");
 }

@@ -13,12 +13,11 @@ use outbox::core::ports::{
 };
 use outbox::core::subscriber::{ReplayOutcome, Subscriber, SubscriberSettings};
 use outbox::{EventEnvelope, TokioClock};
-use sim::adapters::{Hooks, SimBroker};
-use sim::consumer::SimHandler;
-use sim::inbox_adapter::SimInboxStore;
-use sim::mq_fake::{self, MqState};
-use sim::pg_fake::{self, PgState};
+use sim::adapters::{Hooks, SimBroker, SimInboxStore};
+use sim::fakes::mq::{self, MqState};
+use sim::fakes::pg::{self, PgState};
 use sim::trace::Trace;
+use sim::workload::handler::SimHandler;
 
 const QUEUE: &str = "billing.orders";
 
@@ -43,9 +42,9 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
         .simulation_duration(Duration::from_secs(600))
         .build();
     let server = pg.clone();
-    sim.host("pg", move || pg_fake::serve(server.clone()));
+    sim.host("pg", move || pg::serve(server.clone()));
     let server = mq.clone();
-    sim.host("rabbit", move || mq_fake::serve(server.clone()));
+    sim.host("rabbit", move || mq::serve(server.clone()));
     let (pg_check, mq_check) = (pg.clone(), mq.clone());
     sim.client("consumer", async move {
         let handler = Arc::new(SimHandler::new(QUEUE, 4));
@@ -59,6 +58,7 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
             },
             concurrency: 3,
             max_attempts: 3,
+            max_delivery_bytes: 64 * 1024,
         };
         let subscriber = Arc::new(Subscriber::new(
             Arc::new(SimInboxStore::new("consumer-1", trace.clone())),
@@ -122,8 +122,8 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
             "transient failures and poison attempts were retried: {s:?}"
         );
         {
-            let table = pg_check.table.lock().unwrap();
-            let effects = table.inbox.effects();
+            let db = pg_check.lock();
+            let effects = db.inbox.effects();
             for e in &events {
                 assert_eq!(
                     effects.get(&(QUEUE.to_owned(), e.id)),
@@ -186,12 +186,9 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
         );
         assert!(subscriber.replay(&filter).await.unwrap().is_empty());
         {
-            let table = pg_check.table.lock().unwrap();
+            let db = pg_check.lock();
             for e in &poison {
-                assert_eq!(
-                    table.inbox.effects().get(&(QUEUE.to_owned(), e.id)),
-                    Some(&1)
-                );
+                assert_eq!(db.inbox.effects().get(&(QUEUE.to_owned(), e.id)), Some(&1));
             }
         }
         stop.send(true).unwrap();

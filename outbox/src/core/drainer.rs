@@ -10,12 +10,13 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::sync::{Semaphore, SemaphorePermit, watch};
+use tokio::sync::{Semaphore, SemaphorePermit, mpsc, watch};
 use uuid::Uuid;
 
+use super::marks::{Mark, Marks};
 use super::ports::{
     Broker, ClaimParams, ClaimedRow, Clock, Confirm, Entropy, OutboxStore, OutgoingMessage,
     PublishChannel, RowFailure,
@@ -33,6 +34,12 @@ pub const IDLE_TICK_FACTOR: u32 = 4;
 pub const ERROR_BACKOFF_MAX: Duration = Duration::from_secs(10);
 /// Longest a `last_error` text is kept.
 pub const LAST_ERROR_MAX_CHARS: usize = 1024;
+/// Most batches one replica holds at once while draining: one claimed
+/// ahead, one being published, one awaiting its last confirms or its marks.
+pub const BATCHES_IN_HAND_MAX: usize = 3;
+
+/// What one stage of [`Drainer::drain`] did, and the failures it met.
+type Stage = (TickReport, Vec<DrainError>);
 
 /// What one tick did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -69,6 +76,16 @@ pub struct Drainer<S, B, C, E> {
     /// With `max_rows_per_sec`: the clock time (ns) before which the next
     /// claim may not start.
     next_claim_at: AtomicU64,
+    /// Coverage marks (none in production).
+    marks: Marks,
+    /// A Phase-2 failure implicated the broker connection of this
+    /// generation + 1 (0: none): replaced once every claim in hand is
+    /// released, so a slow reconnect never keeps rows claimed.
+    reconnect_due: AtomicU64,
+    /// The current drain met a failure: the claim stage claims nothing
+    /// more. Set where the failure is detected, before any release is
+    /// awaited, so no claim slips in meanwhile.
+    failing: AtomicBool,
 }
 
 impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
@@ -78,6 +95,12 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// Error backoff is never cut short by it.
     pub fn with_wakeup(mut self, wakeup: Arc<tokio::sync::Notify>) -> Self {
         self.wakeup = Some(wakeup);
+        self
+    }
+
+    /// Reports the paths it takes to `marks` (the simulation's coverage).
+    pub fn with_marks(mut self, marks: Marks) -> Self {
+        self.marks = marks;
         self
     }
 
@@ -97,6 +120,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             config,
             wakeup: None,
             next_claim_at: AtomicU64::new(0),
+            marks: Marks::default(),
+            reconnect_due: AtomicU64::new(0),
+            failing: AtomicBool::new(false),
         }
     }
 
@@ -122,88 +148,59 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         }
         let permits = Semaphore::new(self.config.pipeline_depth as usize);
         let t1 = self.clock.now();
-        let sending = self.send(claimed, &permits).await?;
-        let (rows, outcome) = self.settle(sending).await?;
+        let phase2 = async {
+            let sending = self.send(claimed, &permits).await?;
+            self.settle(sending).await
+        }
+        .await;
+        self.reconnect_if_due().await;
+        let (rows, outcome) = phase2?;
         report.publish_time = self.clock.now().saturating_sub(t1);
         self.mark(&rows, outcome, &mut report).await?;
         Ok(report)
     }
 
     /// Drains until a claim comes back short of a full batch (or `shutdown`
-    /// turns true, or something fails), overlapping consecutive batches so
-    /// that neither the database nor the broker waits for the other: while
-    /// batch *n* is published, batch *n − 1*'s last confirms are awaited
-    /// and its rows marked, and batch *n + 1* is claimed. Each phase keeps
-    /// its own rules: no database transaction is ever open across broker
-    /// I/O, one channel per batch, at most `pipeline_depth` unconfirmed
-    /// publishes for the whole replica, and one deadline per batch counted
-    /// from its claim to its last confirm (so it never outlives the
-    /// confirm timeout, whatever the overlap). After a failure nothing new
-    /// is claimed or published; the batch in hand is finished (confirmed
-    /// and marked, or released) and the first error returned.
+    /// turns true, or something fails), as a pipeline of four stages polled
+    /// together on the caller's task (no spawning, so the simulation
+    /// schedules them too): **claim** → **send** (one channel per batch,
+    /// publishes in claim order) → **settle** (await the last confirms) →
+    /// **mark**. While batch *n* is published, batch *n − 1*'s last confirms
+    /// are awaited and batch *n + 1* is claimed; a slow statement in one
+    /// stage holds up no other batch's Phase 2.
+    ///
+    /// Each phase keeps its rules: no database transaction is ever open
+    /// across broker I/O; at most `pipeline_depth` unconfirmed publishes for
+    /// the whole replica; at most [`BATCHES_IN_HAND_MAX`] batches claimed
+    /// and not yet marked or released (a place is taken before claiming, so
+    /// no claimed row waits for one); one deadline per batch counted from
+    /// its claim to its last confirm, so a batch's Phase 2 never outlives
+    /// `confirm_timeout`, whatever the overlap. After a failure nothing new
+    /// is claimed or published: batches already published are settled and
+    /// marked (or released), batches not yet published are released, the
+    /// connection is replaced if it was implicated, and the first error is
+    /// returned.
     ///
     /// The report sums the batches; its phase times overlap.
     pub async fn drain(&self, shutdown: &watch::Receiver<bool>) -> Result<TickReport, DrainError> {
-        let batch = self.config.batch_size as usize;
         let permits = Semaphore::new(self.config.pipeline_depth as usize);
+        let hands = Semaphore::new(BATCHES_IN_HAND_MAX);
+        self.failing.store(false, Ordering::Relaxed);
+        let stop = &self.failing;
+        let (to_send, sends) = mpsc::channel(1);
+        let (to_settle, settles) = mpsc::unbounded_channel();
+        let (to_mark, marks) = mpsc::unbounded_channel();
+        let stages = tokio::join!(
+            self.claim_stage(&hands, to_send, stop, shutdown),
+            self.send_stage(sends, to_settle, &permits, stop),
+            self.settle_stage(settles, to_mark, stop),
+            self.mark_stage(marks, stop),
+        );
+        self.reconnect_if_due().await;
         let mut report = TickReport::default();
-        if !self.pace(shutdown).await {
-            return Ok(report);
-        }
-        let mut next = self.claim(&mut report).await?;
-        let mut tail: Option<Sending<'_, B::Channel>> = None;
         let mut first_error: Option<DrainError> = None;
-        while !next.rows.is_empty() || tail.is_some() {
-            let more = next.rows.len() >= batch && first_error.is_none() && !*shutdown.borrow();
-            let claimed = std::mem::replace(&mut next, Claimed::none());
-            let previous = tail.take();
-            let (mut send_report, mut settle_report, mut claim_report) = (
-                TickReport::default(),
-                TickReport::default(),
-                TickReport::default(),
-            );
-            let (sent, settled, claim) = tokio::join!(
-                async {
-                    if claimed.rows.is_empty() {
-                        return Ok(None);
-                    }
-                    let t = self.clock.now();
-                    let sending = self.send(claimed, &permits).await;
-                    send_report.publish_time = self.clock.now().saturating_sub(t);
-                    sending.map(Some)
-                },
-                async {
-                    let Some(previous) = previous else {
-                        return Ok(());
-                    };
-                    let t = self.clock.now();
-                    let (rows, outcome) = self.settle(previous).await?;
-                    settle_report.publish_time = self.clock.now().saturating_sub(t);
-                    self.mark(&rows, outcome, &mut settle_report).await
-                },
-                async {
-                    if more && self.pace(shutdown).await {
-                        self.claim(&mut claim_report).await
-                    } else {
-                        Ok(Claimed::none())
-                    }
-                },
-            );
-            for r in [&send_report, &settle_report, &claim_report] {
-                report.absorb(r);
-            }
-            let mut errors = Vec::new();
-            if let Err(e) = settled {
-                errors.push(e);
-            }
-            match sent {
-                Ok(sending) => tail = sending,
-                Err(e) => errors.push(e),
-            }
-            match claim {
-                Ok(claimed) => next = claimed,
-                Err(e) => errors.push(e),
-            }
+        for (r, errors) in [stages.0, stages.1, stages.2, stages.3] {
+            report.absorb(&r);
             for e in errors {
                 if first_error.is_none() {
                     first_error = Some(e);
@@ -211,14 +208,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                     tracing::warn!(
                         replica = %self.config.replica_id,
                         error = %e,
-                        "outbox drain: a further failure while finishing the batch in hand"
+                        "outbox drain: a further failure while finishing the batches in hand"
                     );
                 }
-            }
-            if first_error.is_some() && !next.rows.is_empty() {
-                // Claimed in the same step as a failure: hand the rows back.
-                let claimed = std::mem::replace(&mut next, Claimed::none());
-                self.release_all(&claimed.rows).await;
             }
         }
         match first_error {
@@ -227,11 +219,137 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         }
     }
 
+    /// Claims batch after batch while they come back full, each once a
+    /// place in hand is free and the send stage has taken the previous one
+    /// (so a claimed batch is handed over at once, one ahead of sending).
+    async fn claim_stage<'h>(
+        &self,
+        hands: &'h Semaphore,
+        to_send: mpsc::Sender<(Claimed, SemaphorePermit<'h>)>,
+        stop: &AtomicBool,
+        shutdown: &watch::Receiver<bool>,
+    ) -> Stage {
+        let mut report = TickReport::default();
+        let stopped = || stop.load(Ordering::Relaxed) || *shutdown.borrow();
+        loop {
+            if stopped() {
+                break;
+            }
+            let Ok(hand) = hands.acquire().await else {
+                break;
+            };
+            let Ok(slot) = to_send.reserve().await else {
+                break;
+            };
+            if stopped() || !self.pace(shutdown).await || stopped() {
+                break;
+            }
+            let claimed = match self.claim(&mut report).await {
+                Ok(claimed) => claimed,
+                Err(e) => {
+                    stop.store(true, Ordering::Relaxed);
+                    return (report, vec![e]);
+                }
+            };
+            let full = claimed.rows.len() >= self.config.batch_size as usize;
+            if claimed.rows.is_empty() {
+                break;
+            }
+            if stop.load(Ordering::Relaxed) {
+                // Another stage failed while this claim ran: hand it back.
+                self.marks.hit(Mark::ReleasedBesideFailure);
+                self.release_all(&claimed.rows).await;
+                break;
+            }
+            slot.send((claimed, hand));
+            if !full {
+                break;
+            }
+        }
+        (report, Vec::new())
+    }
+
+    /// Publishes each batch in claim order; after a failure, releases what
+    /// is not yet published.
+    async fn send_stage<'p, 'h>(
+        &self,
+        mut sends: mpsc::Receiver<(Claimed, SemaphorePermit<'h>)>,
+        to_settle: mpsc::UnboundedSender<(Sending<'p, B::Channel>, SemaphorePermit<'h>)>,
+        permits: &'p Semaphore,
+        stop: &AtomicBool,
+    ) -> Stage {
+        let (mut report, mut errors) = (TickReport::default(), Vec::new());
+        while let Some((claimed, hand)) = sends.recv().await {
+            if stop.load(Ordering::Relaxed) {
+                self.marks.hit(Mark::ReleasedBesideFailure);
+                self.release_all(&claimed.rows).await;
+                continue;
+            }
+            let t = self.clock.now();
+            match self.send(claimed, permits).await {
+                Ok(sending) => {
+                    report.publish_time += self.clock.now().saturating_sub(t);
+                    let _ = to_settle.send((sending, hand));
+                }
+                Err(e) => {
+                    stop.store(true, Ordering::Relaxed);
+                    errors.push(e);
+                }
+            }
+        }
+        (report, errors)
+    }
+
+    /// Awaits each published batch's last confirms within its deadline.
+    async fn settle_stage<'p, 'h>(
+        &self,
+        mut settles: mpsc::UnboundedReceiver<(Sending<'p, B::Channel>, SemaphorePermit<'h>)>,
+        to_mark: mpsc::UnboundedSender<(Vec<ClaimedRow>, BatchOutcome, SemaphorePermit<'h>)>,
+        stop: &AtomicBool,
+    ) -> Stage {
+        let (mut report, mut errors) = (TickReport::default(), Vec::new());
+        while let Some((sending, hand)) = settles.recv().await {
+            let t = self.clock.now();
+            match self.settle(sending).await {
+                Ok((rows, outcome)) => {
+                    report.publish_time += self.clock.now().saturating_sub(t);
+                    let _ = to_mark.send((rows, outcome, hand));
+                }
+                Err(e) => {
+                    stop.store(true, Ordering::Relaxed);
+                    errors.push(e);
+                }
+            }
+        }
+        (report, errors)
+    }
+
+    /// Marks each settled batch; its place in hand frees after the mark.
+    async fn mark_stage(
+        &self,
+        mut marks: mpsc::UnboundedReceiver<(Vec<ClaimedRow>, BatchOutcome, SemaphorePermit<'_>)>,
+        stop: &AtomicBool,
+    ) -> Stage {
+        let (mut report, mut errors) = (TickReport::default(), Vec::new());
+        while let Some((rows, outcome, hand)) = marks.recv().await {
+            if let Err(e) = self.mark(&rows, outcome, &mut report).await {
+                stop.store(true, Ordering::Relaxed);
+                errors.push(e);
+            }
+            drop(hand);
+        }
+        (report, errors)
+    }
+
     /// With `max_rows_per_sec`, waits until the next claim may start;
     /// false if `shutdown` turned true meanwhile.
     async fn pace(&self, shutdown: &watch::Receiver<bool>) -> bool {
         let wait = self.pace_wait();
-        wait.is_zero() || !sleep_or_shutdown(&*self.clock, wait, &mut shutdown.clone()).await
+        if wait.is_zero() {
+            return true;
+        }
+        self.marks.hit(Mark::Paced);
+        !sleep_or_shutdown(&*self.clock, wait, &mut shutdown.clone()).await
     }
 
     /// How long until the next claim may start (zero without a bound).
@@ -259,6 +377,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             .await?;
         let at = self.clock.now();
         debug_assert!(rows.len() <= cfg.batch_size as usize, "store over-claimed");
+        if rows.len() >= cfg.batch_size as usize {
+            self.marks.hit(Mark::ClaimFull);
+        }
         if let Some(rate) = cfg.max_rows_per_sec {
             let from = Duration::from_nanos(self.next_claim_at.load(Ordering::Relaxed)).max(t0);
             let share = Duration::from_secs(rows.len() as u64) / rate.get();
@@ -314,7 +435,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let left = deadline.saturating_sub(self.clock.now());
         let confirms = async {
             while let Some((id, confirm, permit)) = pending.pop_front() {
-                outcome.record(id, confirm.await?);
+                if outcome.record(id, confirm.await?) {
+                    self.marks.hit(Mark::RowNacked);
+                }
                 drop(permit);
             }
             Ok::<(), BrokerError>(())
@@ -335,18 +458,33 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         outcome: BatchOutcome,
         report: &mut TickReport,
     ) -> Result<(), DrainError> {
-        let cfg = &self.config;
-        debug_assert_eq!(outcome.acked.len() + outcome.failed.len(), rows.len());
         let t2 = self.clock.now();
-        if !outcome.acked.is_empty() {
+        debug_assert_eq!(outcome.acked.len() + outcome.failed.len(), rows.len());
+        // Both statements are tried even if the first fails: rows whose
+        // failure can be recorded must not wait for their lease.
+        let published = self.mark_published(&outcome.acked, report).await;
+        let failed = self.mark_failed(&outcome.failed, report).await;
+        report.mark_time += self.clock.now().saturating_sub(t2);
+        published.and(failed)
+    }
+
+    /// Phase 3 for the confirmed rows.
+    async fn mark_published(
+        &self,
+        acked: &[Uuid],
+        report: &mut TickReport,
+    ) -> Result<(), DrainError> {
+        let cfg = &self.config;
+        if !acked.is_empty() {
             let published = self
                 .store
-                .outbox_mark_published(&cfg.replica_id, &outcome.acked)
+                .outbox_mark_published(&cfg.replica_id, acked)
                 .await?;
-            let lost = outcome.acked.len() as u64 - published;
+            let lost = acked.len() as u64 - published;
             report.published += published;
             report.mark_lost += lost;
             if lost > 0 {
+                self.marks.hit(Mark::LeaseLostBeforeMark);
                 tracing::warn!(
                     replica = %cfg.replica_id,
                     lost,
@@ -355,14 +493,25 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 );
             }
         }
-        if !outcome.failed.is_empty() {
+        Ok(())
+    }
+
+    /// Phase 3 for the row-culpable failures.
+    async fn mark_failed(
+        &self,
+        failures: &[RowFailure],
+        report: &mut TickReport,
+    ) -> Result<(), DrainError> {
+        let cfg = &self.config;
+        if !failures.is_empty() {
             let fail = self
                 .store
-                .outbox_mark_failed(&cfg.replica_id, &outcome.failed, cfg.max_attempts)
+                .outbox_mark_failed(&cfg.replica_id, failures, cfg.max_attempts)
                 .await?;
             report.failed += fail.recorded;
             report.parked += fail.parked;
             if fail.parked > 0 {
+                self.marks.hit(Mark::RowParked);
                 tracing::warn!(
                     replica = %cfg.replica_id,
                     parked = fail.parked,
@@ -371,7 +520,6 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 );
             }
         }
-        report.mark_time += self.clock.now().saturating_sub(t2);
         Ok(())
     }
 
@@ -392,6 +540,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             channel.channel_confirm_select().await?;
             for row in rows {
                 if let Some(reason) = unpublishable(row) {
+                    self.marks.hit(Mark::RowUnpublishable);
                     outcome.failed.push(RowFailure {
                         id: row.id,
                         error: reason,
@@ -414,7 +563,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                         }
                         confirm = oldest => {
                             let (id, _, permit) = pending.pop_front().expect("non-empty");
-                            outcome.record(id, confirm?);
+                            if outcome.record(id, confirm?) {
+                                self.marks.hit(Mark::RowNacked);
+                            }
                             drop(permit);
                         }
                     }
@@ -450,24 +601,35 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         rows: usize,
     ) -> Result<T, DrainError> {
         match step {
-            Some(result) => result.map_err(DrainError::from),
-            None => Err(DrainError::ConfirmTimeout {
-                rows,
-                timeout_secs: self.config.confirm_timeout.as_secs(),
-            }),
+            Some(Ok(value)) => Ok(value),
+            Some(Err(e)) => {
+                self.marks.hit(Mark::Phase2BrokerError);
+                Err(DrainError::from(e))
+            }
+            None => {
+                self.marks.hit(Mark::Phase2Timeout);
+                Err(DrainError::ConfirmTimeout {
+                    rows,
+                    timeout_secs: self.config.confirm_timeout.as_secs(),
+                })
+            }
         }
     }
 
     /// A Phase 2 infrastructure failure: every claim of the batch released
-    /// (attempts untouched), the connection replaced (single-flight).
+    /// (attempts untouched), and the connection due for replacement
+    /// (single-flight) once every other claim in hand is released too.
     async fn phase2_failed(
         &self,
         rows: &[ClaimedRow],
         generation: u64,
         error: DrainError,
     ) -> DrainError {
+        self.failing.store(true, Ordering::Relaxed);
+        self.marks.hit(Mark::ReleasedAfterFailure);
         self.release_all(rows).await;
-        self.reconnect(generation).await;
+        self.reconnect_due
+            .store(generation.saturating_add(1), Ordering::Relaxed);
         error
     }
 
@@ -481,6 +643,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             .outbox_release(&self.config.replica_id, &ids)
             .await
         {
+            self.marks.hit(Mark::ReleaseFailed);
             tracing::warn!(
                 replica = %self.config.replica_id,
                 rows = ids.len(),
@@ -490,8 +653,14 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         }
     }
 
-    async fn reconnect(&self, generation: u64) {
+    /// Replaces the connection a Phase-2 failure implicated, if one did.
+    async fn reconnect_if_due(&self) {
+        let due = self.reconnect_due.swap(0, Ordering::Relaxed);
+        let Some(generation) = due.checked_sub(1) else {
+            return;
+        };
         if let Err(e) = self.broker.connection_reconnect(generation).await {
+            self.marks.hit(Mark::ReconnectFailed);
             tracing::warn!(error = %e, "broker reconnect failed; retrying on the next tick");
         }
     }
@@ -505,6 +674,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let idle_tick = cfg.tick * IDLE_TICK_FACTOR;
         let mut last_busy: Option<Duration> = None;
         let mut consecutive_errors: u32 = 0;
+        let mut idle = false;
         tracing::info!(replica = %cfg.replica_id, exchange = %cfg.exchange, "outbox drainer started");
         loop {
             if *shutdown.borrow() {
@@ -521,9 +691,15 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                     }
                     let steady = last_busy
                         .is_none_or(|t| self.clock.now().saturating_sub(t) >= STEADY_AFTER);
+                    if steady && !idle {
+                        self.marks.hit(Mark::IdleTick);
+                    }
+                    idle = steady;
                     if steady { idle_tick } else { cfg.tick }
                 }
                 Err(e) => {
+                    self.marks.hit(Mark::DrainFailed);
+                    idle = false;
                     consecutive_errors = consecutive_errors.saturating_add(1);
                     last_busy = Some(self.clock.now());
                     tracing::warn!(
@@ -541,7 +717,10 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                     tokio::select! {
                         biased;
                         stop = sleep_or_shutdown(&*self.clock, delay, &mut shutdown) => stop,
-                        () = wakeup.notified() => false,
+                        () = wakeup.notified() => {
+                            self.marks.hit(Mark::WokenByCommit);
+                            false
+                        }
                     }
                 }
                 _ => sleep_or_shutdown(&*self.clock, delay, &mut shutdown).await,
@@ -593,15 +772,6 @@ struct Claimed {
     at: Duration,
 }
 
-impl Claimed {
-    fn none() -> Self {
-        Self {
-            rows: Vec::new(),
-            at: Duration::ZERO,
-        }
-    }
-}
-
 /// Unconfirmed publishes of one batch, oldest first, each holding a permit.
 type Pending<'p, Ch> = VecDeque<(Uuid, <Ch as PublishChannel>::Confirm, SemaphorePermit<'p>)>;
 
@@ -637,13 +807,20 @@ struct BatchOutcome {
 }
 
 impl BatchOutcome {
-    fn record(&mut self, id: Uuid, confirm: Confirm) {
+    /// Files one verdict; true if it was a nack.
+    fn record(&mut self, id: Uuid, confirm: Confirm) -> bool {
         match confirm {
-            Confirm::Ack => self.acked.push(id),
-            Confirm::Nack(reason) => self.failed.push(RowFailure {
-                id,
-                error: truncate_chars(&format!("broker nack: {reason}"), LAST_ERROR_MAX_CHARS),
-            }),
+            Confirm::Ack => {
+                self.acked.push(id);
+                false
+            }
+            Confirm::Nack(reason) => {
+                self.failed.push(RowFailure {
+                    id,
+                    error: truncate_chars(&format!("broker nack: {reason}"), LAST_ERROR_MAX_CHARS),
+                });
+                true
+            }
         }
     }
 }

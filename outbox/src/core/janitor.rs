@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use super::marks::{Mark, Marks};
 use super::ports::{Clock, InboxStore, OutboxStore};
 use super::sleep_or_shutdown;
 use crate::config::DrainerConfig;
@@ -23,23 +24,38 @@ pub const SWEEP_BATCHES_MAX: u32 = 1000;
 /// a batch comes back short or [`SWEEP_BATCHES_MAX`] is reached. Returns the
 /// number of rows deleted.
 pub async fn sweep<S: OutboxStore>(store: &S, config: &DrainerConfig) -> Result<u64, StoreError> {
-    sweep_batches(config.janitor_batch, || {
+    sweep_outbox(store, config, &Marks::default()).await
+}
+
+async fn sweep_outbox<S: OutboxStore>(
+    store: &S,
+    config: &DrainerConfig,
+    marks: &Marks,
+) -> Result<u64, StoreError> {
+    sweep_batches(config.janitor_batch, marks, || {
         store.outbox_delete_published(config.retention, config.janitor_batch)
     })
     .await
 }
 
 /// Sweeps every `janitor_interval` (the first sweep right away) until
-/// `shutdown` turns true.
+/// `shutdown` turns true, reporting its paths to `marks`.
 pub async fn run<S: OutboxStore, C: Clock>(
     store: Arc<S>,
     clock: Arc<C>,
     config: DrainerConfig,
     shutdown: watch::Receiver<bool>,
+    marks: Marks,
 ) {
-    run_every(&*clock, config.janitor_interval, "outbox", shutdown, || {
-        sweep(&*store, &config)
-    })
+    let table = Table::Outbox;
+    run_every(
+        &*clock,
+        config.janitor_interval,
+        table,
+        &marks,
+        shutdown,
+        || sweep_outbox(&*store, &config, &marks),
+    )
     .await;
 }
 
@@ -71,29 +87,43 @@ pub async fn sweep_inbox<S: InboxStore>(
     store: &S,
     settings: &InboxJanitorSettings,
 ) -> Result<u64, StoreError> {
-    sweep_batches(settings.batch, || {
+    sweep_inbox_marked(store, settings, &Marks::default()).await
+}
+
+async fn sweep_inbox_marked<S: InboxStore>(
+    store: &S,
+    settings: &InboxJanitorSettings,
+    marks: &Marks,
+) -> Result<u64, StoreError> {
+    sweep_batches(settings.batch, marks, || {
         store.inbox_delete_processed(settings.retention, settings.batch)
     })
     .await
 }
 
 /// Sweeps the inbox every `interval` (the first sweep right away) until
-/// `shutdown` turns true.
+/// `shutdown` turns true, reporting its paths to `marks`.
 pub async fn run_inbox<S: InboxStore, C: Clock>(
     store: Arc<S>,
     clock: Arc<C>,
     settings: InboxJanitorSettings,
     shutdown: watch::Receiver<bool>,
+    marks: Marks,
 ) {
-    run_every(&*clock, settings.interval, "inbox", shutdown, || {
-        sweep_inbox(&*store, &settings)
-    })
+    run_every(
+        &*clock,
+        settings.interval,
+        Table::Inbox,
+        &marks,
+        shutdown,
+        || sweep_inbox_marked(&*store, &settings, &marks),
+    )
     .await;
 }
 
 /// Runs `delete` (one bounded DELETE) until a batch comes back short of
 /// `batch` or [`SWEEP_BATCHES_MAX`] statements ran.
-async fn sweep_batches<F, Fut>(batch: u32, mut delete: F) -> Result<u64, StoreError>
+async fn sweep_batches<F, Fut>(batch: u32, marks: &Marks, mut delete: F) -> Result<u64, StoreError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<u64, StoreError>>,
@@ -105,14 +135,23 @@ where
         if n < u64::from(batch) {
             break;
         }
+        marks.hit(Mark::SweepBatchFull);
     }
     Ok(deleted)
+}
+
+/// Which table a janitor sweeps (log field and marks).
+#[derive(Debug, Clone, Copy)]
+enum Table {
+    Outbox,
+    Inbox,
 }
 
 async fn run_every<C, F, Fut>(
     clock: &C,
     interval: Duration,
-    table: &'static str,
+    table: Table,
+    marks: &Marks,
     mut shutdown: watch::Receiver<bool>,
     mut sweep: F,
 ) where
@@ -120,12 +159,20 @@ async fn run_every<C, F, Fut>(
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<u64, StoreError>>,
 {
+    let (name, deleted_mark) = match table {
+        Table::Outbox => ("outbox", Mark::OutboxSweepDeleted),
+        Table::Inbox => ("inbox", Mark::InboxSweepDeleted),
+    };
     loop {
         match sweep().await {
             Ok(0) => {}
-            Ok(deleted) => tracing::info!(table, deleted, "retention sweep"),
+            Ok(deleted) => {
+                marks.hit(deleted_mark);
+                tracing::info!(table = name, deleted, "retention sweep");
+            }
             Err(e) => {
-                tracing::warn!(table, error = %e, "retention sweep failed; retrying next interval")
+                marks.hit(Mark::SweepFailed);
+                tracing::warn!(table = name, error = %e, "retention sweep failed; retrying next interval")
             }
         }
         if sleep_or_shutdown(clock, interval, &mut shutdown).await {

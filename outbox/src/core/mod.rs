@@ -5,11 +5,13 @@
 //! `tokio::time`, `std::time::{Instant, SystemTime}`, uuid generation, a
 //! random source or an unordered map. Time, ids and randomness come in through
 //! [`ports::Clock`] and [`ports::Entropy`], I/O through [`ports::OutboxStore`]
-//! and [`ports::Broker`]. `tests/core_hygiene.rs` enforces it, so the
-//! simulation runs exactly this code with its own adapters.
+//! and [`ports::Broker`], coverage marks through [`marks::Marks`].
+//! `tests/core_hygiene.rs` enforces it, so the simulation runs exactly this
+//! code with its own adapters.
 
 pub mod drainer;
 pub mod janitor;
+pub mod marks;
 pub mod ports;
 pub mod stats;
 pub mod subscriber;

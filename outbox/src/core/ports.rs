@@ -265,7 +265,7 @@ pub enum InsertOutcome {
     AlreadyProcessed,
 }
 
-/// What recording a failed attempt did.
+/// What recording a failed attempt does once committed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttemptRecord {
     /// Failed attempts recorded, this one included.
@@ -328,7 +328,9 @@ pub trait InboxStore: Send + Sync + 'static {
     fn inbox_begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
 
     /// Inserts the row if absent (`ON CONFLICT DO NOTHING`) and locks it,
-    /// waiting for a concurrent transaction that holds it.
+    /// waiting for a concurrent transaction that holds it; then sets the
+    /// savepoint [`inbox_record_failure`](Self::inbox_record_failure) rolls
+    /// a failed handler's work back to.
     fn inbox_try_insert(
         &self,
         tx: &mut Self::Tx,
@@ -349,12 +351,17 @@ pub trait InboxStore: Send + Sync + 'static {
     /// connection rolls back by itself).
     fn inbox_rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
 
-    /// On a connection of its own (so it survives the rollback of the
-    /// attempt): inserts the row if absent, `attempts + 1`, `last_error`,
-    /// and marks it dead-lettered once attempts reach `max_attempts`.
+    /// In the handler's transaction, after the handler failed: rolls its
+    /// work back to the savepoint `inbox_try_insert` set (the inbox row and
+    /// its lock stay), then `attempts + 1`, `last_error`, and the
+    /// dead-letter mark once attempts reach `max_attempts`. The record
+    /// survives the handler's rollback and takes effect with the caller's
+    /// commit, so a retry after a lost reply can never count one failure
+    /// twice.
     fn inbox_record_failure(
         &self,
-        entry: &InboxEntry<'_>,
+        tx: &mut Self::Tx,
+        event_id: Uuid,
         error: &str,
         max_attempts: u32,
     ) -> impl Future<Output = Result<AttemptRecord, StoreError>> + Send;

@@ -5,17 +5,24 @@
 //! 1. BEGIN; `inbox_try_insert` → [`InsertOutcome`].
 //! 2. `AlreadyProcessed`: commit, ack; the handler does not run.
 //! 3. Otherwise the handler runs with the transaction. Ok: mark processed,
-//!    commit, ack. Err: roll back, record the failure on a separate
-//!    connection (so the count survives the rollback), nack with requeue
-//!    while attempts < budget, then nack without requeue: the broker moves it
-//!    to `<queue>.dlq`.
+//!    commit, ack. Err: roll back to the savepoint taken after the inbox
+//!    insert (the handler's work goes, the row and its lock stay), record
+//!    the attempt in the same transaction and commit (so the count survives
+//!    the handler's rollback, as the ADR's separate connection meant it to,
+//!    and a retry after a lost reply cannot count one failure twice), then
+//!    nack with requeue while attempts < budget, else nack without requeue:
+//!    the broker moves it to `<queue>.dlq`.
 //!
-//! A delivery that is not an envelope goes to the dead-letter queue at once.
-//! Database trouble is nobody's fault: the delivery is retried in place with
-//! a backoff (no attempt is counted) until the database answers or the
-//! subscriber shuts down (then it is requeued). Broker trouble ends the
-//! consumer; the subscriber reopens it with a backoff, and the broker
-//! redelivers whatever was unacknowledged; the inbox absorbs the duplicates.
+//! A delivery that is over the size limit, is not a valid envelope, or holds
+//! data the inbox refuses to store (a `\u0000` or a lone surrogate in a
+//! `jsonb` string, a number beyond `jsonb`'s range) goes to the dead-letter
+//! queue at once and is never retried in place. Database trouble is nobody's
+//! fault, whether the inbox or the handler's own statements meet it: the
+//! delivery is retried in place with a backoff (no attempt is counted) until
+//! the database answers or the subscriber shuts down (then it is requeued).
+//! Broker trouble ends the consumer; the subscriber reopens it with a
+//! backoff, and the broker redelivers whatever was unacknowledged; the inbox
+//! absorbs the duplicates.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -27,6 +34,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::drainer::LAST_ERROR_MAX_CHARS;
+use super::marks::{Mark, Marks};
 use super::ports::{
     AttemptRecord, Clock, ConsumerBroker, Delivery, DeliverySource, InboxEntry, InboxFilter,
     InboxStore, InsertOutcome, SubscriptionSpec,
@@ -67,6 +75,9 @@ pub struct SubscriberSettings {
     pub concurrency: u32,
     /// Failed attempts after which a delivery is dead-lettered.
     pub max_attempts: u32,
+    /// Largest delivery body handled, in bytes; a larger one is
+    /// dead-lettered at once.
+    pub max_delivery_bytes: u32,
 }
 
 /// What happened to one delivery.
@@ -89,6 +100,20 @@ pub enum DeliveryOutcome {
     /// Not an envelope; nacked into `<queue>.dlq` at once.
     Undecodable {
         /// Why it could not be decoded.
+        reason: String,
+    },
+    /// Its body is over `max_delivery_bytes`; nacked into `<queue>.dlq` at
+    /// once.
+    TooLarge {
+        /// The body's size.
+        bytes: usize,
+        /// The limit.
+        limit: u32,
+    },
+    /// The inbox refused its data (the database cannot store it); nacked
+    /// into `<queue>.dlq` at once.
+    Unstorable {
+        /// What the database said.
         reason: String,
     },
     /// Shutdown came while the database was unavailable; requeued.
@@ -126,7 +151,8 @@ pub struct SubscriberCounters {
     pub retried: AtomicU64,
     /// Deliveries dead-lettered after the budget.
     pub dead_lettered: AtomicU64,
-    /// Deliveries dead-lettered because they were not envelopes.
+    /// Deliveries dead-lettered at once, without the handler: not a valid
+    /// envelope, over the size limit, or refused by the inbox.
     pub undecodable: AtomicU64,
 }
 
@@ -141,7 +167,8 @@ pub struct SubscriberStats {
     pub retried: u64,
     /// Deliveries dead-lettered after the budget.
     pub dead_lettered: u64,
-    /// Deliveries dead-lettered because they were not envelopes.
+    /// Deliveries dead-lettered at once, without the handler: not a valid
+    /// envelope, over the size limit, or refused by the inbox.
     pub undecodable: u64,
 }
 
@@ -163,7 +190,9 @@ impl SubscriberCounters {
             DeliveryOutcome::Duplicate => &self.duplicates,
             DeliveryOutcome::Retrying { .. } => &self.retried,
             DeliveryOutcome::DeadLettered { .. } => &self.dead_lettered,
-            DeliveryOutcome::Undecodable { .. } => &self.undecodable,
+            DeliveryOutcome::Undecodable { .. }
+            | DeliveryOutcome::TooLarge { .. }
+            | DeliveryOutcome::Unstorable { .. } => &self.undecodable,
             DeliveryOutcome::Requeued => return,
         };
         counter.fetch_add(1, Ordering::Relaxed);
@@ -178,6 +207,8 @@ pub struct Subscriber<S, B, C, H> {
     handler: Arc<H>,
     settings: SubscriberSettings,
     counters: Arc<SubscriberCounters>,
+    /// Coverage marks (none in production).
+    marks: Marks,
 }
 
 impl<S, B, C, H> Subscriber<S, B, C, H>
@@ -202,7 +233,14 @@ where
             handler,
             settings,
             counters: Arc::default(),
+            marks: Marks::default(),
         }
+    }
+
+    /// Reports the paths it takes to `marks` (the simulation's coverage).
+    pub fn with_marks(mut self, marks: Marks) -> Self {
+        self.marks = marks;
+        self
     }
 
     /// The settings.
@@ -244,6 +282,7 @@ where
                         tracing::info!(queue = %spec.queue, "subscriber stopped");
                         return Ok(());
                     }
+                    self.marks.hit(Mark::ConsumerReopened);
                     tracing::warn!(queue = %spec.queue, "consumer ended; reopening");
                 }
                 Err(source @ BrokerError::Channel(_)) if first => {
@@ -297,21 +336,36 @@ where
         shutdown: &watch::Receiver<bool>,
     ) -> DeliveryOutcome {
         let queue = &self.settings.spec.queue;
-        let outcome = match EventEnvelope::decode_delivery(&delivery.body) {
-            Err(reason) => {
+        let limit = self.settings.max_delivery_bytes;
+        let decoded = if delivery.body.len() > limit as usize {
+            Err(DeliveryOutcome::TooLarge {
+                bytes: delivery.body.len(),
+                limit,
+            })
+        } else {
+            EventEnvelope::decode_delivery(&delivery.body)
+                .map_err(|reason| DeliveryOutcome::Undecodable { reason })
+        };
+        let outcome = match decoded {
+            Err(rejected) => {
+                self.marks.hit(match rejected {
+                    DeliveryOutcome::TooLarge { .. } => Mark::TooLarge,
+                    _ => Mark::Undecodable,
+                });
                 tracing::error!(
                     queue = %queue,
                     message_id = delivery.message_id.as_deref().unwrap_or("-"),
                     routing_key = %delivery.routing_key,
-                    error = %reason,
-                    "delivery is not an event envelope; dead-lettering it"
+                    outcome = ?rejected,
+                    "delivery is not a valid event envelope; dead-lettering it"
                 );
-                DeliveryOutcome::Undecodable { reason }
+                rejected
             }
             Ok(envelope) => {
                 if let Some(mid) = delivery.message_id.as_deref()
                     && mid != envelope.id.to_string()
                 {
+                    self.marks.hit(Mark::MessageIdMismatch);
                     tracing::warn!(
                         queue = %queue,
                         message_id = mid,
@@ -336,11 +390,15 @@ where
             DeliveryOutcome::Retrying { .. } | DeliveryOutcome::Requeued => {
                 consumer.delivery_nack(delivery.tag, true).await
             }
-            DeliveryOutcome::DeadLettered { .. } | DeliveryOutcome::Undecodable { .. } => {
+            DeliveryOutcome::DeadLettered { .. }
+            | DeliveryOutcome::Undecodable { .. }
+            | DeliveryOutcome::TooLarge { .. }
+            | DeliveryOutcome::Unstorable { .. } => {
                 consumer.delivery_nack(delivery.tag, false).await
             }
         };
         if let Err(e) = settle {
+            self.marks.hit(Mark::SettleLost);
             // The broker will redeliver it; the inbox absorbs the repeat.
             tracing::debug!(queue = %queue, error = %e, "ack/nack lost with the channel");
         }
@@ -358,16 +416,14 @@ where
         let mut backoff = RETRY_BACKOFF_MIN;
         let mut shutdown = shutdown.clone();
         loop {
-            let result = match self.attempt(entry, envelope).await {
+            let error = match self
+                .attempt(entry, envelope, self.settings.max_attempts)
+                .await
+            {
                 Ok(Attempt::Applied) => return DeliveryOutcome::Processed,
                 Ok(Attempt::AlreadyProcessed) => return DeliveryOutcome::Duplicate,
-                Ok(Attempt::HandlerFailed(error)) => {
-                    self.record_failure(entry, &error, &mut shutdown).await
-                }
-                Err(e) => Err(e),
-            };
-            match result {
-                Ok(Some(record)) if record.dead_lettered => {
+                Ok(Attempt::Failed(record, _)) if record.dead_lettered => {
+                    self.marks.hit(Mark::DeadLetteredAtBudget);
                     tracing::warn!(
                         queue = %entry.subscription,
                         event_id = %entry.event_id,
@@ -378,63 +434,48 @@ where
                         attempts: record.attempts,
                     };
                 }
-                Ok(Some(record)) => {
+                Ok(Attempt::Failed(record, _)) => {
                     return DeliveryOutcome::Retrying {
                         attempts: record.attempts,
                     };
                 }
-                Ok(None) => return DeliveryOutcome::Requeued,
-                Err(e) => {
-                    tracing::warn!(
+                Err(StoreError::Refused(reason)) => {
+                    self.marks.hit(Mark::Unstorable);
+                    tracing::error!(
                         queue = %entry.subscription,
                         event_id = %entry.event_id,
-                        error = %e,
-                        "inbox unavailable; retrying the delivery in place"
+                        error = %reason,
+                        "the inbox refuses this delivery's data; dead-lettering it"
                     );
+                    return DeliveryOutcome::Unstorable { reason };
                 }
-            }
+                Err(e) => e,
+            };
+            self.marks.hit(Mark::InboxRetriedInPlace);
+            tracing::warn!(
+                queue = %entry.subscription,
+                event_id = %entry.event_id,
+                error = %error,
+                "inbox unavailable; retrying the delivery in place"
+            );
             if sleep_or_shutdown(&*self.clock, backoff, &mut shutdown).await {
+                self.marks.hit(Mark::RequeuedAtShutdown);
                 return DeliveryOutcome::Requeued;
             }
             backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
         }
     }
 
-    /// Records a failed attempt, retrying while the database is unavailable;
-    /// `None` if shutdown came first.
-    async fn record_failure(
-        &self,
-        entry: &InboxEntry<'_>,
-        error: &HandlerError,
-        shutdown: &mut watch::Receiver<bool>,
-    ) -> Result<Option<AttemptRecord>, StoreError> {
-        let text = truncate_chars(error.message(), LAST_ERROR_MAX_CHARS);
-        let mut backoff = RETRY_BACKOFF_MIN;
-        loop {
-            match self
-                .store
-                .inbox_record_failure(entry, &text, self.settings.max_attempts)
-                .await
-            {
-                Ok(record) => return Ok(Some(record)),
-                Err(e) => tracing::warn!(
-                    event_id = %entry.event_id,
-                    error = %e,
-                    "cannot record a failed attempt; retrying"
-                ),
-            }
-            if sleep_or_shutdown(&*self.clock, backoff, shutdown).await {
-                return Ok(None);
-            }
-            backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
-        }
-    }
-
-    /// BEGIN, try_insert, the handler, mark, COMMIT.
+    /// BEGIN, try_insert, the handler; then mark processed, or (the handler
+    /// failed) roll back to the savepoint and record the attempt against
+    /// `max_attempts`; COMMIT. Either way the outcome takes effect with the
+    /// commit: a commit whose outcome is unknown is retried like any store
+    /// error, and the next attempt finds what did commit.
     async fn attempt(
         &self,
         entry: &InboxEntry<'_>,
         envelope: &EventEnvelope,
+        max_attempts: u32,
     ) -> Result<Attempt, StoreError> {
         let mut tx = self.store.inbox_begin().await?;
         let inserted = match self.store.inbox_try_insert(&mut tx, entry).await {
@@ -444,32 +485,59 @@ where
                 return Err(e);
             }
         };
+        self.marks.hit(match inserted {
+            InsertOutcome::Inserted => Mark::InboxInserted,
+            InsertOutcome::InFlightRetry { .. } => Mark::InFlightRetry,
+            InsertOutcome::AlreadyProcessed => Mark::AlreadyProcessed,
+        });
         if inserted == InsertOutcome::AlreadyProcessed {
             self.store.inbox_commit(tx).await?;
             return Ok(Attempt::AlreadyProcessed);
         }
-        if let Err(error) = self.handler.handle(&mut tx, envelope).await {
-            self.store.inbox_rollback(tx).await;
-            tracing::debug!(event_id = %entry.event_id, error = %error, "handler failed");
-            return Ok(Attempt::HandlerFailed(error));
-        }
-        if let Err(e) = self
-            .store
-            .inbox_mark_processed(&mut tx, entry.event_id)
-            .await
-        {
+        let (recorded, attempt) = match self.handler.handle(&mut tx, envelope).await {
+            Ok(()) => (
+                self.store
+                    .inbox_mark_processed(&mut tx, entry.event_id)
+                    .await,
+                None,
+            ),
+            Err(error) if error.is_unavailable() => {
+                // The handler's database is unavailable: nobody's fault, no
+                // attempt counts; retried in place like the inbox's own.
+                self.marks.hit(Mark::HandlerUnavailable);
+                self.store.inbox_rollback(tx).await;
+                return Err(StoreError::Unavailable(error.message().to_owned()));
+            }
+            Err(error) => {
+                self.marks.hit(Mark::HandlerFailed);
+                tracing::debug!(event_id = %entry.event_id, error = %error, "handler failed");
+                let text = truncate_chars(error.message(), LAST_ERROR_MAX_CHARS);
+                match self
+                    .store
+                    .inbox_record_failure(&mut tx, entry.event_id, &text, max_attempts)
+                    .await
+                {
+                    Ok(record) => (Ok(()), Some((record, text))),
+                    Err(e) => (Err(e), None),
+                }
+            }
+        };
+        if let Err(e) = recorded {
             self.store.inbox_rollback(tx).await;
             return Err(e);
         }
-        // A commit whose outcome is unknown is retried like any store error:
-        // the next attempt finds the row processed if it did commit.
         self.store.inbox_commit(tx).await?;
-        Ok(Attempt::Applied)
+        Ok(match attempt {
+            Some((record, text)) => Attempt::Failed(record, text),
+            None => Attempt::Applied,
+        })
     }
 
     /// Re-runs the handler, with the inbox's semantics, for unprocessed
-    /// rows of this subscription matching `filter`, after giving them a
-    /// fresh budget. No broker is involved: a dead-lettered delivery stays in
+    /// rows of this subscription matching `filter`, each given a fresh
+    /// budget right before its own attempt (so a replay cut short leaves the
+    /// rows it did not reach as they were: still dead-lettered, still
+    /// findable). No broker is involved: a dead-lettered delivery stays in
     /// `<queue>.dlq` for the record; its effect comes from here.
     pub async fn replay(
         &self,
@@ -478,34 +546,35 @@ where
         let mut filter = filter.clone();
         filter.subscription = Some(self.settings.spec.queue.clone());
         let rows = self.store.inbox_list_unprocessed(&filter).await?;
-        let ids: Vec<_> = rows.iter().map(|r| r.event_id).collect();
-        self.store.inbox_reset_attempts(&ids).await?;
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
             let outcome = match EventEnvelope::decode_delivery(&row.payload) {
                 Err(reason) => ReplayOutcome::Undecodable { reason },
                 Ok(envelope) => {
+                    self.store.inbox_reset_attempts(&[row.event_id]).await?;
                     let entry = InboxEntry {
                         event_id: row.event_id,
                         subscription: &row.subscription,
                         routing_key: &row.routing_key,
                         payload: &row.payload,
                     };
-                    match self.attempt(&entry, &envelope).await? {
+                    // A budget of 1: a row whose handler fails again is in no
+                    // queue any more, so it stays dead-lettered until the
+                    // next replay, or nothing would ever run it again. Found
+                    // by the simulation (producer_and_consumer_swarm, seed 43).
+                    match self.attempt(&entry, &envelope, 1).await? {
                         Attempt::Applied => {
+                            self.marks.hit(Mark::ReplayApplied);
                             self.counters.processed.fetch_add(1, Ordering::Relaxed);
                             ReplayOutcome::Applied
                         }
-                        Attempt::AlreadyProcessed => ReplayOutcome::AlreadyProcessed,
-                        Attempt::HandlerFailed(error) => {
-                            // The row's message is in no queue any more: it
-                            // stays dead-lettered (a budget of 1 marks it so)
-                            // until the next replay, or nothing would ever
-                            // run it again. Found by the simulation
-                            // (producer_and_consumer_swarm, seed 43).
-                            let text = truncate_chars(error.message(), LAST_ERROR_MAX_CHARS);
-                            self.store.inbox_record_failure(&entry, &text, 1).await?;
-                            ReplayOutcome::Failed { error: text }
+                        Attempt::AlreadyProcessed => {
+                            self.marks.hit(Mark::ReplayAlreadyProcessed);
+                            ReplayOutcome::AlreadyProcessed
+                        }
+                        Attempt::Failed(_, error) => {
+                            self.marks.hit(Mark::ReplayFailedAgain);
+                            ReplayOutcome::Failed { error }
                         }
                     }
                 }
@@ -519,7 +588,8 @@ where
 enum Attempt {
     Applied,
     AlreadyProcessed,
-    HandlerFailed(HandlerError),
+    /// The handler failed with this error; its attempt is recorded.
+    Failed(AttemptRecord, String),
 }
 
 /// Polls every future, in order, until all are done: the workers of one

@@ -49,7 +49,7 @@ impl PgInboxStore {
 
 fn payload_text<'a>(entry: &InboxEntry<'a>) -> Result<&'a str, StoreError> {
     std::str::from_utf8(entry.payload)
-        .map_err(|e| StoreError::Statement(format!("payload is not UTF-8: {e}")))
+        .map_err(|e| StoreError::Refused(format!("payload is not UTF-8: {e}")))
 }
 
 impl InboxStore for PgInboxStore {
@@ -82,28 +82,36 @@ impl InboxStore for PgInboxStore {
                 .execute(&mut **tx)
                 .await
                 .map_err(map_err)?;
-            if done.rows_affected() == 1 {
-                return Ok(InsertOutcome::Inserted);
-            }
-            // The row exists (committed: the insert waited for any
-            // transaction holding it). Lock it for this transaction.
-            let row = sqlx::query(sql::INBOX_LOCK)
-                .bind(entry.event_id)
-                .fetch_optional(&mut **tx)
+            let outcome = if done.rows_affected() == 1 {
+                InsertOutcome::Inserted
+            } else {
+                // The row exists (committed: the insert waited for any
+                // transaction holding it). Lock it for this transaction.
+                let row = sqlx::query(sql::INBOX_LOCK)
+                    .bind(entry.event_id)
+                    .fetch_optional(&mut **tx)
+                    .await
+                    .map_err(map_err)?;
+                match row {
+                    Some(r) if r.get::<bool, _>("processed") => InsertOutcome::AlreadyProcessed,
+                    Some(r) => InsertOutcome::InFlightRetry {
+                        attempts: r.get("attempts"),
+                    },
+                    // Deleted in between (only processed rows are ever
+                    // deleted, after retention): nothing left to compare with.
+                    None => {
+                        return Err(StoreError::Statement(format!(
+                            "inbox row {} vanished while locking it",
+                            entry.event_id
+                        )));
+                    }
+                }
+            };
+            sqlx::raw_sql(sql::INBOX_SAVEPOINT)
+                .execute(&mut **tx)
                 .await
                 .map_err(map_err)?;
-            match row {
-                Some(r) if r.get::<bool, _>("processed") => Ok(InsertOutcome::AlreadyProcessed),
-                Some(r) => Ok(InsertOutcome::InFlightRetry {
-                    attempts: r.get("attempts"),
-                }),
-                // Deleted in between (only processed rows are ever deleted,
-                // after retention): nothing left to compare with.
-                None => Err(StoreError::Statement(format!(
-                    "inbox row {} vanished while locking it",
-                    entry.event_id
-                ))),
-            }
+            Ok(outcome)
         })
         .await
     }
@@ -131,33 +139,32 @@ impl InboxStore for PgInboxStore {
 
     async fn inbox_record_failure(
         &self,
-        entry: &InboxEntry<'_>,
+        tx: &mut PgTx,
+        event_id: Uuid,
         error: &str,
         max_attempts: u32,
     ) -> Result<AttemptRecord, StoreError> {
-        let payload = payload_text(entry)?;
         bounded(async {
-            let row = sqlx::query(sql::INBOX_RECORD_FAILURE)
-                .bind(entry.event_id)
-                .bind(entry.subscription)
-                .bind(entry.routing_key)
-                .bind(payload)
-                .bind(error)
-                .bind(i64::from(max_attempts))
-                .fetch_optional(&self.pool)
+            sqlx::raw_sql(sql::INBOX_ROLLBACK_HANDLER)
+                .execute(&mut **tx)
                 .await
                 .map_err(map_err)?;
-            Ok(match row {
-                Some(r) => AttemptRecord {
+            let row = sqlx::query(sql::INBOX_RECORD_FAILURE)
+                .bind(event_id)
+                .bind(error)
+                .bind(i64::from(max_attempts))
+                .fetch_optional(&mut **tx)
+                .await
+                .map_err(map_err)?;
+            match row {
+                Some(r) => Ok(AttemptRecord {
                     attempts: r.get("attempts"),
                     dead_lettered: r.get("dead_lettered"),
-                },
-                // Processed meanwhile (another delivery of the same event).
-                None => AttemptRecord {
-                    attempts: 0,
-                    dead_lettered: false,
-                },
-            })
+                }),
+                None => Err(StoreError::Statement(format!(
+                    "inbox row {event_id} is not held by this transaction"
+                ))),
+            }
         })
         .await
     }

@@ -34,6 +34,8 @@ pub(crate) mod sql {
     pub const INBOX_TRY_INSERT: &str = include_str!("sql/inbox_try_insert.sql");
     pub const INBOX_LOCK: &str = include_str!("sql/inbox_lock.sql");
     pub const INBOX_MARK_PROCESSED: &str = include_str!("sql/inbox_mark_processed.sql");
+    pub const INBOX_SAVEPOINT: &str = include_str!("sql/inbox_savepoint.sql");
+    pub const INBOX_ROLLBACK_HANDLER: &str = include_str!("sql/inbox_rollback_handler.sql");
     pub const INBOX_RECORD_FAILURE: &str = include_str!("sql/inbox_record_failure.sql");
     pub const INBOX_LIST_UNPROCESSED: &str = include_str!("sql/inbox_list_unprocessed.sql");
     pub const INBOX_RESET_ATTEMPTS: &str = include_str!("sql/inbox_reset_attempts.sql");
@@ -124,10 +126,16 @@ pub(crate) async fn delete_expired(
     .await
 }
 
-/// Maps a sqlx error to a store error. Connection-level failures are
-/// `Unavailable`; everything else is `Statement`. sqlx error texts do not
-/// include connection URLs.
+/// Maps a sqlx error to a store error: connection-level failures are
+/// `Unavailable`; a database error is classified by its SQLSTATE
+/// ([`StoreError::from_sqlstate`]); anything else is `Statement`. sqlx error
+/// texts do not include connection URLs.
 pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
+    map_err_ref(&e)
+}
+
+/// [`map_err`] for a borrowed error (a handler's own `?`).
+pub(crate) fn map_err_ref(e: &sqlx::Error) -> StoreError {
     match e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
@@ -135,6 +143,10 @@ pub(crate) fn map_err(e: sqlx::Error) -> StoreError {
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Protocol(_) => StoreError::Unavailable(e.to_string()),
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => StoreError::from_sqlstate(&code, e.to_string()),
+            None => StoreError::Statement(e.to_string()),
+        },
         other => StoreError::Statement(other.to_string()),
     }
 }

@@ -1,13 +1,18 @@
 //! Scenarios are data: one TOML file per scenario in `scenarios/`, holding a
-//! workload, a topology, drainer configuration overrides, a fault schedule
-//! (timed faults, or a probabilistic swarm that each seed turns on and off)
-//! and pinned seeds.
+//! workload, a topology, configuration overrides, a fault schedule (timed
+//! faults, [`fault`], or a probabilistic swarm that each seed turns on and
+//! off, [`swarm`]), what the faults must make happen, and pinned seeds.
+
+pub mod fault;
+pub mod swarm;
 
 use std::path::Path;
 
+use outbox::core::marks::Mark;
 use serde::Deserialize;
 
-use crate::adapters::Point;
+pub use self::fault::Fault;
+pub use self::swarm::{Family, Swarm};
 
 /// One scenario file.
 #[derive(Debug, Clone, Deserialize)]
@@ -59,6 +64,11 @@ pub struct Expect {
     /// At least one delivery was dead-lettered after the budget.
     #[serde(default)]
     pub dead_letters: bool,
+    /// Coverage marks (`outbox::core::marks::Mark` names) the core must hit
+    /// at least once across a sweep of this scenario: the paths the scenario
+    /// exists to exercise. Checked by `sim sweep`, not per seed.
+    #[serde(default)]
+    pub reach: Vec<String>,
     /// Set by the world (never in a file) when a seed runs without any fault:
     /// then no claim may be released and nothing published twice, so a
     /// drainer that throws work away and redoes it cannot pass as correct.
@@ -144,6 +154,13 @@ pub struct ConfigOverrides {
     /// One event in this many fails its first handler attempt (after
     /// writing its effect); 0 for none (the default).
     pub consumer_transient_one_in: Option<u64>,
+    /// Subscriber size limit (default 16 KiB, so hostile oversized bodies
+    /// stay small on the simulated network).
+    pub consumer_max_delivery_bytes: Option<u32>,
+    /// Inbox retention in seconds (default 30).
+    pub inbox_retention_secs: Option<u64>,
+    /// Inbox janitor interval in seconds (default 3).
+    pub inbox_janitor_interval_secs: Option<u64>,
 }
 
 /// Phases of a run.
@@ -157,123 +174,6 @@ pub struct Timing {
     pub liveness_secs: f64,
 }
 
-/// One timed fault.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
-pub enum Fault {
-    /// Hold the links between `target` and `rabbit`: bytes stop, sockets stay.
-    Blackhole {
-        target: String,
-        at_secs: f64,
-        for_secs: f64,
-    },
-    /// Drop everything between `a` and `b` (connections die silently).
-    Partition {
-        a: String,
-        b: String,
-        at_secs: f64,
-        for_secs: f64,
-    },
-    /// Crash `target`; restart it `restart_after_secs` later.
-    Crash {
-        target: String,
-        at_secs: f64,
-        restart_after_secs: f64,
-    },
-    /// Every drainer crashes at `point` with probability `prob` while active.
-    CrashPoint {
-        point: Point,
-        prob: f64,
-        at_secs: f64,
-        for_secs: f64,
-    },
-    /// Every drainer pauses `ms` at `point` with probability `prob`.
-    Pause {
-        point: Point,
-        prob: f64,
-        ms: u64,
-        at_secs: f64,
-        for_secs: f64,
-    },
-    /// Store faults.
-    Pg {
-        #[serde(default)]
-        lose_reply_prob: f64,
-        #[serde(default)]
-        fail_prob: f64,
-        at_secs: f64,
-        for_secs: f64,
-    },
-    /// Broker faults.
-    Mq {
-        #[serde(default)]
-        drop_conn_prob: f64,
-        #[serde(default)]
-        confirm_delay_ms: u64,
-        #[serde(default)]
-        nack_prefix: Option<String>,
-        /// Per delivery, the broker also keeps a redelivered copy.
-        #[serde(default)]
-        duplicate_prob: f64,
-        at_secs: f64,
-        for_secs: f64,
-    },
-    /// The consumers' downstream refuses every `poison.` event: their
-    /// handlers fail until it heals, so those deliveries dead-letter; the
-    /// operator replays them after the heal.
-    Downstream { at_secs: f64, for_secs: f64 },
-}
-
-impl Fault {
-    /// When it starts and how long it lasts (crashes last until restart).
-    pub fn window(&self) -> (f64, f64) {
-        match self {
-            Fault::Blackhole {
-                at_secs, for_secs, ..
-            }
-            | Fault::Partition {
-                at_secs, for_secs, ..
-            }
-            | Fault::CrashPoint {
-                at_secs, for_secs, ..
-            }
-            | Fault::Pause {
-                at_secs, for_secs, ..
-            }
-            | Fault::Pg {
-                at_secs, for_secs, ..
-            }
-            | Fault::Mq {
-                at_secs, for_secs, ..
-            }
-            | Fault::Downstream { at_secs, for_secs } => (*at_secs, *for_secs),
-            Fault::Crash {
-                at_secs,
-                restart_after_secs,
-                ..
-            } => (*at_secs, *restart_after_secs),
-        }
-    }
-}
-
-/// Swarm testing: each seed turns each listed fault family on with
-/// probability one half and draws its occurrences.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Swarm {
-    /// Fault families to draw from: `blackhole`, `partition_rabbit`,
-    /// `partition_pg`, `crash`, `crash_point`, `pause`, `pg`, `mq_drop`,
-    /// `confirm_delay`.
-    pub families: Vec<String>,
-    /// Most occurrences of one family in a run.
-    #[serde(default = "three")]
-    pub max_occurrences: u32,
-}
-
-fn three() -> u32 {
-    3
-}
-
 /// Why a scenario file was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
@@ -285,24 +185,6 @@ pub enum ScenarioError {
     #[error("{path} is not a valid scenario: {message}")]
     Parse { path: String, message: String },
 }
-
-/// Known swarm families.
-pub const SWARM_FAMILIES: &[&str] = &[
-    "blackhole",
-    "partition_rabbit",
-    "partition_pg",
-    "crash",
-    "crash_point",
-    "pause",
-    "pg",
-    "mq_drop",
-    "confirm_delay",
-    "consumer_crash",
-    "consumer_crash_point",
-    "consumer_partition",
-    "duplicate_delivery",
-    "downstream",
-];
 
 impl Scenario {
     /// Loads and checks one scenario file.
@@ -346,15 +228,29 @@ impl Scenario {
             if at < 0.0 || len < 0.0 || at + len > self.timing.fault_phase_secs + 1e-9 {
                 return Err(format!("fault {f:?} falls outside the fault phase"));
             }
+            f.check()?;
         }
-        if let Some(swarm) = &self.swarm {
-            for fam in &swarm.families {
-                if !SWARM_FAMILIES.contains(&fam.as_str()) {
-                    return Err(format!(
-                        "unknown swarm family {fam:?}; known: {SWARM_FAMILIES:?}"
-                    ));
-                }
-            }
+        let consumer_faults = self
+            .faults
+            .iter()
+            .any(|f| matches!(f, Fault::Downstream { .. } | Fault::Hostile { .. }))
+            || self
+                .swarm
+                .as_ref()
+                .is_some_and(|s| s.families.iter().any(|f| f.needs_consumers()));
+        if consumer_faults && self.topology.consumers == 0 {
+            return Err("consumer faults need topology.consumers >= 1".into());
+        }
+        if let Some(name) = self
+            .expect
+            .reach
+            .iter()
+            .find(|n| Mark::from_name(n).is_none())
+        {
+            let known: Vec<&str> = Mark::ALL.iter().map(|m| m.name()).collect();
+            return Err(format!(
+                "expect.reach names {name:?}, which is no mark; known: {known:?}"
+            ));
         }
         Ok(())
     }

@@ -3,9 +3,10 @@
 //!
 //! Like the sqlx adapter: every handler transaction runs on a pooled
 //! connection of its own (the subscriber handles several deliveries at
-//! once), bounded by the same idle-in-transaction timeout, and failure
-//! records, listings and sweeps run on another connection, outside any
-//! handler transaction.
+//! once), bounded by the same idle-in-transaction timeout, with a savepoint
+//! after the inbox insert and failure records inside it; listings, budget
+//! resets and sweeps run on another connection, outside any handler
+//! transaction.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -17,7 +18,8 @@ use outbox::core::ports::{
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::adapters::{Hooks, PgClient, Point, connect_pg, request, unexpected};
+use super::hooks::{Hooks, Point};
+use super::net::{PgClient, connect_pg, request, unexpected};
 use crate::trace::Trace;
 use crate::wire::{PgReply, PgRequest, WireInboxEntry, WireInsertOutcome};
 
@@ -98,13 +100,17 @@ impl SimInboxStore {
     }
 }
 
-fn wire_entry(e: &InboxEntry<'_>) -> WireInboxEntry {
-    WireInboxEntry {
+/// The entry on the wire; a payload that is not UTF-8 is refused as the
+/// sqlx adapter refuses it (it cannot be bound as text).
+fn wire_entry(e: &InboxEntry<'_>) -> Result<WireInboxEntry, StoreError> {
+    let payload = std::str::from_utf8(e.payload)
+        .map_err(|err| StoreError::Refused(format!("payload is not UTF-8: {err}")))?;
+    Ok(WireInboxEntry {
         event_id: e.event_id,
         subscription: e.subscription.to_owned(),
         routing_key: e.routing_key.to_owned(),
-        payload: String::from_utf8_lossy(e.payload).into_owned(),
-    }
+        payload: payload.to_owned(),
+    })
 }
 
 fn sim_time(ms: u64) -> OffsetDateTime {
@@ -131,21 +137,21 @@ impl InboxStore for SimInboxStore {
         tx: &mut SimTx,
         entry: &InboxEntry<'_>,
     ) -> Result<InsertOutcome, StoreError> {
-        match tx
+        let outcome = match tx
             .call(PgRequest::InboxTryInsert {
-                entry: wire_entry(entry),
+                entry: wire_entry(entry)?,
             })
             .await?
         {
-            PgReply::Inbox(WireInsertOutcome::Inserted) => Ok(InsertOutcome::Inserted),
+            PgReply::Inbox(WireInsertOutcome::Inserted) => InsertOutcome::Inserted,
             PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts }) => {
-                Ok(InsertOutcome::InFlightRetry { attempts })
+                InsertOutcome::InFlightRetry { attempts }
             }
-            PgReply::Inbox(WireInsertOutcome::AlreadyProcessed) => {
-                Ok(InsertOutcome::AlreadyProcessed)
-            }
-            other => Err(unexpected(other)),
-        }
+            PgReply::Inbox(WireInsertOutcome::AlreadyProcessed) => InsertOutcome::AlreadyProcessed,
+            other => return Err(unexpected(other)),
+        };
+        tx.call(PgRequest::InboxSavepoint).await?;
+        Ok(outcome)
     }
 
     async fn inbox_mark_processed(&self, tx: &mut SimTx, event_id: Uuid) -> Result<(), StoreError> {
@@ -171,13 +177,14 @@ impl InboxStore for SimInboxStore {
 
     async fn inbox_record_failure(
         &self,
-        entry: &InboxEntry<'_>,
+        tx: &mut SimTx,
+        event_id: Uuid,
         error: &str,
         max_attempts: u32,
     ) -> Result<AttemptRecord, StoreError> {
-        match self
-            .side_call(PgRequest::InboxRecordFailure {
-                entry: wire_entry(entry),
+        match tx
+            .call(PgRequest::InboxRecordFailure {
+                event_id,
                 error: error.to_owned(),
                 max_attempts,
             })

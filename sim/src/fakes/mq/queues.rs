@@ -5,16 +5,20 @@
 //! the dead-letter queue), and every unacknowledged delivery of a closed
 //! channel or connection back in its queue, flagged redelivered.
 //!
-//! Fault: **duplicate delivery** (`duplicate_prob` in [`crate::mq_fake::MqFaults`]):
+//! Every delivery and every settlement (ack, nack with or without requeue)
+//! is traced as the broker saw it, with the consumer's client name: the
+//! checker judges the subscriber's attempt budget and its handling of
+//! hostile messages from these.
+//!
+//! Fault: **duplicate delivery** (`duplicate_prob` in [`super::MqFaults`]):
 //! a delivered message is also put back in its queue, flagged redelivered,
 //! as a broker that lost an ack would; the inbox absorbs the repeat.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
-use uuid::Uuid;
-
-use crate::wire::MqReply;
+use crate::trace::{Event, FaultKind, Settle, Trace};
+use crate::wire::{MqReply, WireBody};
 
 /// Where a connection's frames go: (not before, frame).
 pub type Outbox = tokio::sync::mpsc::UnboundedSender<(Duration, MqReply)>;
@@ -22,9 +26,11 @@ pub type Outbox = tokio::sync::mpsc::UnboundedSender<(Duration, MqReply)>;
 /// A message in a queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueuedMessage {
-    pub message_id: Uuid,
+    /// AMQP `message_id`: the envelope id for what the drainer publishes,
+    /// anything (or nothing) for what a foreign publisher sends.
+    pub message_id: Option<String>,
     pub routing_key: String,
-    pub body: String,
+    pub body: WireBody,
     pub redelivered: bool,
 }
 
@@ -38,6 +44,8 @@ pub struct Queue {
 
 #[derive(Debug)]
 struct Consumer {
+    /// The client (connection) name, for the trace.
+    client: String,
     queue: String,
     prefetch: u16,
     next_tag: u64,
@@ -46,7 +54,7 @@ struct Consumer {
 }
 
 /// Every queue, binding and consumer of the broker.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Queues {
     queues: BTreeMap<String, Queue>,
     /// (exchange, pattern, queue); `direct` exchanges use exact patterns.
@@ -55,6 +63,7 @@ pub struct Queues {
     consumers: BTreeMap<(u64, u32), Consumer>,
     /// Channel prefetch set by `basic.qos`, by (connection, channel).
     prefetch: BTreeMap<(u64, u32), u16>,
+    trace: Trace,
 }
 
 /// The dead-letter exchange subscriptions name.
@@ -77,6 +86,17 @@ pub fn topic_matches(pattern: &str, key: &str) -> bool {
 }
 
 impl Queues {
+    /// No queues yet; deliveries and settlements go into `trace`.
+    pub fn new(trace: Trace) -> Self {
+        Self {
+            queues: BTreeMap::new(),
+            bindings: Vec::new(),
+            consumers: BTreeMap::new(),
+            prefetch: BTreeMap::new(),
+            trace,
+        }
+    }
+
     /// A queue's ready messages (for the world and the conformance suite).
     pub fn ready(&self, queue: &str) -> Vec<QueuedMessage> {
         self.queues
@@ -134,8 +154,15 @@ impl Queues {
         self.prefetch.insert((conn, channel), prefetch.max(1));
     }
 
-    /// `basic.consume`: `false` if there is no such queue.
-    pub fn consume(&mut self, conn: u64, channel: u32, queue: &str, out: Outbox) -> bool {
+    /// `basic.consume` by `client`: `false` if there is no such queue.
+    pub fn consume(
+        &mut self,
+        conn: u64,
+        channel: u32,
+        client: &str,
+        queue: &str,
+        out: Outbox,
+    ) -> bool {
         if !self.queues.contains_key(queue) {
             return false;
         }
@@ -147,6 +174,7 @@ impl Queues {
         self.consumers.insert(
             (conn, channel),
             Consumer {
+                client: client.to_owned(),
                 queue: queue.to_owned(),
                 prefetch,
                 next_tag: 1,
@@ -159,8 +187,14 @@ impl Queues {
 
     /// `basic.ack`.
     pub fn ack(&mut self, conn: u64, channel: u32, tag: u64) {
-        if let Some(c) = self.consumers.get_mut(&(conn, channel)) {
-            c.unacked.remove(&tag);
+        if let Some(c) = self.consumers.get_mut(&(conn, channel))
+            && let Some(m) = c.unacked.remove(&tag)
+        {
+            self.trace.now(Event::Settled {
+                client: c.client.clone(),
+                message_id: m.message_id,
+                settle: Settle::Ack,
+            });
         }
     }
 
@@ -172,6 +206,15 @@ impl Queues {
         let Some(mut m) = c.unacked.remove(&tag) else {
             return;
         };
+        self.trace.now(Event::Settled {
+            client: c.client.clone(),
+            message_id: m.message_id.clone(),
+            settle: if requeue {
+                Settle::Requeue
+            } else {
+                Settle::DeadLetter
+            },
+        });
         let queue = c.queue.clone();
         if requeue {
             m.redelivered = true;
@@ -229,16 +272,25 @@ impl Queues {
                     continue;
                 };
                 if duplicate() {
+                    self.trace.now(Event::Fault {
+                        kind: FaultKind::DuplicateDelivery,
+                        detail: format!("{:?} delivered twice", m.message_id),
+                    });
                     let mut copy = m.clone();
                     copy.redelivered = true;
                     q.ready.push_back(copy);
                 }
+                self.trace.now(Event::Delivered {
+                    client: c.client.clone(),
+                    message_id: m.message_id.clone(),
+                    redelivered: m.redelivered,
+                });
                 let tag = c.next_tag;
                 c.next_tag += 1;
                 let frame = MqReply::Deliver {
                     channel: key.1,
                     tag,
-                    message_id: m.message_id,
+                    message_id: m.message_id.clone(),
                     routing_key: m.routing_key.clone(),
                     body: m.body.clone(),
                     redelivered: m.redelivered,

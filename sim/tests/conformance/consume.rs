@@ -2,9 +2,6 @@
 //! `LapinBroker` on the local RabbitMQ (through a TCP proxy that can cut the
 //! connection) and `SimBroker` on the fake broker in a turmoil simulation.
 
-#[path = "../../outbox/tests/common/mod.rs"]
-mod common;
-
 use std::future::Future;
 use std::time::Duration;
 
@@ -14,8 +11,11 @@ use outbox::core::ports::{
 };
 use outbox::{EventEnvelope, LapinBroker};
 use sim::adapters::{Hooks, SimBroker};
-use sim::mq_fake::{self, MqState};
+use sim::fakes::mq::{self, MqState};
 use sim::trace::Trace;
+
+use crate::common;
+use crate::harness::in_sim;
 
 /// Longest wait for a delivery that must come.
 const ARRIVES: Duration = Duration::from_secs(5);
@@ -151,20 +151,14 @@ where
     let trace = Trace::default();
     let state = MqState::new(5, trace.clone());
     let server = state.clone();
-    let mut sim = turmoil::Builder::new()
-        .simulation_duration(Duration::from_secs(600))
-        .build();
-    sim.host("rabbit", move || mq_fake::serve(server.clone()));
-    sim.client("test", async move {
+    in_sim("rabbit", move || mq::serve(server.clone()), async move {
         body(Fake {
             broker: SimBroker::new("consumer", trace.clone(), Hooks::new(1)),
             publisher: SimBroker::new("producer", trace, Hooks::new(2)),
             state,
         })
         .await;
-        Ok(())
     });
-    sim.run().unwrap();
 }
 
 async fn publish<A: ConsumeArm>(arm: &A, exchange: &str, keys: &[&str]) -> Vec<EventEnvelope> {
@@ -287,28 +281,7 @@ async fn the_prefetch_bounds_unacked_deliveries<A: ConsumeArm>(arm: A) {
     c.consumer_close().await;
 }
 
-macro_rules! consume_conformance {
-    ($($name:ident),* $(,)?) => {
-        mod consume {
-            use super::*;
-            $(
-                mod $name {
-                    use super::*;
-                    #[tokio::test]
-                    async fn rabbitmq() {
-                        with_real(super::super::$name).await;
-                    }
-                    #[test]
-                    fn fake() {
-                        with_fake(super::super::$name);
-                    }
-                }
-            )*
-        }
-    };
-}
-
-consume_conformance!(
+conformance!(rabbitmq: with_real, fake: with_fake;
     deliveries_are_acked_requeued_and_dead_lettered,
     unacked_deliveries_come_back_after_the_connection_is_cut,
     the_prefetch_bounds_unacked_deliveries,

@@ -1,30 +1,20 @@
-//! Conformance: the same test bodies run against the fake and the real
-//! service. "If both arms pass, consumers can rely on the sim" (turmoil).
-//!
-//! Store arm: `PgOutboxStore` on the local PostgreSQL (a fresh database per
-//! test) vs `SimStore` on the fake PostgreSQL inside a turmoil simulation.
-//! Broker arm: `LapinBroker` on the local RabbitMQ vs `SimBroker` on the fake.
-
-#[path = "../../outbox/tests/common/mod.rs"]
-mod common;
+//! The outbox store: `PgOutboxStore` on PostgreSQL (a fresh database per
+//! test) and `SimStore` on the fake PostgreSQL, the same bodies.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use outbox::core::janitor;
-use outbox::core::ports::{
-    Broker, ClaimParams, Confirm, OutboxStore, OutgoingMessage, PublishChannel, RowFailure,
-    UnparkSelector,
-};
+use outbox::core::ports::{ClaimParams, OutboxStore, RowFailure, UnparkSelector};
 use outbox::{DrainerConfig, EventEnvelope, PgOutboxStore, Publisher};
-use sim::adapters::{Hooks, PgClient, SimBroker, SimStore};
-use sim::mq_fake::{self, MqFaults, MqState};
-use sim::pg_fake::{self, PgState};
+use sim::adapters::{Hooks, PgClient, SimStore};
+use sim::fakes::pg::{self, PgState};
 use sim::trace::Trace;
 use sim::wire::{NewRow, PgRequest};
 use sqlx::PgPool;
 use uuid::Uuid;
+
+use crate::harness::in_sim;
 
 /// What a store test can see of a row.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,8 +115,8 @@ impl StoreArm for FakeStore {
         ids
     }
     async fn row(&self, id: Uuid) -> Option<RowView> {
-        let table = self.state.table.lock().unwrap();
-        table.rows().find(|r| r.id == id).map(|r| RowView {
+        let db = self.state.lock();
+        db.outbox.row(&id).map(|r| RowView {
             attempts: r.attempts,
             published: r.published_ms.is_some(),
             parked: r.parked_ms.is_some(),
@@ -134,26 +124,8 @@ impl StoreArm for FakeStore {
         })
     }
     async fn backdate_published(&self, id: Uuid, secs: u64) {
-        self.state.backdate_published(id, Duration::from_secs(secs));
+        self.state.lock().outbox.backdate_published(id, secs * 1000);
     }
-}
-
-/// Runs `client` in a turmoil simulation beside a fake server on `host`.
-fn in_sim<S, SF, C>(host: &str, serve: S, client: C)
-where
-    S: Fn() -> SF + 'static,
-    SF: Future<Output = turmoil::Result> + 'static,
-    C: Future<Output = ()> + 'static,
-{
-    let mut sim = turmoil::Builder::new()
-        .simulation_duration(Duration::from_secs(600))
-        .build();
-    sim.host(host, serve);
-    sim.client("test", async move {
-        client.await;
-        Ok(())
-    });
-    sim.run().unwrap();
 }
 
 /// Runs `body` against the fake PostgreSQL inside a turmoil simulation.
@@ -165,7 +137,7 @@ where
     let trace = Trace::default();
     let state = PgState::new(7, trace.clone());
     let server = state.clone();
-    in_sim("pg", move || pg_fake::serve(server.clone()), async move {
+    in_sim("pg", move || pg::serve(server.clone()), async move {
         let arm = FakeStore {
             store: SimStore::new("conformance", trace.clone(), Hooks::new(1)),
             client: PgClient::new("writer", trace),
@@ -415,248 +387,24 @@ async fn two_concurrent_claimers_never_share_a_row<A: StoreArm>(arm: A) {
     );
 }
 
-macro_rules! store_conformance {
-    ($($name:ident),* $(,)?) => {
-        mod store {
-            use super::*;
-            $(
-                mod $name {
-                    use super::*;
-                    #[sqlx::test(migrator = "outbox::MIGRATOR")]
-                    async fn postgres(pool: PgPool) {
-                        super::super::$name(RealStore { store: PgOutboxStore::new(pool.clone()), pool }).await;
-                    }
-                    #[test]
-                    fn fake() {
-                        with_fake_store(super::super::$name);
-                    }
-                }
-            )*
-        }
-    };
+/// Runs `body` against PostgreSQL (a fresh database).
+async fn with_real<F, Fut>(pool: PgPool, body: F)
+where
+    F: FnOnce(RealStore) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    body(RealStore {
+        store: PgOutboxStore::new(pool.clone()),
+        pool,
+    })
+    .await;
 }
 
-store_conformance!(
+conformance!(postgres: with_real, fake: with_fake_store;
     claim_takes_oldest_first_stamps_the_lease_and_never_bumps,
     an_expired_lease_is_reclaimed_without_a_bump,
     marks_and_releases_are_guarded_by_claimed_by,
     failures_bump_attempts_park_at_the_budget_and_unpark_resets,
     the_retention_sweep_deletes_only_old_published_rows,
     two_concurrent_claimers_never_share_a_row,
-);
-
-// ---- broker ------------------------------------------------------------
-
-/// One side of the broker conformance suite.
-trait BrokerArm {
-    type B: Broker;
-    fn broker(&self) -> &Self::B;
-    fn exchange(&self) -> &str;
-    /// Makes the broker nack what is published with routing keys `prefix.*`.
-    async fn nack_prefix(&self, prefix: &str);
-    /// Breaks every connection of the broker client.
-    async fn cut(&self);
-}
-
-struct RealBroker {
-    broker: Arc<outbox::LapinBroker>,
-    exchange: String,
-    proxy: common::Proxy,
-    admin: lapin::Connection,
-}
-
-impl BrokerArm for RealBroker {
-    type B = outbox::LapinBroker;
-    fn broker(&self) -> &outbox::LapinBroker {
-        &self.broker
-    }
-    fn exchange(&self) -> &str {
-        &self.exchange
-    }
-    async fn nack_prefix(&self, prefix: &str) {
-        common::declare_rejecting_queue(&self.admin, &self.exchange, &format!("{prefix}.#")).await;
-    }
-    async fn cut(&self) {
-        self.proxy.cut();
-    }
-}
-
-struct FakeBroker {
-    broker: SimBroker,
-    state: MqState,
-}
-
-impl BrokerArm for FakeBroker {
-    type B = SimBroker;
-    fn broker(&self) -> &SimBroker {
-        &self.broker
-    }
-    fn exchange(&self) -> &str {
-        "canopy.events"
-    }
-    async fn nack_prefix(&self, prefix: &str) {
-        *self.state.faults.lock().unwrap() = MqFaults {
-            nack_prefix: Some(format!("{prefix}.")),
-            ..MqFaults::default()
-        };
-    }
-    async fn cut(&self) {
-        self.state.close_all_connections();
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-fn with_fake_broker<F, Fut>(body: F)
-where
-    F: FnOnce(FakeBroker) -> Fut + 'static,
-    Fut: Future<Output = ()> + 'static,
-{
-    let trace = Trace::default();
-    let state = MqState::new(3, trace.clone());
-    let server = state.clone();
-    in_sim(
-        "rabbit",
-        move || mq_fake::serve(server.clone()),
-        async move {
-            body(FakeBroker {
-                broker: SimBroker::new("conformance", trace, Hooks::new(1)),
-                state,
-            })
-            .await;
-        },
-    );
-}
-
-async fn with_real_broker<F, Fut>(body: F)
-where
-    F: FnOnce(RealBroker) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    let proxy = common::Proxy::start("127.0.0.1:5672").await;
-    let admin = common::connect().await;
-    let exchange = common::unique("conf");
-    let ch = admin.create_channel().await.unwrap();
-    common::declare_exchange(&ch, &exchange).await;
-    let broker = Arc::new(outbox::LapinBroker::new(proxy.amqp_url()));
-    body(RealBroker {
-        broker,
-        exchange: exchange.clone(),
-        proxy,
-        admin,
-    })
-    .await;
-    // The body passed: leave nothing behind on the shared broker.
-    ch.exchange_delete(exchange.as_str().into(), Default::default())
-        .await
-        .unwrap();
-}
-
-/// Opens a channel, publishes one message and awaits its confirm, all under
-/// a deadline as the drainer's Phase 2 is.
-async fn publish_one<B: Broker>(
-    b: &B,
-    exchange: &str,
-    key: &str,
-) -> Result<Confirm, outbox::BrokerError> {
-    tokio::time::timeout(
-        Duration::from_secs(5),
-        publish_one_unbounded(b, exchange, key),
-    )
-    .await
-    .unwrap_or_else(|_| Err(outbox::BrokerError::Connection("deadline".into())))
-}
-
-async fn publish_one_unbounded<B: Broker>(
-    b: &B,
-    exchange: &str,
-    key: &str,
-) -> Result<Confirm, outbox::BrokerError> {
-    let mut ch = b.channel_open().await?;
-    ch.channel_confirm_select().await?;
-    let confirm = ch
-        .channel_publish(OutgoingMessage {
-            exchange,
-            routing_key: key,
-            message_id: Uuid::now_v7(),
-            body: b"{}",
-        })
-        .await?;
-    let r = confirm.await;
-    ch.channel_close().await;
-    r
-}
-
-async fn a_publish_is_confirmed_even_with_no_queue_bound<A: BrokerArm>(arm: A) {
-    let r = publish_one(arm.broker(), arm.exchange(), "nobody.listens")
-        .await
-        .unwrap();
-    assert_eq!(
-        r,
-        Confirm::Ack,
-        "mandatory is unset: unroutable is not a failure"
-    );
-}
-
-async fn a_rejecting_queue_nacks_and_others_still_ack<A: BrokerArm>(arm: A) {
-    arm.nack_prefix("poison").await;
-    let r = publish_one(arm.broker(), arm.exchange(), "poison.x")
-        .await
-        .unwrap();
-    assert!(matches!(r, Confirm::Nack(_)), "{r:?}");
-    let r = publish_one(arm.broker(), arm.exchange(), "fine.x")
-        .await
-        .unwrap();
-    assert_eq!(r, Confirm::Ack);
-}
-
-async fn a_lost_connection_fails_and_a_reconnect_recovers<A: BrokerArm>(arm: A) {
-    let b = arm.broker();
-    publish_one(b, arm.exchange(), "k").await.unwrap();
-    let generation = b.connection_generation();
-    arm.cut().await;
-    // The old connection is unusable: opening a channel or confirming fails,
-    // or (if the client noticed the loss already) a new connection is made.
-    let r = publish_one(b, arm.exchange(), "k").await;
-    if r.is_err() {
-        b.connection_reconnect(generation).await.unwrap();
-        // A second reconnect for the same generation is a no-op.
-        let g2 = b.connection_generation();
-        b.connection_reconnect(generation).await.unwrap();
-        assert_eq!(b.connection_generation(), g2, "single-flight");
-    }
-    assert_eq!(
-        publish_one(b, arm.exchange(), "k").await.unwrap(),
-        Confirm::Ack
-    );
-    assert!(
-        b.connection_generation() > generation,
-        "a new connection was made"
-    );
-}
-
-macro_rules! broker_conformance {
-    ($($name:ident),* $(,)?) => {
-        mod broker {
-            use super::*;
-            $(
-                mod $name {
-                    use super::*;
-                    #[tokio::test]
-                    async fn rabbitmq() {
-                        with_real_broker(super::super::$name).await;
-                    }
-                    #[test]
-                    fn fake() {
-                        with_fake_broker(super::super::$name);
-                    }
-                }
-            )*
-        }
-    };
-}
-
-broker_conformance!(
-    a_publish_is_confirmed_even_with_no_queue_bound,
-    a_rejecting_queue_nacks_and_others_still_ack,
-    a_lost_connection_fails_and_a_reconnect_recovers,
 );

@@ -1,18 +1,21 @@
-//! Conformance of the inbox store: the same bodies against `PgInboxStore` on
-//! the local PostgreSQL (a fresh database per test) and `SimInboxStore` on
-//! the fake PostgreSQL in a turmoil simulation.
+//! The inbox store: the same bodies against `PgInboxStore` on the local
+//! PostgreSQL (a fresh database per test) and `SimInboxStore` on the fake
+//! PostgreSQL, including the data PostgreSQL refuses to store, which the
+//! fake must refuse alike.
 
 use std::future::Future;
 use std::time::Duration;
 
 use outbox::core::janitor::{InboxJanitorSettings, sweep_inbox};
 use outbox::core::ports::{AttemptRecord, InboxEntry, InboxFilter, InboxStore, InsertOutcome};
-use outbox::{EventEnvelope, PgInboxStore, PgTx};
-use sim::inbox_adapter::{SimInboxStore, SimTx};
-use sim::pg_fake::{self, PgState};
+use outbox::{EventEnvelope, PgInboxStore, PgTx, StoreError};
+use sim::adapters::{SimInboxStore, SimTx};
+use sim::fakes::pg::{self, PgState};
 use sim::trace::Trace;
 use sqlx::PgPool;
 use uuid::Uuid;
+
+use crate::harness::in_sim;
 
 /// One side of the suite.
 trait InboxArm {
@@ -88,21 +91,15 @@ impl InboxArm for Fake {
         tx.effect("q", id).await.unwrap();
     }
     async fn effects(&self, id: Uuid) -> u32 {
-        let table = self.state.table.lock().unwrap();
-        table
-            .inbox
+        let db = self.state.lock();
+        db.inbox
             .effects()
             .get(&("q".to_owned(), id))
             .copied()
             .unwrap_or(0)
     }
     async fn backdate_processed(&self, id: Uuid, secs: u64) {
-        self.state
-            .table
-            .lock()
-            .unwrap()
-            .inbox
-            .backdate_processed(id, secs * 1000);
+        self.state.lock().inbox.backdate_processed(id, secs * 1000);
     }
 }
 
@@ -114,32 +111,31 @@ where
     let trace = Trace::default();
     let state = PgState::new(11, trace.clone());
     let server = state.clone();
-    let mut sim = turmoil::Builder::new()
-        .simulation_duration(Duration::from_secs(600))
-        .build();
-    sim.host("pg", move || pg_fake::serve(server.clone()));
-    sim.client("test", async move {
+    in_sim("pg", move || pg::serve(server.clone()), async move {
         body(Fake {
             store: SimInboxStore::new("consumer-a", trace.clone()),
             other: SimInboxStore::new("consumer-b", trace),
             state,
         })
         .await;
-        Ok(())
     });
-    sim.run().unwrap();
 }
 
-async fn real(pool: PgPool) -> Real {
+async fn with_real<F, Fut>(pool: PgPool, body: F)
+where
+    F: FnOnce(Real) -> Fut,
+    Fut: Future<Output = ()>,
+{
     sqlx::query("CREATE TABLE effects (event_id UUID NOT NULL)")
         .execute(&pool)
         .await
         .unwrap();
-    Real {
+    body(Real {
         store: PgInboxStore::new(pool.clone()),
         other: PgInboxStore::new(pool.clone()),
         pool,
-    }
+    })
+    .await;
 }
 
 struct Event {
@@ -179,6 +175,29 @@ async fn apply<A: InboxArm>(arm: &A, store: &A::S, e: &Event) -> InsertOutcome {
     outcome
 }
 
+/// One failed attempt: BEGIN, try_insert, the handler's effect, then the
+/// failure recorded against `max_attempts`, COMMIT.
+async fn fail<A: InboxArm>(
+    arm: &A,
+    store: &A::S,
+    e: &Event,
+    key: &str,
+    max_attempts: u32,
+) -> AttemptRecord {
+    let mut tx = store.inbox_begin().await.unwrap();
+    store
+        .inbox_try_insert(&mut tx, &entry(e, key))
+        .await
+        .unwrap();
+    arm.effect(&mut tx, e.id).await;
+    let r = store
+        .inbox_record_failure(&mut tx, e.id, "boom", max_attempts)
+        .await
+        .unwrap();
+    store.inbox_commit(tx).await.unwrap();
+    r
+}
+
 // ---- bodies --------------------------------------------------------------
 
 async fn a_committed_event_is_already_processed_the_second_time<A: InboxArm>(arm: A) {
@@ -210,11 +229,10 @@ async fn a_rolled_back_attempt_leaves_only_its_recorded_failure<A: InboxArm>(arm
         .await
         .unwrap();
     assert!(listed.is_empty(), "the inserted row rolled back too");
+    // Each failed attempt undoes the handler's effect (back to the
+    // savepoint) but keeps the row, and counts once.
     for want in [(1, false), (2, false), (3, true), (4, true)] {
-        let r = s
-            .inbox_record_failure(&entry(&e, "k"), "boom", 3)
-            .await
-            .unwrap();
+        let r = fail(&arm, s, &e, "k", 3).await;
         assert_eq!(
             r,
             AttemptRecord {
@@ -222,6 +240,7 @@ async fn a_rolled_back_attempt_leaves_only_its_recorded_failure<A: InboxArm>(arm
                 dead_lettered: want.1
             }
         );
+        assert_eq!(arm.effects(e.id).await, 0, "the effect rolled back");
     }
     let mut tx = s.inbox_begin().await.unwrap();
     assert_eq!(
@@ -295,9 +314,7 @@ async fn replay_listing_filters_orders_and_resets_the_budget<A: InboxArm>(arm: A
     let s = arm.store();
     let (a, b, c) = (event("k.a"), event("k.b"), event("k.a"));
     for (e, key) in [(&a, "k.a"), (&b, "k.b"), (&c, "k.a")] {
-        s.inbox_record_failure(&entry(e, key), "nope", 1)
-            .await
-            .unwrap();
+        fail(&arm, s, e, key, 1).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ids = |rows: Vec<outbox::core::ports::InboxRow>| {
@@ -351,9 +368,7 @@ async fn the_retention_sweep_deletes_only_old_processed_rows<A: InboxArm>(arm: A
     for e in [&old1, &old2, &fresh] {
         apply(&arm, s, e).await;
     }
-    s.inbox_record_failure(&entry(&failed, "k"), "x", 1)
-        .await
-        .unwrap();
+    fail(&arm, s, &failed, "k", 1).await;
     arm.backdate_processed(old1.id, 100).await;
     arm.backdate_processed(old2.id, 100).await;
     let settings = InboxJanitorSettings {
@@ -379,31 +394,51 @@ async fn the_retention_sweep_deletes_only_old_processed_rows<A: InboxArm>(arm: A
     assert_eq!(left.len(), 1);
 }
 
-macro_rules! inbox_conformance {
-    ($($name:ident),* $(,)?) => {
-        mod inbox {
-            use super::*;
-            $(
-                mod $name {
-                    use super::*;
-                    #[sqlx::test(migrator = "outbox::MIGRATOR")]
-                    async fn postgres(pool: PgPool) {
-                        super::super::$name(real(pool).await).await;
-                    }
-                    #[test]
-                    fn fake() {
-                        with_fake(super::super::$name);
-                    }
-                }
-            )*
-        }
+async fn the_inbox_refuses_what_postgresql_refuses<A: InboxArm>(arm: A) {
+    // Envelopes that decode (serde skips unknown fields without judging
+    // them) but that PostgreSQL's jsonb will not store; and a routing key
+    // with a NUL, which text will not store.
+    let e = event("k");
+    let with = |extra: &str| {
+        let mut body = e.payload.clone();
+        body.pop();
+        format!("{body},{extra}}}")
     };
+    let cases = [
+        (with(r#""note":"\u0000""#), "k", true),
+        (with(r#""note":"\ud800""#), "k", true),
+        (with(r#""note":"\udc00x""#), "k", true),
+        (with(r#""note":1e1000000"#), "k", true),
+        (with(r#""note":1e-20000"#), "k", true),
+        (e.payload.clone(), "k\u{0}", true),
+        (with(r#""note":"\ud83d\ude00","n":1e131071"#), "k", false),
+        (e.payload.clone(), "k", false),
+    ];
+    let s = arm.store();
+    for (payload, key, refused) in cases {
+        let entry = InboxEntry {
+            event_id: e.id,
+            subscription: "q",
+            routing_key: key,
+            payload: payload.as_bytes(),
+        };
+        let mut tx = s.inbox_begin().await.unwrap();
+        let outcome = s.inbox_try_insert(&mut tx, &entry).await;
+        s.inbox_rollback(tx).await;
+        match outcome {
+            Err(StoreError::Refused(_)) if refused => {}
+            Ok(InsertOutcome::Inserted) if !refused => {}
+            other => panic!("{payload} ({key:?}): {other:?}, refused expected: {refused}"),
+        }
+    }
 }
 
-inbox_conformance!(
+conformance!(postgres: with_real, fake: with_fake;
+
     a_committed_event_is_already_processed_the_second_time,
     a_rolled_back_attempt_leaves_only_its_recorded_failure,
     a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome,
     replay_listing_filters_orders_and_resets_the_budget,
     the_retention_sweep_deletes_only_old_processed_rows,
+    the_inbox_refuses_what_postgresql_refuses,
 );

@@ -6,17 +6,35 @@
 //! second session's insert of the same event (or its failure record) waits
 //! for that lock, as `INSERT … ON CONFLICT` does, so deliveries of one event
 //! serialize; commit applies the row, its `processed` mark and the handler's
-//! effects together, rollback (or a dropped connection) none of them; failure
-//! records are autocommit upserts that count attempts and mark the row
-//! dead-lettered at the budget, and leave a processed row alone; replay
-//! listing, budget reset and the retention sweep. The server sessions live
-//! in `pg_fake.rs`; this module is their inbox logic.
+//! effects together, rollback (or a dropped connection) none of them; a
+//! savepoint after the insert, and failure records in the handler's
+//! transaction that roll back to it, count the attempt and mark the row
+//! dead-lettered at the budget, taking effect at commit; replay listing,
+//! budget reset and the retention sweep. A row whose data
+//! PostgreSQL would refuse (see `jsonb.rs`) is refused with its SQLSTATE.
+//! The server sessions live in `mod.rs`; this module is their inbox logic.
 
 use std::collections::BTreeMap;
 
 use uuid::Uuid;
 
-use crate::wire::{PgReply, PgRequest, WireInboxEntry, WireInboxRow, WireInsertOutcome};
+use super::jsonb::{Refusal, jsonb_refusal, text_refusal};
+use crate::trace::{Event, Trace};
+use crate::wire::{PgError, PgReply, PgRequest, WireInboxEntry, WireInboxRow, WireInsertOutcome};
+
+/// Why PostgreSQL would refuse to store `entry`, if it would.
+fn refusal(entry: &WireInboxEntry) -> Option<Refusal> {
+    text_refusal(&entry.subscription)
+        .or_else(|| text_refusal(&entry.routing_key))
+        .or_else(|| jsonb_refusal(&entry.payload))
+}
+
+/// Where an inbox request came from, for the trace.
+pub struct Caller<'a> {
+    pub session: u64,
+    pub client: &'a str,
+    pub trace: &'a Trace,
+}
 
 /// One committed inbox row (times in the fake's milliseconds).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,6 +74,9 @@ pub struct Inbox {
     locks: BTreeMap<Uuid, u64>,
     /// Committed handler effects per (subscription, event).
     effects: BTreeMap<(String, Uuid), u32>,
+    /// Every event ever marked processed (the janitor deletes rows; the
+    /// world's quiescence needs to know what took effect).
+    processed_ever: std::collections::BTreeSet<Uuid>,
 }
 
 /// An open transaction's inbox work, applied at commit.
@@ -65,12 +86,37 @@ pub struct InboxTx {
     processed: Vec<Uuid>,
     effects: Vec<(String, Uuid)>,
     locked: Vec<Uuid>,
+    /// Failed attempts recorded on rows this transaction locked (not
+    /// inserted): (event, attempts, error, dead-lettered).
+    failures: Vec<(Uuid, i32, String, bool)>,
+    /// The savepoint: how much handler work there was when it was set.
+    savepoint: Option<Savepoint>,
+}
+
+#[derive(Debug, Clone)]
+struct Savepoint {
+    processed: usize,
+    effects: usize,
+    inserts_processed: Vec<Option<u64>>,
 }
 
 impl InboxTx {
     /// Whether the transaction did any inbox work.
     pub fn is_empty(&self) -> bool {
         self.inserts.is_empty() && self.locked.is_empty() && self.effects.is_empty()
+    }
+
+    /// `ROLLBACK TO SAVEPOINT`: the handler's work since it goes.
+    fn rollback_to_savepoint(&mut self) -> bool {
+        let Some(sp) = self.savepoint.clone() else {
+            return false;
+        };
+        self.processed.truncate(sp.processed);
+        self.effects.truncate(sp.effects);
+        for (row, processed) in self.inserts.iter_mut().zip(sp.inserts_processed) {
+            row.processed_ms = processed;
+        }
+        true
     }
 }
 
@@ -79,6 +125,8 @@ impl InboxTx {
 pub struct Committed {
     pub processed: Vec<Uuid>,
     pub effects: Vec<(String, Uuid)>,
+    /// Failed attempts recorded: (event, attempts, dead-lettered).
+    pub failures: Vec<(Uuid, i32, bool)>,
 }
 
 impl Inbox {
@@ -92,6 +140,11 @@ impl Inbox {
         &self.effects
     }
 
+    /// Whether `id` was ever marked processed.
+    pub fn processed_ever(&self, id: &Uuid) -> bool {
+        self.processed_ever.contains(id)
+    }
+
     /// Moves a row's `processed_ms` `by_ms` into the past (conformance).
     pub fn backdate_processed(&mut self, id: Uuid, by_ms: u64) {
         if let Some(p) = self.rows.get_mut(&id).and_then(|r| r.processed_ms.as_mut()) {
@@ -101,13 +154,13 @@ impl Inbox {
 
     /// Whether `req` must wait for a row another session holds.
     pub fn blocked(&self, req: &PgRequest, session: u64) -> bool {
-        let id = match req {
-            PgRequest::InboxTryInsert { entry } | PgRequest::InboxRecordFailure { entry, .. } => {
-                entry.event_id
-            }
-            _ => return false,
-        };
-        self.locks.get(&id).is_some_and(|s| *s != session)
+        match req {
+            PgRequest::InboxTryInsert { entry } => self
+                .locks
+                .get(&entry.event_id)
+                .is_some_and(|s| *s != session),
+            _ => false,
+        }
     }
 
     /// Applies an inbox request; `None` if `req` is not one. `tx` is the
@@ -115,20 +168,35 @@ impl Inbox {
     pub fn apply(
         &mut self,
         req: &PgRequest,
-        session: u64,
+        caller: &Caller<'_>,
         tx: Option<&mut InboxTx>,
         now: u64,
     ) -> Option<PgReply> {
+        let session = caller.session;
+        if let PgRequest::InboxTryInsert { entry } = req
+            && let Some(r) = refusal(entry)
+        {
+            caller.trace.now(Event::InboxRefused {
+                client: caller.client.to_owned(),
+                event_id: entry.event_id,
+                code: r.code,
+            });
+            return Some(PgReply::Error(PgError::new(r.code, r.message)));
+        }
         let reply = match req {
             PgRequest::InboxTryInsert { entry } => {
                 let Some(tx) = tx else {
-                    return Some(PgReply::Error("inbox insert outside a transaction".into()));
+                    return Some(outside_tx("inbox insert"));
                 };
                 let id = entry.event_id;
                 if tx.inserts.iter().any(|r| r.event_id == id) {
                     PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts: 0 })
                 } else if let Some(row) = self.rows.get(&id) {
                     let outcome = if row.processed_ms.is_some() {
+                        caller.trace.now(Event::InboxDuplicate {
+                            client: caller.client.to_owned(),
+                            event_id: id,
+                        });
                         WireInsertOutcome::AlreadyProcessed
                     } else {
                         WireInsertOutcome::InFlightRetry {
@@ -145,7 +213,7 @@ impl Inbox {
             }
             PgRequest::InboxMarkProcessed { event_id } => {
                 let Some(tx) = tx else {
-                    return Some(PgReply::Error("inbox mark outside a transaction".into()));
+                    return Some(outside_tx("inbox mark"));
                 };
                 if let Some(row) = tx.inserts.iter_mut().find(|r| r.event_id == *event_id) {
                     row.processed_ms = Some(now);
@@ -159,36 +227,37 @@ impl Inbox {
                 event_id,
             } => {
                 let Some(tx) = tx else {
-                    return Some(PgReply::Error("effect outside a transaction".into()));
+                    return Some(outside_tx("effect"));
                 };
                 tx.effects.push((subscription.clone(), *event_id));
                 PgReply::Ok
             }
+            PgRequest::InboxSavepoint => {
+                let Some(tx) = tx else {
+                    return Some(outside_tx("savepoint"));
+                };
+                tx.savepoint = Some(Savepoint {
+                    processed: tx.processed.len(),
+                    effects: tx.effects.len(),
+                    inserts_processed: tx.inserts.iter().map(|r| r.processed_ms).collect(),
+                });
+                PgReply::Ok
+            }
             PgRequest::InboxRecordFailure {
-                entry,
+                event_id,
                 error,
                 max_attempts,
             } => {
-                let row = self
-                    .rows
-                    .entry(entry.event_id)
-                    .or_insert_with(|| InboxRow::new(entry, now));
-                if row.processed_ms.is_some() {
-                    PgReply::Attempt {
-                        attempts: 0,
-                        dead_lettered: false,
-                    }
-                } else {
-                    row.attempts += 1;
-                    row.last_error = Some(error.clone());
-                    if row.attempts >= *max_attempts as i32 && row.dead_lettered_ms.is_none() {
-                        row.dead_lettered_ms = Some(now);
-                    }
-                    PgReply::Attempt {
-                        attempts: row.attempts,
-                        dead_lettered: row.dead_lettered_ms.is_some(),
-                    }
+                let Some(tx) = tx else {
+                    return Some(outside_tx("inbox record failure"));
+                };
+                if !tx.rollback_to_savepoint() {
+                    return Some(PgReply::Error(PgError::new(
+                        "3B001",
+                        "savepoint \"canopy_handler\" does not exist",
+                    )));
                 }
+                self.record_failure(tx, *event_id, error, *max_attempts, now)
             }
             PgRequest::InboxList {
                 ids,
@@ -224,15 +293,19 @@ impl Inbox {
                 )
             }
             PgRequest::InboxReset { ids } => {
-                let mut n = 0;
+                let mut reset = Vec::new();
                 for id in ids {
                     if let Some(r) = self.rows.get_mut(id)
                         && r.processed_ms.is_none()
                     {
                         r.attempts = 0;
                         r.dead_lettered_ms = None;
-                        n += 1;
+                        reset.push(*id);
                     }
+                }
+                let n = reset.len() as u64;
+                if !reset.is_empty() {
+                    caller.trace.now(Event::InboxReset { ids: reset });
                 }
                 PgReply::Count(n)
             }
@@ -255,11 +328,60 @@ impl Inbox {
                 for (_, id) in &expired {
                     self.rows.remove(id);
                 }
+                if !expired.is_empty() {
+                    caller.trace.now(Event::InboxDeleted {
+                        ids: expired.iter().map(|(_, id)| *id).collect(),
+                    });
+                }
                 PgReply::Count(expired.len() as u64)
             }
             _ => return None,
         };
         Some(reply)
+    }
+
+    /// Counts a failed attempt on a row the transaction holds.
+    fn record_failure(
+        &self,
+        tx: &mut InboxTx,
+        id: Uuid,
+        error: &str,
+        max_attempts: u32,
+        now: u64,
+    ) -> PgReply {
+        let budget = |attempts: i32, already: bool| already || attempts >= max_attempts as i32;
+        if let Some(row) = tx.inserts.iter_mut().find(|r| r.event_id == id) {
+            row.attempts += 1;
+            row.last_error = Some(error.to_owned());
+            if budget(row.attempts, row.dead_lettered_ms.is_some()) {
+                row.dead_lettered_ms.get_or_insert(now);
+            }
+            return PgReply::Attempt {
+                attempts: row.attempts,
+                dead_lettered: row.dead_lettered_ms.is_some(),
+            };
+        }
+        let Some(row) = self.rows.get(&id).filter(|_| tx.locked.contains(&id)) else {
+            return PgReply::Error(PgError::new(
+                "55000",
+                format!("inbox row {id} is not held by this transaction"),
+            ));
+        };
+        let (before, was_dead) = tx
+            .failures
+            .iter()
+            .rev()
+            .find(|f| f.0 == id)
+            .map_or((row.attempts, row.dead_lettered_ms.is_some()), |f| {
+                (f.1, f.3)
+            });
+        let attempts = before + 1;
+        let dead = budget(attempts, was_dead);
+        tx.failures.push((id, attempts, error.to_owned(), dead));
+        PgReply::Attempt {
+            attempts,
+            dead_lettered: dead,
+        }
     }
 
     fn lock(&mut self, tx: &mut InboxTx, id: Uuid, session: u64) {
@@ -274,13 +396,29 @@ impl Inbox {
         for row in tx.inserts {
             if row.processed_ms.is_some() {
                 out.processed.push(row.event_id);
+                self.processed_ever.insert(row.event_id);
+            }
+            if row.attempts > 0 {
+                out.failures
+                    .push((row.event_id, row.attempts, row.dead_lettered_ms.is_some()));
             }
             self.rows.insert(row.event_id, row);
+        }
+        for (id, attempts, error, dead) in tx.failures {
+            if let Some(r) = self.rows.get_mut(&id) {
+                r.attempts = attempts;
+                r.last_error = Some(error);
+                if dead {
+                    r.dead_lettered_ms.get_or_insert(now);
+                }
+                out.failures.push((id, attempts, dead));
+            }
         }
         for id in tx.processed {
             if let Some(r) = self.rows.get_mut(&id) {
                 r.processed_ms = Some(now);
                 out.processed.push(id);
+                self.processed_ever.insert(id);
             }
         }
         for effect in tx.effects {
@@ -299,4 +437,11 @@ impl Inbox {
             self.locks.remove(&id);
         }
     }
+}
+
+fn outside_tx(what: &str) -> PgReply {
+    PgReply::Error(PgError::new(
+        "25P01",
+        format!("{what} outside a transaction"),
+    ))
 }

@@ -1,8 +1,10 @@
-//! The producer workload: domain transactions that write envelopes into the
-//! fake PostgreSQL, some committed, some rolled back, started at seeded
-//! intervals (open loop).
+//! The workload: the producer's domain transactions that write envelopes
+//! into the fake PostgreSQL, some committed, some rolled back, started at
+//! seeded intervals (open loop); and the consumer's handler ([`handler`]).
 //! Connection failures leave a transaction in doubt; the fake (not this
 //! client) is the judge of what committed.
+
+pub mod handler;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,6 +22,10 @@ use crate::wire::{NewRow, PgRequest};
 
 /// Most attempts at one transaction before the workload moves on.
 const TX_RETRIES_MAX: u32 = 50;
+
+/// The Unix time (ms) of the simulation's zero, for UUID v7 ids:
+/// 2026-01-01.
+pub const EPOCH_MS: u64 = 1_767_225_600_000;
 
 /// Runs the workload to its end, then sets `done`.
 pub async fn run(
@@ -115,7 +121,7 @@ async fn rolled_back(pg: &PgClient, body: Vec<PgRequest>) -> Result<(), outbox::
 
 /// A UUID v7 from simulated time and seeded randomness.
 fn envelope(rng: &mut SmallRng, key: &str, n: u32, k: u32) -> EventEnvelope {
-    let ms = crate::sim_now_ms() + 1_767_225_600_000; // 2026-01-01 as the epoch of the run
+    let ms = crate::sim_now_ms() + EPOCH_MS;
     let random: [u8; 10] = rng.random();
     let id = uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid();
     EventEnvelope {

@@ -23,9 +23,13 @@
 //!   unacknowledged deliveries go back to the queue for the others, and the
 //!   consumer reconnects after the heal. Without this a message delivered
 //!   into a partition would sit unacknowledged forever.
-//! - **duplicate delivery** (`duplicate_prob`): see `mq_queues`.
+//! - **duplicate delivery** (`duplicate_prob`): see [`queues`].
+//! - **hostile messages** ([`MqState::inject_hostile`]): see [`hostile`].
 //!
-//! Queues, bindings, consumers and dead-lettering live in `mq_queues.rs`.
+//! Queues, bindings, consumers and dead-lettering live in [`queues`].
+
+pub mod hostile;
+pub mod queues;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -36,7 +40,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use uuid::Uuid;
 
-use crate::trace::{Event, Trace};
+use crate::trace::{Event, FaultKind, HostileKind, Trace};
 use crate::wire::{
     HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, MqReply, MqRequest, read_frame, write_frame,
 };
@@ -54,8 +58,18 @@ pub struct MqFaults {
     /// Extra delay before each confirm is sent.
     pub confirm_delay_ms: u64,
     /// Probability, per delivery, that the broker also keeps a redelivered
-    /// copy (see `mq_queues`).
+    /// copy (see [`queues`]).
     pub duplicate_prob: f64,
+}
+
+/// A hostile message the broker put in a queue, kept until the end so the
+/// world can tell when every one has settled.
+#[derive(Debug, Clone)]
+pub struct Injected {
+    pub kind: HostileKind,
+    pub queue: String,
+    pub message_id: Option<String>,
+    pub envelope_id: Option<Uuid>,
 }
 
 /// What the broker stored: every acked message, in order.
@@ -81,7 +95,9 @@ pub struct MqState {
     pub stored: Arc<Mutex<Stored>>,
     pub faults: Arc<Mutex<MqFaults>>,
     /// Queues and consumers (the subscriber's side).
-    pub queues: Arc<Mutex<crate::mq_queues::Queues>>,
+    pub queues: Arc<Mutex<queues::Queues>>,
+    /// Hostile messages injected so far.
+    pub injected: Arc<Mutex<Vec<Injected>>>,
     connections: Arc<Mutex<u64>>,
     rng: Arc<Mutex<SmallRng>>,
     /// Bumped to close every connection (`rabbitmqctl close_all_connections`).
@@ -95,7 +111,8 @@ impl MqState {
         Self {
             stored: Arc::default(),
             faults: Arc::default(),
-            queues: Arc::default(),
+            queues: Arc::new(Mutex::new(queues::Queues::new(trace.clone()))),
+            injected: Arc::default(),
             connections: Arc::default(),
             rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
             close_all: Arc::new(tokio::sync::watch::channel(0).0),
@@ -106,8 +123,10 @@ impl MqState {
     /// Closes every client connection, as `rabbitmqctl close_all_connections`
     /// does: clients see the connection end.
     pub fn close_all_connections(&self) {
-        self.trace
-            .now(Event::Fault("broker closes every connection".into()));
+        self.trace.now(Event::Fault {
+            kind: FaultKind::MqDrop,
+            detail: "broker closes every connection".into(),
+        });
         self.close_all.send_modify(|g| *g += 1);
     }
 
@@ -115,8 +134,64 @@ impl MqState {
         p > 0.0 && self.rng.lock().expect("rng").random_bool(p.min(1.0))
     }
 
+    /// Puts a hostile message of one of `kinds` (drawn from the broker's
+    /// RNG) in `queue`, as a foreign publisher on `exchange` would;
+    /// `oversize_bytes` is how large an oversized one is.
+    pub fn inject_hostile(
+        &self,
+        exchange: &str,
+        queue: &str,
+        kinds: &[HostileKind],
+        oversize_bytes: usize,
+    ) {
+        if kinds.is_empty() {
+            return;
+        }
+        let h = {
+            let mut rng = self.rng.lock().expect("rng");
+            let kind = kinds[rng.random_range(0..kinds.len())];
+            hostile::build(kind, &mut rng, oversize_bytes)
+        };
+        self.trace.now(Event::Hostile {
+            kind: h.kind,
+            message_id: h.message.message_id.clone(),
+            envelope_id: h.envelope_id,
+        });
+        self.injected.lock().expect("injected").push(Injected {
+            kind: h.kind,
+            queue: queue.to_owned(),
+            message_id: h.message.message_id.clone(),
+            envelope_id: h.envelope_id,
+        });
+        self.with_queues(|q| q.route(exchange, h.message));
+    }
+
+    /// Envelope ids of injected hostile messages that must take effect.
+    pub fn hostile_applies(&self) -> Vec<Uuid> {
+        self.injected
+            .lock()
+            .expect("injected")
+            .iter()
+            .filter(|h| h.kind.applies())
+            .filter_map(|h| h.envelope_id)
+            .collect()
+    }
+
+    /// Whether every hostile message that must be dead-lettered is in its
+    /// queue's dead-letter queue (the world's quiescence).
+    pub fn hostiles_dead_lettered(&self) -> bool {
+        let injected = self.injected.lock().expect("injected");
+        let queues = self.queues.lock().expect("queues");
+        injected.iter().filter(|h| !h.kind.applies()).all(|h| {
+            queues
+                .ready(&format!("{}.dlq", h.queue))
+                .iter()
+                .any(|m| m.message_id == h.message_id)
+        })
+    }
+
     /// Runs `f` on the queues, then pushes what became deliverable.
-    fn with_queues<T>(&self, f: impl FnOnce(&mut crate::mq_queues::Queues) -> T) -> T {
+    fn with_queues<T>(&self, f: impl FnOnce(&mut queues::Queues) -> T) -> T {
         let duplicate_prob = self.faults.lock().expect("faults").duplicate_prob;
         let mut queues = self.queues.lock().expect("queues");
         let out = f(&mut queues);
@@ -183,10 +258,13 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
             next = tokio::time::timeout(HEARTBEAT_TIMEOUT, read_frame::<_, MqRequest>(&mut r)) => match next {
                 Ok(next) => next,
                 Err(_) => {
-                    state.trace.now(Event::Fault(format!(
-                        "broker closes {client}'s connection: no heartbeat for {} s",
-                        HEARTBEAT_TIMEOUT.as_secs()
-                    )));
+                    state.trace.now(Event::Fault {
+                        kind: FaultKind::HeartbeatTimeout,
+                        detail: format!(
+                            "broker closes {client}'s connection: no heartbeat for {} s",
+                            HEARTBEAT_TIMEOUT.as_secs()
+                        ),
+                    });
                     break;
                 }
             },
@@ -233,7 +311,7 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
             }
             MqRequest::Consume { channel, queue } => {
                 let out = out_tx.clone();
-                if state.with_queues(|q| q.consume(conn, channel, &queue, out)) {
+                if state.with_queues(|q| q.consume(conn, channel, &client, &queue, out)) {
                     Some(MqReply::Ok { channel })
                 } else {
                     Some(MqReply::ChannelClosed {
@@ -290,9 +368,10 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                 // A drop may come before or after the message is stored.
                 let drop_before = state.roll(faults.drop_conn_prob / 2.0);
                 if drop_before {
-                    state.trace.now(Event::Fault(format!(
-                        "broker drops {client}'s connection before storing"
-                    )));
+                    state.trace.now(Event::Fault {
+                        kind: FaultKind::MqDrop,
+                        detail: format!("broker drops {client}'s connection before storing"),
+                    });
                     break;
                 }
                 let ack = !faults
@@ -309,13 +388,18 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                     state.with_queues(|q| {
                         q.route(
                             &exchange,
-                            crate::mq_queues::QueuedMessage {
-                                message_id,
+                            queues::QueuedMessage {
+                                message_id: Some(message_id.to_string()),
                                 routing_key: routing_key.clone(),
                                 body,
                                 redelivered: false,
                             },
                         )
+                    });
+                } else {
+                    state.trace.now(Event::Fault {
+                        kind: FaultKind::MqNack,
+                        detail: format!("broker nacks {message_id} ({routing_key})"),
                     });
                 }
                 state.trace.now(Event::Confirmed {
@@ -324,9 +408,10 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                     ack,
                 });
                 if state.roll(faults.drop_conn_prob / 2.0) {
-                    state.trace.now(Event::Fault(format!(
-                        "broker drops {client}'s connection after storing"
-                    )));
+                    state.trace.now(Event::Fault {
+                        kind: FaultKind::MqDrop,
+                        detail: format!("broker drops {client}'s connection after storing"),
+                    });
                     break;
                 }
                 if !ch.confirm {

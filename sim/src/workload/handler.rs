@@ -1,7 +1,12 @@
 //! The simulated subscriber's handler: one domain effect per event, written
 //! in the handler's transaction (so the fake counts committed effects), with
 //! seeded transient failures and a "downstream broken" switch that makes
-//! every event of a poison routing key fail until it is turned off.
+//! every event of a poison routing key fail until it is turned off. Its
+//! own database errors go back with `?`, as a service's handler's would:
+//! the production conversion decides whether they count an attempt.
+//!
+//! It records every run and what it came to (`HandlerRan`): the checker's
+//! budget rules count attempts against these.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,9 +15,8 @@ use std::sync::{Arc, Mutex};
 use outbox::core::subscriber::Handler;
 use outbox::{EventEnvelope, HandlerError};
 
-use crate::adapters::{Hooks, Point};
-use crate::inbox_adapter::SimTx;
-use crate::trace::Trace;
+use crate::adapters::{Hooks, Point, SimTx};
+use crate::trace::{Event, HandlerResult, Trace};
 
 /// Routing-key prefix of events the broken downstream refuses.
 pub const POISON_PREFIX: &str = "poison.";
@@ -62,6 +66,22 @@ impl SimHandler {
 
 impl Handler<SimTx> for SimHandler {
     async fn handle(&self, tx: &mut SimTx, event: &EventEnvelope) -> Result<(), HandlerError> {
+        let result = self.apply(tx, event).await;
+        self.trace.now(Event::HandlerRan {
+            client: self.who.clone(),
+            event_id: event.id,
+            result: match &result {
+                Ok(()) => HandlerResult::Ok,
+                Err(e) if e.is_unavailable() => HandlerResult::Unavailable,
+                Err(_) => HandlerResult::Failed,
+            },
+        });
+        result
+    }
+}
+
+impl SimHandler {
+    async fn apply(&self, tx: &mut SimTx, event: &EventEnvelope) -> Result<(), HandlerError> {
         if event.routing_key.starts_with(POISON_PREFIX)
             && self.downstream_broken.load(Ordering::SeqCst)
         {
@@ -75,9 +95,7 @@ impl Handler<SimTx> for SimHandler {
                 .1
                 .is_multiple_of(self.transient_one_in)
             && self.failed_once.lock().expect("lock").insert(event.id);
-        tx.effect(&self.subscription, event.id)
-            .await
-            .map_err(|e| HandlerError::msg(e.to_string()))?;
+        tx.effect(&self.subscription, event.id).await?;
         self.hooks
             .at(Point::MidHandler, &self.who, &self.trace)
             .await;

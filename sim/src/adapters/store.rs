@@ -1,0 +1,258 @@
+//! The `OutboxStore` port over the fake PostgreSQL, for the production
+//! drainer and janitor. Besides doing what the sqlx adapter does (the same
+//! statements, the claim in one short transaction with the same
+//! idle-in-transaction bound), it records the replica's view of its calls:
+//! when it asked for a claim, what the claim returned, when it asked to mark
+//! or release which rows, and which calls failed. The checker's timing rules
+//! (#1061's deadline, backoff after failures) read these.
+
+use std::time::Duration;
+
+use outbox::StoreError;
+use outbox::core::ports::{
+    ClaimParams, ClaimedRow, FailOutcome, OutboxStats, OutboxStore, ParkedRow, RowFailure,
+    UnparkSelector,
+};
+use uuid::Uuid;
+
+use super::hooks::{Hooks, Point};
+use super::net::{PgClient, unexpected};
+use crate::trace::{Call, Event, Trace};
+use crate::wire::{PgReply, PgRequest};
+
+/// The claim transaction's idle timeout, as in `pg/sql/outbox_claim_plan.sql`.
+pub const CLAIM_IDLE_IN_TX_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The `OutboxStore` port over the fake PostgreSQL.
+pub struct SimStore {
+    pg: PgClient,
+    replica: String,
+    hooks: Hooks,
+    trace: Trace,
+}
+
+impl SimStore {
+    /// A store for `replica`.
+    pub fn new(replica: impl Into<String>, trace: Trace, hooks: Hooks) -> Self {
+        let replica = replica.into();
+        Self {
+            pg: PgClient::new(replica.clone(), trace.clone()),
+            replica,
+            hooks,
+            trace,
+        }
+    }
+
+    /// Records that the replica called a mark or release for `ids`.
+    fn called(&self, call: Call, ids: Vec<Uuid>) {
+        self.trace.now(Event::StoreCalled {
+            replica: self.replica.clone(),
+            call,
+            ids,
+        });
+    }
+
+    /// Records how a drainer call ended, and passes the result on.
+    fn answered<T>(&self, call: Call, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        let replica = self.replica.clone();
+        self.trace.now(match result {
+            Ok(_) => Event::StoreAnswered { replica, call },
+            Err(_) => Event::StoreFailed { replica, call },
+        });
+        result
+    }
+
+    async fn claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
+        // Like the PostgreSQL adapter: one short transaction around the
+        // claim, with the same idle-in-transaction timeout.
+        let mut replies = self
+            .pg
+            .in_tx(vec![
+                PgRequest::SetIdleInTxTimeout {
+                    ms: CLAIM_IDLE_IN_TX_TIMEOUT.as_millis() as u64,
+                },
+                PgRequest::Claim {
+                    replica: p.replica_id.to_owned(),
+                    batch_size: p.batch_size,
+                    lease_ttl_ms: p.lease_ttl.as_millis() as u64,
+                },
+            ])
+            .await?;
+        let rows = match replies.pop() {
+            Some(PgReply::Rows(rows)) => rows,
+            Some(other) => return Err(unexpected(other)),
+            None => return Err(StoreError::Statement("no reply".into())),
+        };
+        if !rows.is_empty() {
+            self.hooks
+                .at(Point::AfterClaim, &self.replica, &self.trace)
+                .await;
+        }
+        Ok(rows
+            .into_iter()
+            .map(|r| ClaimedRow {
+                id: r.id,
+                routing_key: r.routing_key,
+                body: r.body.into_bytes(),
+                attempts: r.attempts,
+            })
+            .collect())
+    }
+
+    async fn mark_published(&self, replica_id: &str, ids: &[Uuid]) -> Result<u64, StoreError> {
+        self.hooks
+            .at(Point::BeforeMark, &self.replica, &self.trace)
+            .await;
+        let reply = self
+            .pg
+            .call(PgRequest::MarkPublished {
+                replica: replica_id.to_owned(),
+                ids: ids.to_vec(),
+            })
+            .await?;
+        self.hooks
+            .at(Point::MidMark, &self.replica, &self.trace)
+            .await;
+        match reply {
+            PgReply::Count(n) => Ok(n),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn mark_failed(
+        &self,
+        replica_id: &str,
+        failures: &[RowFailure],
+        max_attempts: u32,
+    ) -> Result<FailOutcome, StoreError> {
+        let reply = self
+            .pg
+            .call(PgRequest::MarkFailed {
+                replica: replica_id.to_owned(),
+                failures: failures.iter().map(|f| (f.id, f.error.clone())).collect(),
+                max_attempts,
+            })
+            .await?;
+        match reply {
+            PgReply::Failed { recorded, parked } => Ok(FailOutcome { recorded, parked }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn release(&self, replica_id: &str, ids: &[Uuid]) -> Result<u64, StoreError> {
+        match self
+            .pg
+            .call(PgRequest::Release {
+                replica: replica_id.to_owned(),
+                ids: ids.to_vec(),
+            })
+            .await?
+        {
+            PgReply::Count(n) => Ok(n),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+impl OutboxStore for SimStore {
+    async fn outbox_claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
+        self.trace.now(Event::ClaimCalled {
+            replica: self.replica.clone(),
+        });
+        let rows = self.answered(Call::Claim, self.claim(p).await)?;
+        self.trace.now(Event::ClaimReturned {
+            replica: self.replica.clone(),
+            ids: rows.iter().map(|r| r.id).collect(),
+        });
+        Ok(rows)
+    }
+
+    async fn outbox_mark_published(
+        &self,
+        replica_id: &str,
+        ids: &[Uuid],
+    ) -> Result<u64, StoreError> {
+        self.called(Call::MarkPublished, ids.to_vec());
+        let result = self.mark_published(replica_id, ids).await;
+        self.answered(Call::MarkPublished, result)
+    }
+
+    async fn outbox_mark_failed(
+        &self,
+        replica_id: &str,
+        failures: &[RowFailure],
+        max_attempts: u32,
+    ) -> Result<FailOutcome, StoreError> {
+        self.called(Call::MarkFailed, failures.iter().map(|f| f.id).collect());
+        let result = self.mark_failed(replica_id, failures, max_attempts).await;
+        self.answered(Call::MarkFailed, result)
+    }
+
+    async fn outbox_release(&self, replica_id: &str, ids: &[Uuid]) -> Result<u64, StoreError> {
+        self.called(Call::Release, ids.to_vec());
+        let result = self.release(replica_id, ids).await;
+        self.answered(Call::Release, result)
+    }
+
+    async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
+        match self.pg.call(PgRequest::Stats).await? {
+            PgReply::Stats {
+                pending,
+                oldest_age_ms,
+                parked,
+            } => Ok(OutboxStats {
+                pending,
+                oldest_unpublished_age_secs: oldest_age_ms as f64 / 1000.0,
+                parked,
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_delete_published(
+        &self,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        match self
+            .pg
+            .call(PgRequest::DeletePublished {
+                older_than_ms: older_than.as_millis() as u64,
+                limit,
+            })
+            .await?
+        {
+            PgReply::Count(n) => Ok(n),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_list_parked(&self, limit: u32) -> Result<Vec<ParkedRow>, StoreError> {
+        let epoch = time::OffsetDateTime::UNIX_EPOCH;
+        match self.pg.call(PgRequest::ListParked { limit }).await? {
+            PgReply::Parked(rows) => Ok(rows
+                .into_iter()
+                .map(|r| ParkedRow {
+                    id: r.id,
+                    routing_key: r.routing_key,
+                    attempts: r.attempts,
+                    last_error: r.last_error,
+                    enqueued_at: epoch + Duration::from_millis(r.enqueued_ms),
+                    parked_at: epoch + Duration::from_millis(r.parked_ms),
+                })
+                .collect()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_unpark(&self, selector: &UnparkSelector) -> Result<u64, StoreError> {
+        let ids = match selector {
+            UnparkSelector::Ids(ids) => Some(ids.clone()),
+            UnparkSelector::All => None,
+        };
+        match self.pg.call(PgRequest::Unpark { ids }).await? {
+            PgReply::Count(n) => Ok(n),
+            other => Err(unexpected(other)),
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! Attempts and parking (#1230): a row's `attempts` grow only on
+//! row-culpable failures (a broker nack, or a routing key no broker could
+//! accept), never on a claim, a lease expiry, a timeout or any
+//! infrastructure error; a row parks exactly when its attempts reach the
+//! budget; a parked row is not claimed until an operator unparks it, which
+//! gives it a fresh budget.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use uuid::Uuid;
+
+use super::{Context, Findings, Invariant};
+use crate::trace::Event;
+
+pub fn check(ctx: &Context<'_>, out: &mut Findings) {
+    let max = ctx.limits.max_attempts;
+    let mut nacks: BTreeMap<Uuid, u32> = BTreeMap::new();
+    let mut bumps: BTreeMap<Uuid, u32> = BTreeMap::new();
+    let mut parked: BTreeSet<Uuid> = BTreeSet::new();
+    for (at, e) in ctx.events {
+        let at = Some(*at);
+        match e {
+            Event::Claimed {
+                replica,
+                ids,
+                attempts,
+            } => {
+                for (id, a) in ids.iter().zip(attempts) {
+                    let expected = bumps.get(id).copied().unwrap_or(0);
+                    if *a as u32 != expected {
+                        out.add(
+                            Invariant::AttemptsOnlyOnBlame,
+                            at,
+                            format!("{id} claimed with attempts {a}, but {expected} failures were recorded"),
+                        );
+                    }
+                    if parked.contains(id) {
+                        out.add(
+                            Invariant::ParkedNotClaimed,
+                            at,
+                            format!("{replica} claimed parked row {id}"),
+                        );
+                    }
+                }
+            }
+            Event::Confirmed {
+                message_id,
+                ack: false,
+                ..
+            } => *nacks.entry(*message_id).or_insert(0) += 1,
+            Event::MarkedFailed { ids, parked: p, .. } => {
+                for id in ids {
+                    let n = bumps.entry(*id).or_insert(0);
+                    *n += 1;
+                    let (n, nacked) = (*n, nacks.get(id).copied().unwrap_or(0));
+                    // An unpublishable row is blamed by the drainer itself.
+                    if !ctx.model.unpublishable.contains(id) && n > nacked {
+                        out.add(
+                            Invariant::AttemptsOnlyOnBlame,
+                            at,
+                            format!("{id} bumped to {n} after {nacked} nacks"),
+                        );
+                    }
+                    if p.contains(id) != (n >= max) {
+                        out.add(
+                            Invariant::ParkAtBudget,
+                            at,
+                            format!(
+                                "{id} at {n} failures of a budget of {max}: parked is {}",
+                                p.contains(id)
+                            ),
+                        );
+                    }
+                }
+                parked.extend(p.iter().copied());
+            }
+            Event::Unparked { ids } => {
+                for id in ids {
+                    parked.remove(id);
+                    bumps.remove(id);
+                    nacks.remove(id);
+                }
+            }
+            _ => {}
+        }
+    }
+    for (id, a) in &ctx.fin.attempts {
+        let expected = bumps.get(id).copied().unwrap_or(0);
+        if *a as u32 != expected {
+            out.add(
+                Invariant::AttemptsOnlyOnBlame,
+                None,
+                format!("{id} ends with attempts {a}, but {expected} failures were recorded"),
+            );
+        }
+    }
+}

@@ -1,0 +1,379 @@
+//! The consumer (#433): exactly-once effect over an at-least-once broker,
+//! the attempt budget, replay, and deliveries no service should have to
+//! trust.
+//!
+//! - **exactly once**: every committed, publishable event (and every valid
+//!   event a foreign publisher sent) takes effect exactly once within the
+//!   inbox's dedup window: an effect may repeat only for a delivery handled
+//!   after the janitor deleted the event's processed row, which it may do
+//!   only past the retention (`inbox_janitor_scope`); nothing else takes
+//!   effect; an effect commits in the same transaction as its inbox row's
+//!   processed mark; an event whose effect committed is never dead-lettered.
+//! - **budget**: an attempt is recorded only for a handler failure of the
+//!   handler's own (never for database or broker trouble); a delivery is
+//!   dead-lettered exactly when its recorded attempts reach the budget:
+//!   each dead-letter (requeue) answers a record of that consumer that did
+//!   (did not) reach it, and each record says so exactly at the budget.
+//! - **replay**: a replayed row gets a fresh budget before its handler
+//!   runs, and a row whose handler fails again stays dead-lettered.
+//! - **rejected at once**: a delivery that is not a valid envelope, is over
+//!   the size limit, or holds data the inbox refuses is dead-lettered at
+//!   once: never acked or requeued, never handled, never recorded, and the
+//!   inbox is asked to store it at most once per delivery.
+//! - **keyed by envelope id**: nothing is ever keyed by a foreign AMQP
+//!   `message_id`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use uuid::Uuid;
+
+use super::{Context, Findings, Invariant};
+use crate::trace::{Event, HandlerResult, Replay, Settle};
+
+pub fn check(ctx: &Context<'_>, out: &mut Findings) {
+    let Some(fin) = &ctx.fin.consumer else {
+        return;
+    };
+    let after_retention = effects(ctx, out);
+    budget(ctx, out);
+    replay(ctx, out);
+    rejected(ctx, out);
+    keyed(ctx, out);
+    let expected = ctx.model.expected_effects();
+    for id in &expected {
+        let n = fin.effects.get(id).copied().unwrap_or(0);
+        let excused = after_retention.get(id).copied().unwrap_or(0);
+        match n.saturating_sub(excused) {
+            1 => {}
+            0 => out.add(
+                Invariant::ExactlyOnceEffect,
+                None,
+                format!("{id} was committed but never took effect"),
+            ),
+            _ => out.add(
+                Invariant::ExactlyOnceEffect,
+                None,
+                format!("{id} took effect {n} times ({excused} after its inbox row expired)"),
+            ),
+        }
+    }
+    for (id, n) in &fin.effects {
+        if !expected.contains(id) {
+            out.add(
+                Invariant::PhantomEffect,
+                None,
+                format!("{id} took effect {n} time(s) but was never committed"),
+            );
+        }
+    }
+}
+
+/// Effects come with their processed mark; no dead-letter after an effect.
+/// Returns, per event, the effects that came after the janitor deleted its
+/// processed row (the dedup window is the retention).
+fn effects(ctx: &Context<'_>, out: &mut Findings) -> BTreeMap<Uuid, u32> {
+    let mut applied: BTreeSet<Uuid> = BTreeSet::new();
+    let mut expired: BTreeSet<Uuid> = BTreeSet::new();
+    let mut after_retention: BTreeMap<Uuid, u32> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::InboxDeleted { ids } => expired.extend(ids.iter().copied()),
+            Event::InboxCommitted {
+                client,
+                processed,
+                effects,
+                ..
+            } => {
+                let marked: BTreeSet<&Uuid> = processed.iter().collect();
+                let effected: BTreeSet<&Uuid> = effects.iter().map(|(_, id)| id).collect();
+                if marked != effected {
+                    out.add(
+                        Invariant::EffectWithMark,
+                        Some(*at),
+                        format!("{client} committed effects {effected:?} with processed marks {marked:?}"),
+                    );
+                }
+                for (_, id) in effects {
+                    if expired.remove(id) {
+                        *after_retention.entry(*id).or_insert(0) += 1;
+                    }
+                    applied.insert(*id);
+                }
+            }
+            Event::InboxFailure {
+                event_id,
+                dead_lettered: true,
+                attempts,
+                ..
+            } if applied.contains(event_id) => out.add(
+                Invariant::NoDeadLetterAfterEffect,
+                Some(*at),
+                format!(
+                    "{event_id} was dead-lettered (attempt {attempts}) after its effect committed"
+                ),
+            ),
+            _ => {}
+        }
+    }
+    after_retention
+}
+
+/// The consumer a side connection belongs to (`consumer-1#2/side`).
+fn consumer_of(client: &str) -> &str {
+    client.strip_suffix("/side").unwrap_or(client)
+}
+
+/// Unused failure records of one consumer for one event.
+#[derive(Default)]
+struct Records {
+    below_budget: u32,
+    at_budget: u32,
+}
+
+fn budget(ctx: &Context<'_>, out: &mut Findings) {
+    let max = ctx.limits.consumer_max_attempts;
+    let mut handler_failures: BTreeMap<Uuid, u32> = BTreeMap::new();
+    let mut records: BTreeMap<(&str, Uuid), Records> = BTreeMap::new();
+    let mut replaying: BTreeSet<Uuid> = BTreeSet::new();
+    for (at, e) in ctx.events {
+        let at = Some(*at);
+        match e {
+            Event::HandlerRan {
+                event_id,
+                result: HandlerResult::Failed,
+                ..
+            } => *handler_failures.entry(*event_id).or_insert(0) += 1,
+            Event::InboxReset { ids } => replaying.extend(ids.iter().copied()),
+            Event::Replayed { event_id, .. } => {
+                replaying.remove(event_id);
+            }
+            Event::InboxFailure {
+                client,
+                event_id,
+                attempts,
+                dead_lettered,
+            } => {
+                match handler_failures.get_mut(event_id).filter(|n| **n > 0) {
+                    Some(n) => *n -= 1,
+                    None => out.add(
+                        Invariant::AttemptOnlyOnHandlerFailure,
+                        at,
+                        format!("{client} recorded attempt {attempts} of {event_id} without a handler failure"),
+                    ),
+                }
+                if replaying.contains(event_id) {
+                    continue; // a replay's budget is one (see `replay`)
+                }
+                if *dead_lettered != (*attempts as u32 >= max) {
+                    out.add(
+                        Invariant::DeadLetterAtBudget,
+                        at,
+                        format!("{event_id} recorded at attempt {attempts} of a budget of {max} with dead_lettered = {dead_lettered}"),
+                    );
+                }
+                let r = records.entry((consumer_of(client), *event_id)).or_default();
+                if *dead_lettered {
+                    r.at_budget += 1;
+                } else {
+                    r.below_budget += 1;
+                }
+            }
+            Event::Settled {
+                client,
+                message_id,
+                settle,
+            } => {
+                let Some(event) = ctx.model.event_of(message_id.as_deref()) else {
+                    continue;
+                };
+                let r = records.entry((client.as_str(), event)).or_default();
+                let (slot, what) = match settle {
+                    Settle::Ack => continue,
+                    Settle::Requeue => (&mut r.below_budget, "requeued"),
+                    Settle::DeadLetter => (&mut r.at_budget, "dead-lettered"),
+                };
+                if *slot == 0 {
+                    out.add(
+                        Invariant::DeadLetterAtBudget,
+                        at,
+                        format!("{client} {what} {event} without a failure record {} the budget of {max}", if *settle == Settle::Requeue { "below" } else { "reaching" }),
+                    );
+                } else {
+                    *slot -= 1;
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn replay(ctx: &Context<'_>, out: &mut Findings) {
+    let mut reset: BTreeSet<Uuid> = BTreeSet::new();
+    let mut last_record: BTreeMap<Uuid, bool> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::ReplayStarted { .. } => reset.clear(),
+            Event::InboxReset { ids } => {
+                for id in ids {
+                    reset.insert(*id);
+                    last_record.remove(id);
+                }
+            }
+            Event::InboxFailure {
+                event_id,
+                dead_lettered,
+                ..
+            } => {
+                last_record.insert(*event_id, *dead_lettered);
+            }
+            Event::Replayed {
+                client,
+                event_id,
+                outcome,
+            } => {
+                let ran = matches!(outcome, Replay::Applied | Replay::Failed);
+                if ran && !reset.remove(event_id) {
+                    out.add(
+                        Invariant::ReplayFreshBudget,
+                        Some(*at),
+                        format!("{client} replayed {event_id} ({outcome:?}) without resetting its budget"),
+                    );
+                }
+                if *outcome == Replay::Failed && last_record.get(event_id) != Some(&true) {
+                    out.add(
+                        Invariant::ReplayKeepsFailedFindable,
+                        Some(*at),
+                        format!("{client}'s replay of {event_id} failed but left it not dead-lettered ({:?})", last_record.get(event_id)),
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn rejected(ctx: &Context<'_>, out: &mut Findings) {
+    let Some(fin) = &ctx.fin.consumer else {
+        return;
+    };
+    let model = ctx.model;
+    let rejected = &model.hostile_rejected;
+    let mut deliveries: BTreeMap<&str, u32> = BTreeMap::new();
+    let mut refused: BTreeMap<Uuid, u32> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        let at = Some(*at);
+        match e {
+            Event::Delivered {
+                message_id: Some(mid),
+                ..
+            } if model.hostile.get(mid).is_some_and(|(k, _)| !k.applies()) => {
+                *deliveries.entry(mid).or_insert(0) += 1;
+            }
+            Event::Settled {
+                client,
+                message_id: Some(mid),
+                settle,
+            } if *settle != Settle::DeadLetter
+                && model.hostile.get(mid).is_some_and(|(k, _)| !k.applies()) =>
+            {
+                let kind = model.hostile[mid].0;
+                out.add(
+                    Invariant::RejectedAtOnce,
+                    at,
+                    format!("{client} settled a {kind:?} delivery ({mid}) with {settle:?}"),
+                );
+            }
+            Event::InboxRefused { event_id, .. } => *refused.entry(*event_id).or_insert(0) += 1,
+            Event::HandlerRan {
+                client, event_id, ..
+            } if rejected.contains(event_id) => out.add(
+                Invariant::RejectedAtOnce,
+                at,
+                format!("{client} ran the handler for rejected delivery {event_id}"),
+            ),
+            Event::InboxFailure {
+                client, event_id, ..
+            } if rejected.contains(event_id) => out.add(
+                Invariant::RejectedAtOnce,
+                at,
+                format!("{client} recorded an attempt for rejected delivery {event_id}"),
+            ),
+            _ => {}
+        }
+    }
+    for (mid, (kind, envelope)) in model.hostile.iter().filter(|(_, (k, _))| !k.applies()) {
+        if !fin.dead_letters.contains_key(&Some(mid.clone())) {
+            out.add(
+                Invariant::RejectedAtOnce,
+                None,
+                format!("a {kind:?} delivery ({mid}) never reached the dead-letter queue"),
+            );
+        }
+        let Some(id) = envelope else { continue };
+        let (asked, delivered) = (
+            refused.get(id).copied().unwrap_or(0),
+            deliveries.get(mid.as_str()).copied().unwrap_or(0),
+        );
+        if asked > delivered {
+            out.add(
+                Invariant::RejectedAtOnce,
+                None,
+                format!("the inbox was asked to store {kind:?} delivery {id} {asked} times over {delivered} deliveries: retried in place"),
+            );
+        }
+        if fin.rows.contains(id) {
+            out.add(
+                Invariant::RejectedAtOnce,
+                None,
+                format!("rejected delivery {id} ({kind:?}) has an inbox row"),
+            );
+        }
+    }
+}
+
+fn keyed(ctx: &Context<'_>, out: &mut Findings) {
+    let Some(fin) = &ctx.fin.consumer else {
+        return;
+    };
+    let foreign: BTreeSet<Uuid> = ctx
+        .model
+        .hostile
+        .iter()
+        .filter(|(_, (k, _))| k.applies())
+        .filter_map(|(mid, (_, envelope))| {
+            Uuid::parse_str(mid).ok().filter(|u| Some(*u) != *envelope)
+        })
+        .collect();
+    if foreign.is_empty() {
+        return;
+    }
+    for (at, e) in ctx.events {
+        let keyed_by: Vec<Uuid> = match e {
+            Event::InboxCommitted {
+                processed, effects, ..
+            } => processed
+                .iter()
+                .chain(effects.iter().map(|(_, id)| id))
+                .copied()
+                .collect(),
+            Event::InboxFailure { event_id, .. }
+            | Event::HandlerRan { event_id, .. }
+            | Event::InboxDuplicate { event_id, .. } => vec![*event_id],
+            _ => continue,
+        };
+        for id in keyed_by.iter().filter(|id| foreign.contains(id)) {
+            out.add(
+                Invariant::KeyedByEnvelopeId,
+                Some(*at),
+                format!("{id}, a foreign message_id, was used as an inbox key"),
+            );
+        }
+    }
+    for id in foreign.iter().filter(|id| fin.rows.contains(id)) {
+        out.add(
+            Invariant::KeyedByEnvelopeId,
+            None,
+            format!("{id}, a foreign message_id, is an inbox row"),
+        );
+    }
+}

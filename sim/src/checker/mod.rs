@@ -1,0 +1,301 @@
+//! The checker: every rule of ADR-018 and its amendments that the code must
+//! keep, each a named [`Invariant`], verified from the trace and the fakes'
+//! final state, separately from the code under test. ARCHITECTURE.md's
+//! invariant table lists each rule with where it is implemented, where it
+//! is checked and which scenarios reach it; keep the two in step.
+//!
+//! One file per family of rules:
+//! - [`delivery`]: nothing committed is lost, nothing uncommitted is
+//!   published, the outbox drains, unpublishable rows park, a run without
+//!   faults wastes no work.
+//! - [`transactions`]: no transaction is held across broker I/O (#478).
+//! - [`attempts`]: attempts grow only on row-culpable failures, rows park
+//!   exactly at the budget and are not claimed while parked.
+//! - [`leases`]: marks are guarded by `claimed_by`; a replica publishes only
+//!   rows it holds, with the envelope id as `message_id`, in claim order.
+//! - [`timing`]: Phase 2 ends within `confirm_timeout` of the claim (#1061);
+//!   releases come before the lease expires; a replica backs off after a
+//!   failure and hands back every claim it holds first.
+//! - [`retention`]: the janitors delete only expired published (processed)
+//!   rows, and do delete them.
+//! - [`consumer`]: exactly-once effect (#433), the attempt budget, replay,
+//!   and hostile deliveries.
+//! - [`expectations`]: what a scenario's faults must make happen.
+//!
+//! Violations are values: [`Violation`] names its [`Invariant`], the
+//! simulated time and what happened.
+
+mod attempts;
+mod consumer;
+mod delivery;
+mod expectations;
+mod leases;
+mod retention;
+mod timing;
+mod transactions;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::model::{FinalState, Model};
+use crate::scenario::Expect;
+use crate::trace::Event;
+
+macro_rules! invariants {
+    ($($(#[$doc:meta])* $variant:ident = $name:literal,)*) => {
+        /// A rule the checker states.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub enum Invariant {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl Invariant {
+            /// Every invariant, in declaration order.
+            pub const ALL: &'static [Invariant] = &[$(Invariant::$variant,)*];
+
+            /// Its stable name, as tables and reports spell it.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Invariant::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+invariants! {
+    // --- delivery
+    /// Once faults heal, every committed envelope is stored by the broker.
+    Lost = "lost",
+    /// The broker stores no envelope the store did not commit.
+    PhantomPublish = "phantom_publish",
+    /// At the end no committed, publishable row is left unpublished.
+    Undrained = "undrained",
+    /// A row whose routing key no broker accepts parks and is never published.
+    UnpublishableParks = "unpublishable_parks",
+    /// A run without faults releases no claim and publishes nothing twice.
+    QuietRun = "quiet_run",
+    // --- transactions
+    /// No transaction waits on its client while that client publishes (#478).
+    TxAcrossBrokerIo = "tx_across_broker_io",
+    // --- attempts
+    /// Attempts grow only on row-culpable failures (nacks, unpublishable keys).
+    AttemptsOnlyOnBlame = "attempts_only_on_blame",
+    /// A row parks exactly when its attempts reach the budget.
+    ParkAtBudget = "park_at_budget",
+    /// A parked row is not claimed until unparked.
+    ParkedNotClaimed = "parked_not_claimed",
+    // --- leases
+    /// A mark or release changes only rows the replica holds (`claimed_by`).
+    ClaimedByGuard = "claimed_by_guard",
+    /// A replica publishes only rows it holds, with the envelope id as `message_id`.
+    PublishOnlyClaimed = "publish_only_claimed",
+    /// A replica publishes its rows in claim order (`enqueued_at`, id).
+    PublishOrder = "publish_order",
+    // --- timing
+    /// Phase 2 ends (last confirm in, or the batch released) within `confirm_timeout` of its claim (#1061).
+    Phase2Deadline = "phase2_deadline",
+    /// A release comes before the replica's lease on the row expires.
+    ReleaseBeforeLeaseExpiry = "release_before_lease_expiry",
+    /// After a failure a replica backs off (the tick, doubled per failure in a row) before it claims again.
+    BackoffAfterFailure = "backoff_after_failure",
+    /// After a failure a replica hands back every claim it holds before it claims again.
+    ReleaseOnFailure = "release_on_failure",
+    // --- retention
+    /// The outbox janitor deletes only rows published longer ago than the retention.
+    OutboxJanitorScope = "outbox_janitor_scope",
+    /// Published rows do not outlive the retention by more than two sweeps.
+    OutboxRetention = "outbox_retention",
+    /// The inbox janitor deletes only rows processed longer ago than the retention.
+    InboxJanitorScope = "inbox_janitor_scope",
+    /// Processed inbox rows do not outlive the retention by more than two sweeps.
+    InboxRetention = "inbox_retention",
+    // --- consumer
+    /// Every committed event (and valid foreign one) takes effect exactly once within the inbox retention (#433).
+    ExactlyOnceEffect = "exactly_once_effect",
+    /// Nothing takes effect that was never committed (or was refused).
+    PhantomEffect = "phantom_effect",
+    /// An effect commits in the same transaction as its inbox row's processed mark.
+    EffectWithMark = "effect_with_mark",
+    /// An event whose effect committed is never dead-lettered.
+    NoDeadLetterAfterEffect = "no_dead_letter_after_effect",
+    /// A failed attempt is recorded only for a handler failure, never for database or broker trouble.
+    AttemptOnlyOnHandlerFailure = "attempt_only_on_handler_failure",
+    /// A delivery is dead-lettered exactly when its recorded attempts reach the budget, never before or after.
+    DeadLetterAtBudget = "dead_letter_at_budget",
+    /// Replay gives a row a fresh budget before its handler runs.
+    ReplayFreshBudget = "replay_fresh_budget",
+    /// A replayed row whose handler fails again stays dead-lettered (findable).
+    ReplayKeepsFailedFindable = "replay_keeps_failed_findable",
+    /// A delivery that is no valid envelope, too large, or unstorable is dead-lettered at once, never retried in place.
+    RejectedAtOnce = "rejected_at_once",
+    /// A delivery is keyed by its envelope id, never by its AMQP `message_id`.
+    KeyedByEnvelopeId = "keyed_by_envelope_id",
+    // --- expectations
+    /// What the scenario's faults must make happen did happen.
+    ScenarioExpectation = "scenario_expectation",
+}
+
+impl std::fmt::Display for Invariant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One broken rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    pub invariant: Invariant,
+    /// Simulated time it was seen (none for end-of-run checks).
+    pub at: Option<Duration>,
+    pub detail: String,
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.at {
+            Some(at) => write!(
+                f,
+                "{} at {:.3}s: {}",
+                self.invariant,
+                at.as_secs_f64(),
+                self.detail
+            ),
+            None => write!(f, "{} at the end: {}", self.invariant, self.detail),
+        }
+    }
+}
+
+/// What a run found.
+#[derive(Debug, Clone, Default)]
+pub struct Verdict {
+    pub committed: usize,
+    pub rolled_back: usize,
+    pub published: usize,
+    pub duplicates: usize,
+    pub parked: usize,
+    /// Violations, at most [`LISTED_MAX`] per invariant.
+    pub violations: Vec<Violation>,
+    /// How many violations of each invariant were found (all of them).
+    pub counts: BTreeMap<Invariant, usize>,
+}
+
+impl Verdict {
+    /// True when no invariant broke.
+    pub fn ok(&self) -> bool {
+        self.counts.is_empty()
+    }
+
+    /// The invariants that broke.
+    pub fn broken(&self) -> Vec<Invariant> {
+        self.counts.keys().copied().collect()
+    }
+}
+
+/// Most violations listed per invariant (the rest are counted).
+pub const LISTED_MAX: usize = 5;
+
+/// The configuration the rules are stated against.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Drainer: row-culpable failures before a row parks.
+    pub max_attempts: u32,
+    /// Drainer: Phase 2's deadline, from the claim.
+    pub confirm_timeout: Duration,
+    /// Drainer: the claim lease.
+    pub lease_ttl: Duration,
+    /// Drainer: the busy tick (the first backoff).
+    pub tick: Duration,
+    /// Drainer: the longest backoff.
+    pub backoff_max: Duration,
+    /// Outbox retention.
+    pub retention: Duration,
+    /// Subscriber: failed attempts before a delivery is dead-lettered.
+    pub consumer_max_attempts: u32,
+    /// Inbox retention.
+    pub inbox_retention: Duration,
+}
+
+/// Slack on timing rules: a timer fires at the first step after its
+/// instant, and the call it triggers may start a step later.
+pub const TIMING_SLACK: Duration = Duration::from_millis(25);
+
+/// Everything a family of rules reads.
+pub struct Context<'a> {
+    pub events: &'a [(Duration, Event)],
+    pub model: &'a Model,
+    pub fin: &'a FinalState,
+    pub limits: &'a Limits,
+    pub expect: &'a Expect,
+}
+
+/// Collects violations.
+#[derive(Debug, Default)]
+pub struct Findings {
+    listed: Vec<Violation>,
+    counts: BTreeMap<Invariant, usize>,
+}
+
+impl Findings {
+    /// Records a violation of `invariant` seen at `at`.
+    pub fn add(&mut self, invariant: Invariant, at: Option<Duration>, detail: String) {
+        let n = self.counts.entry(invariant).or_insert(0);
+        *n += 1;
+        if *n <= LISTED_MAX {
+            self.listed.push(Violation {
+                invariant,
+                at,
+                detail,
+            });
+        }
+    }
+}
+
+/// Checks every rule.
+pub fn check(
+    events: &[(Duration, Event)],
+    fin: &FinalState,
+    limits: &Limits,
+    expect: &Expect,
+) -> Verdict {
+    let model = Model::from_trace(events);
+    let ctx = Context {
+        events,
+        model: &model,
+        fin,
+        limits,
+        expect,
+    };
+    let mut out = Findings::default();
+    delivery::check(&ctx, &mut out);
+    transactions::check(&ctx, &mut out);
+    attempts::check(&ctx, &mut out);
+    leases::check(&ctx, &mut out);
+    timing::check(&ctx, &mut out);
+    retention::check(&ctx, &mut out);
+    consumer::check(&ctx, &mut out);
+    expectations::check(&ctx, &mut out);
+    let duplicates = fin
+        .stored
+        .values()
+        .map(|c| (*c as usize).saturating_sub(1))
+        .sum();
+    Verdict {
+        committed: model.committed.len(),
+        rolled_back: model.rolled_back.len(),
+        published: fin.stored.len(),
+        duplicates,
+        parked: fin.parked.len(),
+        violations: out.listed,
+        counts: out.counts,
+    }
+}
+
+/// The host a replica or client name runs on (`drainer-1#2` → `drainer-1`).
+pub(crate) fn host_of(client: &str) -> &str {
+    let base = client.split('/').next().unwrap_or(client);
+    base.split('#').next().unwrap_or(base)
+}

@@ -1,0 +1,868 @@
+//! The checker catches each violation on a hand-made trace and passes a
+//! correct one: it is not a test that cannot fail. One table holds a
+//! violating trace per invariant, and it must cover every invariant.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::*;
+use crate::model::{ConsumerFinal, FinalState};
+use crate::trace::{Call, HandlerResult, HostileKind, Replay, Settle};
+
+fn id(n: u128) -> Uuid {
+    Uuid::from_u128(n)
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn limits() -> Limits {
+    Limits {
+        max_attempts: 3,
+        confirm_timeout: Duration::from_secs(2),
+        lease_ttl: Duration::from_secs(5),
+        tick: ms(50),
+        backoff_max: Duration::from_secs(10),
+        retention: Duration::from_secs(3),
+        consumer_max_attempts: 3,
+        inbox_retention: Duration::from_secs(30),
+    }
+}
+
+/// A run: events at given milliseconds, the final state, the expectations.
+#[derive(Clone)]
+struct Run {
+    events: Vec<(Duration, Event)>,
+    fin: FinalState,
+    expect: Expect,
+}
+
+impl Run {
+    fn at(mut self, t: u64, e: Event) -> Self {
+        self.events.push((ms(t), e));
+        self.events.sort_by_key(|(t, _)| *t);
+        self
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut FinalState)) -> Self {
+        f(&mut self.fin);
+        self
+    }
+
+    fn verdict(&self) -> Verdict {
+        check(&self.events, &self.fin, &limits(), &self.expect)
+    }
+}
+
+fn s(v: &str) -> String {
+    v.to_owned()
+}
+
+/// One envelope committed, claimed, published, confirmed, marked and,
+/// past retention, deleted: every rule holds.
+fn producer() -> Run {
+    let a = || s("a");
+    Run {
+        events: vec![
+            (
+                ms(0),
+                Event::Committed {
+                    client: s("w"),
+                    ids: vec![id(1)],
+                },
+            ),
+            (ms(10), Event::ClaimCalled { replica: a() }),
+            (ms(20), Event::TxBegin { client: a() }),
+            (
+                ms(20),
+                Event::Claimed {
+                    replica: a(),
+                    ids: vec![id(1)],
+                    attempts: vec![0],
+                },
+            ),
+            (ms(30), Event::TxEnd { client: a() }),
+            (
+                ms(30),
+                Event::StoreAnswered {
+                    replica: a(),
+                    call: Call::Claim,
+                },
+            ),
+            (
+                ms(30),
+                Event::ClaimReturned {
+                    replica: a(),
+                    ids: vec![id(1)],
+                },
+            ),
+            (
+                ms(40),
+                Event::PublishSent {
+                    client: a(),
+                    message_id: id(1),
+                    body_id: Some(id(1)),
+                },
+            ),
+            (
+                ms(50),
+                Event::Confirmed {
+                    client: a(),
+                    message_id: id(1),
+                    ack: true,
+                },
+            ),
+            (
+                ms(60),
+                Event::ConfirmReceived {
+                    client: a(),
+                    message_id: id(1),
+                },
+            ),
+            (
+                ms(70),
+                Event::StoreCalled {
+                    replica: a(),
+                    call: Call::MarkPublished,
+                    ids: vec![id(1)],
+                },
+            ),
+            (
+                ms(80),
+                Event::MarkedPublished {
+                    replica: a(),
+                    ids: vec![id(1)],
+                },
+            ),
+            (
+                ms(90),
+                Event::StoreAnswered {
+                    replica: a(),
+                    call: Call::MarkPublished,
+                },
+            ),
+            (ms(4000), Event::Deleted { ids: vec![id(1)] }),
+        ],
+        fin: FinalState {
+            stored: [(id(1), 1)].into(),
+            ..FinalState::default()
+        },
+        expect: Expect::default(),
+    }
+}
+
+/// The producer run, and a consumer that applies the event once.
+fn consumer() -> Run {
+    let c = || s("c#1");
+    producer()
+        .at(
+            100,
+            Event::Delivered {
+                client: c(),
+                message_id: Some(id(1).to_string()),
+                redelivered: false,
+            },
+        )
+        .at(
+            110,
+            Event::HandlerRan {
+                client: c(),
+                event_id: id(1),
+                result: HandlerResult::Ok,
+            },
+        )
+        .at(
+            120,
+            Event::InboxCommitted {
+                client: c(),
+                began: ms(105),
+                processed: vec![id(1)],
+                effects: vec![(s("q"), id(1))],
+            },
+        )
+        .at(
+            130,
+            Event::Settled {
+                client: c(),
+                message_id: Some(id(1).to_string()),
+                settle: Settle::Ack,
+            },
+        )
+        .with(|f| {
+            f.consumer = Some(ConsumerFinal {
+                effects: [(id(1), 1)].into(),
+                rows: [id(1)].into(),
+                ..ConsumerFinal::default()
+            })
+        })
+}
+
+/// A handler failure of event 1 by consumer `c#1`, recorded at
+/// `attempts`, then the delivery settled with `settle`.
+fn failed_attempt(run: Run, t: u64, attempts: i32, dead: bool, settle: Settle) -> Run {
+    run.at(
+        t,
+        Event::HandlerRan {
+            client: s("c#1"),
+            event_id: id(1),
+            result: HandlerResult::Failed,
+        },
+    )
+    .at(
+        t + 1,
+        Event::InboxFailure {
+            client: s("c#1"),
+            event_id: id(1),
+            attempts,
+            dead_lettered: dead,
+        },
+    )
+    .at(
+        t + 2,
+        Event::Settled {
+            client: s("c#1"),
+            message_id: Some(id(1).to_string()),
+            settle,
+        },
+    )
+}
+
+fn cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    let a = || s("a");
+    let nack = |t| {
+        (
+            t,
+            Event::Confirmed {
+                client: s("a"),
+                message_id: id(1),
+                ack: false,
+            },
+        )
+    };
+    let fail_mark = |t, parked: bool| {
+        (
+            t,
+            Event::MarkedFailed {
+                replica: s("a"),
+                ids: vec![id(1)],
+                parked: if parked { vec![id(1)] } else { vec![] },
+            },
+        )
+    };
+    let claim = |t, attempts: i32| {
+        (
+            t,
+            Event::Claimed {
+                replica: s("a"),
+                ids: vec![id(1)],
+                attempts: vec![attempts],
+            },
+        )
+    };
+    let hostile = |kind, mid: &str, envelope| Event::Hostile {
+        kind,
+        message_id: Some(mid.to_owned()),
+        envelope_id: envelope,
+    };
+    let with_events =
+        |run: Run, events: Vec<(u64, Event)>| events.into_iter().fold(run, |r, (t, e)| r.at(t, e));
+    vec![
+        (I::Lost, producer().with(|f| f.stored.clear())),
+        (
+            I::PhantomPublish,
+            producer()
+                .at(
+                    5,
+                    Event::RolledBack {
+                        client: s("w"),
+                        ids: vec![id(2)],
+                    },
+                )
+                .with(|f| {
+                    f.stored.insert(id(2), 1);
+                }),
+        ),
+        (
+            I::Undrained,
+            producer().with(|f| {
+                f.unpublished.insert(id(1));
+            }),
+        ),
+        (
+            I::UnpublishableParks,
+            producer().at(1, Event::Unpublishable { id: id(1) }),
+        ),
+        (
+            I::QuietRun,
+            Run {
+                expect: Expect {
+                    quiet: true,
+                    ..Expect::default()
+                },
+                ..producer().with(|f| {
+                    f.stored.insert(id(1), 2);
+                })
+            },
+        ),
+        (
+            I::TxAcrossBrokerIo,
+            // The pre-#478 drainer: its transaction waits on it while it
+            // publishes.
+            producer()
+                .at(35, Event::TxBegin { client: a() })
+                .at(36, Event::TxIdle { client: a() })
+                .at(45, Event::TxEnd { client: a() }),
+        ),
+        (
+            I::AttemptsOnlyOnBlame,
+            with_events(producer(), vec![fail_mark(65, false)]),
+        ),
+        (
+            I::ParkAtBudget,
+            with_events(producer(), vec![nack(55), fail_mark(65, true)]),
+        ),
+        (
+            I::ParkedNotClaimed,
+            with_events(
+                producer(),
+                vec![
+                    nack(100),
+                    fail_mark(101, false),
+                    claim(102, 1),
+                    nack(103),
+                    fail_mark(104, false),
+                    claim(105, 2),
+                    nack(106),
+                    fail_mark(107, true),
+                    claim(108, 3),
+                ],
+            ),
+        ),
+        (
+            I::ClaimedByGuard,
+            producer().at(
+                35,
+                Event::Claimed {
+                    replica: s("b"),
+                    ids: vec![id(1)],
+                    attempts: vec![0],
+                },
+            ),
+        ),
+        (
+            I::PublishOnlyClaimed,
+            producer().at(
+                45,
+                Event::PublishSent {
+                    client: a(),
+                    message_id: id(2),
+                    body_id: Some(id(2)),
+                },
+            ),
+        ),
+        (
+            I::PublishOnlyClaimed,
+            producer().at(
+                45,
+                Event::PublishSent {
+                    client: s("b"),
+                    message_id: id(1),
+                    body_id: Some(id(3)),
+                },
+            ),
+        ),
+        (
+            I::PublishOrder,
+            producer()
+                .at(
+                    31,
+                    Event::ClaimReturned {
+                        replica: a(),
+                        ids: vec![id(2), id(3)],
+                    },
+                )
+                .at(
+                    41,
+                    Event::PublishSent {
+                        client: a(),
+                        message_id: id(3),
+                        body_id: Some(id(3)),
+                    },
+                )
+                .at(
+                    42,
+                    Event::PublishSent {
+                        client: a(),
+                        message_id: id(2),
+                        body_id: Some(id(2)),
+                    },
+                ),
+        ),
+        (
+            I::Phase2Deadline,
+            // No confirm ever reaches the replica; it releases 3 s after the
+            // claim returned, a second past the deadline.
+            Run {
+                events: producer()
+                    .events
+                    .into_iter()
+                    .filter(|(_, e)| !matches!(e, Event::ConfirmReceived { .. }))
+                    .map(|(t, e)| match e {
+                        Event::StoreCalled { replica, ids, .. } => (
+                            ms(3030),
+                            Event::StoreCalled {
+                                replica,
+                                call: Call::Release,
+                                ids,
+                            },
+                        ),
+                        other => (t, other),
+                    })
+                    .collect(),
+                ..producer()
+            }
+            .at(5000, Event::Heal),
+        ),
+        (
+            // Published (and confirmed, and marked) only after the deadline.
+            I::Phase2Deadline,
+            Run {
+                events: producer()
+                    .events
+                    .into_iter()
+                    .map(|(t, e)| match e {
+                        Event::PublishSent { .. }
+                        | Event::Confirmed { .. }
+                        | Event::ConfirmReceived { .. }
+                        | Event::StoreCalled { .. }
+                        | Event::MarkedPublished { .. }
+                        | Event::StoreAnswered {
+                            call: Call::MarkPublished,
+                            ..
+                        } => (t + ms(2100), e),
+                        other => (t, other),
+                    })
+                    .collect(),
+                ..producer()
+            }
+            .at(6000, Event::Heal),
+        ),
+        (
+            I::ReleaseBeforeLeaseExpiry,
+            producer().at(
+                5100,
+                Event::StoreCalled {
+                    replica: a(),
+                    call: Call::Release,
+                    ids: vec![id(1)],
+                },
+            ),
+        ),
+        (
+            I::BackoffAfterFailure,
+            producer()
+                .at(
+                    200,
+                    Event::StoreFailed {
+                        replica: a(),
+                        call: Call::Claim,
+                    },
+                )
+                .at(210, Event::ClaimCalled { replica: a() }),
+        ),
+        (
+            I::ReleaseOnFailure,
+            producer()
+                .at(
+                    200,
+                    Event::ClaimReturned {
+                        replica: a(),
+                        ids: vec![id(2)],
+                    },
+                )
+                .at(
+                    210,
+                    Event::StoreFailed {
+                        replica: a(),
+                        call: Call::MarkPublished,
+                    },
+                )
+                .at(400, Event::ClaimCalled { replica: a() }),
+        ),
+        (
+            I::OutboxJanitorScope,
+            producer().at(1000, Event::Deleted { ids: vec![id(1)] }),
+        ),
+        (
+            I::OutboxJanitorScope,
+            producer().at(4000, Event::Deleted { ids: vec![id(9)] }),
+        ),
+        (
+            I::OutboxRetention,
+            producer().with(|f| f.overdue_published = vec![id(1)]),
+        ),
+        (
+            I::InboxJanitorScope,
+            consumer().at(20_000, Event::InboxDeleted { ids: vec![id(1)] }),
+        ),
+        (
+            I::InboxRetention,
+            consumer().with(|f| f.consumer.as_mut().unwrap().overdue_processed = vec![id(1)]),
+        ),
+        (
+            I::ExactlyOnceEffect,
+            consumer().with(|f| {
+                f.consumer.as_mut().unwrap().effects.insert(id(1), 2);
+            }),
+        ),
+        (
+            I::ExactlyOnceEffect,
+            consumer().with(|f| {
+                f.consumer.as_mut().unwrap().effects.clear();
+            }),
+        ),
+        (
+            I::PhantomEffect,
+            consumer().with(|f| {
+                f.consumer.as_mut().unwrap().effects.insert(id(7), 1);
+            }),
+        ),
+        (
+            I::EffectWithMark,
+            consumer().at(
+                125,
+                Event::InboxCommitted {
+                    client: s("c#1"),
+                    began: ms(121),
+                    processed: vec![id(1)],
+                    effects: vec![],
+                },
+            ),
+        ),
+        (
+            I::NoDeadLetterAfterEffect,
+            failed_attempt(consumer(), 200, 3, true, Settle::DeadLetter),
+        ),
+        (
+            I::AttemptOnlyOnHandlerFailure,
+            consumer().at(
+                90,
+                Event::InboxFailure {
+                    client: s("c#1"),
+                    event_id: id(1),
+                    attempts: 1,
+                    dead_lettered: false,
+                },
+            ),
+        ),
+        (
+            // Dead-lettered at the first failure of a budget of three.
+            I::DeadLetterAtBudget,
+            failed_attempt(consumer(), 95, 1, true, Settle::DeadLetter),
+        ),
+        (
+            // Recorded below the budget, yet dead-lettered.
+            I::DeadLetterAtBudget,
+            failed_attempt(consumer(), 95, 1, false, Settle::DeadLetter),
+        ),
+        (
+            // The budget spent, yet requeued for another attempt.
+            I::DeadLetterAtBudget,
+            failed_attempt(
+                failed_attempt(
+                    failed_attempt(consumer(), 91, 1, false, Settle::Requeue),
+                    94,
+                    2,
+                    false,
+                    Settle::Requeue,
+                ),
+                97,
+                3,
+                true,
+                Settle::Requeue,
+            ),
+        ),
+        (
+            I::ReplayFreshBudget,
+            consumer()
+                .at(200, Event::ReplayStarted { client: s("c#1") })
+                .at(
+                    210,
+                    Event::Replayed {
+                        client: s("c#1"),
+                        event_id: id(1),
+                        outcome: Replay::Applied,
+                    },
+                ),
+        ),
+        (
+            I::ReplayKeepsFailedFindable,
+            consumer()
+                .at(200, Event::ReplayStarted { client: s("c#1") })
+                .at(201, Event::InboxReset { ids: vec![id(1)] })
+                .at(
+                    202,
+                    Event::HandlerRan {
+                        client: s("c#1"),
+                        event_id: id(1),
+                        result: HandlerResult::Failed,
+                    },
+                )
+                .at(
+                    203,
+                    Event::InboxFailure {
+                        client: s("c#1"),
+                        event_id: id(1),
+                        attempts: 1,
+                        dead_lettered: false,
+                    },
+                )
+                .at(
+                    204,
+                    Event::Replayed {
+                        client: s("c#1"),
+                        event_id: id(1),
+                        outcome: Replay::Failed,
+                    },
+                ),
+        ),
+        (
+            // Requeued, and never in the dead-letter queue.
+            I::RejectedAtOnce,
+            consumer()
+                .at(140, hostile(HostileKind::NotJson, "m1", None))
+                .at(
+                    150,
+                    Event::Settled {
+                        client: s("c#1"),
+                        message_id: Some(s("m1")),
+                        settle: Settle::Requeue,
+                    },
+                ),
+        ),
+        (
+            // Retried in place: the inbox was asked twice for one delivery.
+            I::RejectedAtOnce,
+            consumer()
+                .at(140, hostile(HostileKind::NulEscape, "m2", Some(id(5))))
+                .at(
+                    141,
+                    Event::Delivered {
+                        client: s("c#1"),
+                        message_id: Some(s("m2")),
+                        redelivered: false,
+                    },
+                )
+                .at(
+                    142,
+                    Event::InboxRefused {
+                        client: s("c#1"),
+                        event_id: id(5),
+                        code: "22P05",
+                    },
+                )
+                .at(
+                    143,
+                    Event::InboxRefused {
+                        client: s("c#1"),
+                        event_id: id(5),
+                        code: "22P05",
+                    },
+                )
+                .with(|f| {
+                    f.consumer
+                        .as_mut()
+                        .unwrap()
+                        .dead_letters
+                        .insert(Some(s("m2")), 1);
+                }),
+        ),
+        (
+            I::KeyedByEnvelopeId,
+            consumer()
+                .at(
+                    140,
+                    hostile(
+                        HostileKind::ForeignMessageId,
+                        &id(8).to_string(),
+                        Some(id(1)),
+                    ),
+                )
+                .at(
+                    150,
+                    Event::InboxDuplicate {
+                        client: s("c#1"),
+                        event_id: id(8),
+                    },
+                ),
+        ),
+        (
+            I::ScenarioExpectation,
+            Run {
+                expect: Expect {
+                    releases: true,
+                    ..Expect::default()
+                },
+                ..producer()
+            },
+        ),
+    ]
+}
+
+#[test]
+fn correct_runs_pass() {
+    for run in [producer(), consumer()] {
+        let v = run.verdict();
+        assert!(v.ok(), "{:#?}", v.violations);
+    }
+    let v = producer().verdict();
+    assert_eq!((v.committed, v.published, v.duplicates), (1, 1, 0));
+}
+
+#[test]
+fn every_invariant_is_caught_on_a_trace_that_breaks_it() {
+    let mut covered = BTreeSet::new();
+    for (invariant, run) in cases() {
+        let v = run.verdict();
+        assert!(
+            v.counts.contains_key(&invariant),
+            "{invariant} not caught; found {:?}: {:#?}",
+            v.broken(),
+            v.violations
+        );
+        assert!(v.violations.iter().any(|x| x.invariant == invariant));
+        covered.insert(invariant);
+    }
+    let missing: Vec<_> = Invariant::ALL
+        .iter()
+        .filter(|i| !covered.contains(i))
+        .collect();
+    assert!(missing.is_empty(), "no violating trace for {missing:?}");
+}
+
+#[test]
+fn a_short_claim_beside_a_publish_is_no_transaction_across_broker_io() {
+    // The overlapping drainer: a claim's statement answers, a publish of
+    // another batch goes out in the same instant, the claim commits.
+    let run = producer()
+        .at(41, Event::TxBegin { client: s("a") })
+        .at(41, Event::TxIdle { client: s("a") })
+        .at(41, Event::TxResumed { client: s("a") })
+        .at(41, Event::TxEnd { client: s("a") });
+    assert!(run.verdict().ok(), "{:#?}", run.verdict().violations);
+}
+
+#[test]
+fn a_replica_blocked_on_the_database_is_held_to_release_once_unblocked() {
+    // The confirm never comes; at the deadline the replica is inside a
+    // store call (the database is slow) that returns at 3.0 s.
+    let base = Run {
+        events: producer()
+            .events
+            .into_iter()
+            .filter(|(_, e)| {
+                !matches!(
+                    e,
+                    Event::ConfirmReceived { .. }
+                        | Event::StoreCalled { .. }
+                        | Event::MarkedPublished { .. }
+                        | Event::StoreAnswered {
+                            call: Call::MarkPublished,
+                            ..
+                        }
+                )
+            })
+            .collect(),
+        ..producer()
+    }
+    .at(
+        1000,
+        Event::StoreCalled {
+            replica: s("a"),
+            call: Call::Release,
+            ids: vec![id(2)],
+        },
+    )
+    .at(
+        3000,
+        Event::StoreAnswered {
+            replica: s("a"),
+            call: Call::Release,
+        },
+    )
+    .at(6000, Event::Heal);
+    let release = |t| {
+        base.clone().at(
+            t,
+            Event::StoreCalled {
+                replica: s("a"),
+                call: Call::Release,
+                ids: vec![id(1)],
+            },
+        )
+    };
+    assert!(
+        !release(3010)
+            .verdict()
+            .counts
+            .contains_key(&Invariant::Phase2Deadline)
+    );
+    assert!(
+        release(3200)
+            .verdict()
+            .counts
+            .contains_key(&Invariant::Phase2Deadline)
+    );
+}
+
+#[test]
+fn backoff_doubles_with_failures_in_a_row() {
+    let failing = |gaps: &[u64]| {
+        let mut run = producer();
+        let mut t = 1000;
+        for gap in gaps {
+            run = run
+                .at(
+                    t,
+                    Event::StoreFailed {
+                        replica: s("a"),
+                        call: Call::Claim,
+                    },
+                )
+                .at(t + gap, Event::ClaimCalled { replica: s("a") });
+            t += gap + 1;
+        }
+        run.verdict()
+            .counts
+            .contains_key(&Invariant::BackoffAfterFailure)
+    };
+    assert!(!failing(&[50, 100, 200]));
+    assert!(
+        failing(&[50, 60]),
+        "the second failure in a row waits 100 ms"
+    );
+}
+
+#[test]
+fn an_effect_repeated_after_its_inbox_row_expired_is_the_retention_window() {
+    let again = consumer()
+        .at(40_000, Event::InboxDeleted { ids: vec![id(1)] })
+        .at(
+            41_000,
+            Event::InboxCommitted {
+                client: s("c#2"),
+                began: ms(40_900),
+                processed: vec![id(1)],
+                effects: vec![(s("q"), id(1))],
+            },
+        )
+        .with(|f| {
+            f.consumer.as_mut().unwrap().effects.insert(id(1), 2);
+            f.consumer.as_mut().unwrap().rows = BTreeSet::new();
+        });
+    assert!(again.verdict().ok(), "{:#?}", again.verdict().violations);
+}

@@ -1,0 +1,333 @@
+//! Timing (#1061, #478), checked as time, which the simulation makes exact:
+//! - **Phase-2 deadline**: a batch's Phase 2 (first publish to last confirm
+//!   received, or the release) ends within `confirm_timeout` of the claim's
+//!   return, whatever the overlap of batches; in particular nothing of the
+//!   batch is published after it, and a batch whose confirms are not all in
+//!   by then is handed back by then.
+//! - **release before lease expiry**: a replica releases a row before its
+//!   own lease on it expires (`confirm_timeout < lease_ttl` makes a timed-out
+//!   batch's release come first).
+//! - **backoff after failure**: after a failed drain (a store call failed,
+//!   or claims had to be released) the replica's next claim comes no sooner
+//!   than the tick after the failure, doubled for every failure in a row up
+//!   to the cap: no hot loop against the database while the broker is down.
+//! - **release on failure**: by then every row the replica held is handed
+//!   back (marked or released), so none waits for its lease needlessly.
+//!
+//! A crashed replica is excused from what it did not live to do, and a
+//! replica blocked in a store call when a deadline falls (the database is
+//! slow or unreachable) from what it could not do before that call
+//! returned: it must then do it at once.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::{Context, Findings, Invariant, TIMING_SLACK, host_of};
+use crate::trace::{Call, Event};
+
+pub fn check(ctx: &Context<'_>, out: &mut Findings) {
+    let blocked = Blocked::of(ctx);
+    phase2_deadline(ctx, &blocked, out);
+    release_before_expiry(ctx, &blocked, out);
+    backoff_and_release_on_failure(ctx, out);
+}
+
+/// Every drainer store call: when each replica made it and when it
+/// returned (`None`: never, the run ended or the replica crashed).
+struct Blocked<'a> {
+    calls: BTreeMap<&'a str, Vec<(Duration, Option<Duration>)>>,
+}
+
+impl<'a> Blocked<'a> {
+    fn of(ctx: &Context<'a>) -> Self {
+        let mut calls: BTreeMap<&str, Vec<(Duration, Option<Duration>)>> = BTreeMap::new();
+        let mut open: BTreeMap<(&str, u8), VecDeque<usize>> = BTreeMap::new();
+        let kind = |c: &Call| *c as u8;
+        for (at, e) in ctx.events {
+            let (replica, call, start) = match e {
+                Event::ClaimCalled { replica } => (replica, &Call::Claim, true),
+                Event::StoreCalled { replica, call, .. } => (replica, call, true),
+                Event::StoreAnswered { replica, call } | Event::StoreFailed { replica, call } => {
+                    (replica, call, false)
+                }
+                _ => continue,
+            };
+            let list = calls.entry(replica).or_default();
+            let q = open.entry((replica, kind(call))).or_default();
+            if start {
+                q.push_back(list.len());
+                list.push((*at, None));
+            } else if let Some(i) = q.pop_front() {
+                list[i].1 = Some(*at);
+            }
+        }
+        Self { calls }
+    }
+
+    /// When `replica` may be held to do at once what was due at `due`: the
+    /// latest return of a store call it was blocked in at `due` (`None` if
+    /// one never returned), or `due` itself.
+    fn excused_until(&self, replica: &str, due: Duration) -> Option<Duration> {
+        let mut until = due;
+        for (start, end) in self.calls.get(replica).into_iter().flatten() {
+            if *start <= due && end.is_none_or(|e| e > due) {
+                until = until.max((*end)?);
+            }
+        }
+        Some(until)
+    }
+}
+
+/// One claim as the replica received it, and what became of its rows.
+struct Batch<'a> {
+    replica: &'a str,
+    returned: Duration,
+    rows: Vec<Uuid>,
+    /// Rows published under this claim.
+    published: BTreeSet<Uuid>,
+    /// When each row's confirm reached the replica.
+    confirmed: BTreeMap<Uuid, Duration>,
+    /// When each row was handed to a mark or a release (or its replica
+    /// crashed).
+    handed: BTreeMap<Uuid, Duration>,
+    /// A publish after the deadline was already reported.
+    late_publish: bool,
+}
+
+fn phase2_deadline(ctx: &Context<'_>, blocked: &Blocked<'_>, out: &mut Findings) {
+    let timeout = ctx.limits.confirm_timeout;
+    let mut batches: Vec<Batch<'_>> = Vec::new();
+    // A replica can hold a row under two claims (its own lease expired while
+    // it stalled, and it claimed the row again): oldest first.
+    let mut open: BTreeMap<(&str, Uuid), VecDeque<usize>> = BTreeMap::new();
+    let end = ctx.events.last().map_or(Duration::ZERO, |(t, _)| *t);
+    for (at, e) in ctx.events {
+        match e {
+            Event::ClaimReturned { replica, ids } => {
+                for id in ids {
+                    open.entry((replica, *id))
+                        .or_default()
+                        .push_back(batches.len());
+                }
+                batches.push(Batch {
+                    replica,
+                    returned: *at,
+                    rows: ids.clone(),
+                    published: BTreeSet::new(),
+                    confirmed: BTreeMap::new(),
+                    handed: BTreeMap::new(),
+                    late_publish: false,
+                });
+            }
+            Event::PublishSent {
+                client, message_id, ..
+            } => {
+                let claims = open.get(&(client.as_str(), *message_id));
+                let first = claims.and_then(|q| {
+                    q.iter()
+                        .copied()
+                        .find(|b| !batches[*b].published.contains(message_id))
+                });
+                if let Some(b) = first {
+                    let batch = &mut batches[b];
+                    batch.published.insert(*message_id);
+                    if *at > batch.returned + timeout + TIMING_SLACK && !batch.late_publish {
+                        batch.late_publish = true;
+                        out.add(
+                            Invariant::Phase2Deadline,
+                            Some(*at),
+                            format!(
+                                "{client} published {message_id} {:.3}s after its claim returned (confirm_timeout {:.3}s)",
+                                (*at - batch.returned).as_secs_f64(),
+                                timeout.as_secs_f64()
+                            ),
+                        );
+                    }
+                }
+            }
+            Event::ConfirmReceived { client, message_id } => {
+                let claims = open.get(&(client.as_str(), *message_id));
+                let first = claims.and_then(|q| {
+                    q.iter().copied().find(|b| {
+                        batches[*b].published.contains(message_id)
+                            && !batches[*b].confirmed.contains_key(message_id)
+                    })
+                });
+                if let Some(b) = first {
+                    batches[b].confirmed.insert(*message_id, *at);
+                }
+            }
+            Event::StoreCalled { replica, ids, .. } => {
+                for id in ids {
+                    let claims = open.get_mut(&(replica.as_str(), *id));
+                    if let Some(b) = claims.and_then(VecDeque::pop_front) {
+                        batches[b].handed.insert(*id, *at);
+                    }
+                }
+            }
+            Event::Host { host, up: false } => {
+                open.retain(|(replica, id), claims| {
+                    let crashed = host_of(replica) == host;
+                    if crashed {
+                        for b in claims.iter() {
+                            batches[*b].handed.insert(*id, *at);
+                        }
+                    }
+                    !crashed
+                });
+            }
+            _ => {}
+        }
+    }
+    for batch in &batches {
+        let deadline = batch.returned + timeout;
+        let due = deadline + TIMING_SLACK;
+        if due > end {
+            continue; // the run ended first
+        }
+        let broker_done = batch.rows.iter().all(|id| {
+            ctx.model.unpublishable.contains(id)
+                || batch.confirmed.get(id).is_some_and(|t| *t <= deadline)
+        });
+        if broker_done {
+            continue;
+        }
+        let Some(until) = blocked.excused_until(batch.replica, deadline) else {
+            continue; // blocked in a store call that never returned
+        };
+        let due = until + TIMING_SLACK;
+        let waiting = batch
+            .rows
+            .iter()
+            .filter(|id| batch.handed.get(id).is_none_or(|t| *t > due))
+            .count();
+        if waiting > 0 {
+            out.add(
+                Invariant::Phase2Deadline,
+                Some(due),
+                format!(
+                    "{} still waited on the broker for {waiting} of {} rows {:.3}s after their claim returned at {:.3}s (confirm_timeout {:.3}s)",
+                    batch.replica,
+                    batch.rows.len(),
+                    (due - batch.returned).as_secs_f64(),
+                    batch.returned.as_secs_f64(),
+                    timeout.as_secs_f64()
+                ),
+            );
+        }
+    }
+}
+
+fn release_before_expiry(ctx: &Context<'_>, blocked: &Blocked<'_>, out: &mut Findings) {
+    let ttl = ctx.limits.lease_ttl;
+    let mut claimed: BTreeMap<(&str, Uuid), Duration> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::Claimed { replica, ids, .. } => {
+                for id in ids {
+                    claimed.insert((replica, *id), *at);
+                }
+            }
+            Event::StoreCalled {
+                replica,
+                call: Call::Release,
+                ids,
+            } => {
+                for id in ids {
+                    if let Some(t) = claimed.get(&(replica.as_str(), *id))
+                        && *at > *t + ttl
+                        && blocked
+                            .excused_until(replica, *t + ttl)
+                            .is_some_and(|until| *at > until + TIMING_SLACK)
+                    {
+                        out.add(
+                            Invariant::ReleaseBeforeLeaseExpiry,
+                            Some(*at),
+                            format!(
+                                "{replica} released {id} {:.3}s after claiming it (lease {:.3}s)",
+                                (*at - *t).as_secs_f64(),
+                                ttl.as_secs_f64()
+                            ),
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// One replica's failures since its last claim call.
+#[derive(Default)]
+struct Cycle {
+    /// When the latest failure of the current cycle happened.
+    failed_at: Option<Duration>,
+    /// Failed cycles in a row.
+    in_a_row: u32,
+    /// Rows claimed and returned to it, not yet handed to a mark or release.
+    held: BTreeSet<Uuid>,
+}
+
+fn backoff_and_release_on_failure(ctx: &Context<'_>, out: &mut Findings) {
+    let limits = ctx.limits;
+    let mut replicas: BTreeMap<&str, Cycle> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::ClaimCalled { replica } => {
+                let c = replicas.entry(replica).or_default();
+                let Some(failed_at) = c.failed_at.take() else {
+                    c.in_a_row = 0;
+                    continue;
+                };
+                c.in_a_row += 1;
+                let doubling = 1u32 << (c.in_a_row - 1).min(16);
+                let backoff = limits.tick.saturating_mul(doubling).min(limits.backoff_max);
+                if *at < failed_at + backoff {
+                    out.add(
+                        Invariant::BackoffAfterFailure,
+                        Some(*at),
+                        format!(
+                            "{replica} claimed {:.3}s after failure {} in a row (backoff {:.3}s)",
+                            (*at - failed_at).as_secs_f64(),
+                            c.in_a_row,
+                            backoff.as_secs_f64()
+                        ),
+                    );
+                }
+                if !c.held.is_empty() {
+                    out.add(
+                        Invariant::ReleaseOnFailure,
+                        Some(*at),
+                        format!(
+                            "{replica} claimed again after a failure still holding {} rows it never handed back",
+                            c.held.len()
+                        ),
+                    );
+                    c.held.clear();
+                }
+            }
+            Event::ClaimReturned { replica, ids } => {
+                replicas
+                    .entry(replica)
+                    .or_default()
+                    .held
+                    .extend(ids.iter().copied());
+            }
+            Event::StoreCalled { replica, call, ids } => {
+                let c = replicas.entry(replica).or_default();
+                for id in ids {
+                    c.held.remove(id);
+                }
+                if *call == Call::Release {
+                    c.failed_at = Some(*at);
+                }
+            }
+            Event::StoreFailed { replica, call } if *call != Call::Release => {
+                replicas.entry(replica).or_default().failed_at = Some(*at);
+            }
+            _ => {}
+        }
+    }
+}

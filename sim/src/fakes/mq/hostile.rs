@@ -1,0 +1,170 @@
+//! Hostile messages: what a broker may deliver to a subscription besides
+//! the drainer's envelopes, because any client with publish rights on the
+//! exchange can send anything. The fake RabbitMQ puts them in the
+//! subscription's queue at seeded moments (fault `hostile`).
+//!
+//! Each is survivable, and why:
+//! - **not JSON**, **binary** (not even UTF-8), an envelope whose id is **not
+//!   a UUID v7**: the subscriber cannot decode them; it dead-letters them at
+//!   once, without touching the inbox.
+//! - an envelope with an extra field holding **`\u0000`**, a **lone
+//!   surrogate**, or a **number beyond `jsonb`'s range**: it decodes (serde
+//!   skips unknown fields without judging them) but PostgreSQL refuses to
+//!   store it (SQLSTATE class 22); the subscriber dead-letters it at once
+//!   instead of retrying a statement that can never succeed.
+//! - an **oversized** envelope, over the subscriber's `max_delivery_bytes`:
+//!   dead-lettered at once, before it is parsed.
+//! - a valid envelope whose AMQP **`message_id` is foreign** (another UUID, a
+//!   string that is no UUID, or none): it is a real event and takes effect
+//!   exactly once, keyed by the envelope id, never by the `message_id`.
+
+use rand::Rng;
+use rand::rngs::SmallRng;
+use uuid::Uuid;
+
+use super::queues::QueuedMessage;
+use crate::trace::HostileKind;
+use crate::wire::WireBody;
+
+/// One hostile message and what the checker needs to know of it.
+#[derive(Debug, Clone)]
+pub struct Hostile {
+    pub kind: HostileKind,
+    pub message: QueuedMessage,
+    /// The envelope id inside, if the body holds one.
+    pub envelope_id: Option<Uuid>,
+}
+
+/// Builds a hostile message of `kind`; `oversize_bytes` is how large an
+/// oversized body is.
+pub fn build(kind: HostileKind, rng: &mut SmallRng, oversize_bytes: usize) -> Hostile {
+    let routing_key = format!("hostile.{kind:?}").to_lowercase();
+    let (body, message_id, envelope_id) = match kind {
+        HostileKind::NotJson => (
+            WireBody::Text(format!("hostile {} {{ not json", rng.random::<u32>())),
+            Some(random_v4(rng).to_string()),
+            None,
+        ),
+        HostileKind::Binary => {
+            let mut bytes = vec![0xff, 0xfe, 0x00, 0x80];
+            bytes.extend((0..16).map(|_| rng.random::<u8>()));
+            (
+                WireBody::Bytes(bytes),
+                Some(random_v4(rng).to_string()),
+                None,
+            )
+        }
+        HostileKind::NotV7 => {
+            let mut e = envelope(rng, &routing_key, 0);
+            e.id = random_v4(rng);
+            let body = serde_json::to_string(&e).expect("envelopes encode");
+            (WireBody::Text(body), Some(e.id.to_string()), Some(e.id))
+        }
+        HostileKind::ForeignMessageId => {
+            let e = envelope(rng, &routing_key, 0);
+            let message_id = match rng.random_range(0..3) {
+                0 => Some(random_v4(rng).to_string()),
+                1 => Some(format!("not-a-uuid-{}", rng.random::<u32>())),
+                _ => None,
+            };
+            (WireBody::Text(encode(&e)), message_id, Some(e.id))
+        }
+        HostileKind::NulEscape | HostileKind::LoneSurrogate | HostileKind::NumberOutOfRange => {
+            let e = envelope(rng, &routing_key, 0);
+            let extra = match kind {
+                HostileKind::NulEscape => r#""note":"\u0000""#,
+                HostileKind::LoneSurrogate => r#""note":"\ud800""#,
+                _ => r#""note":1e1000000"#,
+            };
+            let mut body = encode(&e);
+            body.pop(); // the closing brace
+            body.push(',');
+            body.push_str(extra);
+            body.push('}');
+            (WireBody::Text(body), Some(e.id.to_string()), Some(e.id))
+        }
+        HostileKind::Oversized => {
+            let e = envelope(rng, &routing_key, oversize_bytes);
+            (
+                WireBody::Text(encode(&e)),
+                Some(e.id.to_string()),
+                Some(e.id),
+            )
+        }
+    };
+    Hostile {
+        kind,
+        message: QueuedMessage {
+            message_id,
+            routing_key,
+            body,
+            redelivered: false,
+        },
+        envelope_id,
+    }
+}
+
+fn random_v4(rng: &mut SmallRng) -> Uuid {
+    uuid::Builder::from_random_bytes(rng.random()).into_uuid()
+}
+
+/// A valid envelope with a seeded v7 id and a payload of `pad` bytes.
+fn envelope(rng: &mut SmallRng, key: &str, pad: usize) -> outbox::EventEnvelope {
+    let ms = crate::sim_now_ms() + crate::workload::EPOCH_MS;
+    let random: [u8; 10] = rng.random();
+    outbox::EventEnvelope {
+        id: uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid(),
+        routing_key: key.to_owned(),
+        occurred_at: time::OffsetDateTime::UNIX_EPOCH + std::time::Duration::from_millis(ms),
+        headers: Default::default(),
+        payload: serde_json::json!({ "hostile": true, "pad": "p".repeat(pad) }),
+    }
+}
+
+fn encode(e: &outbox::EventEnvelope) -> String {
+    let limits = outbox::EnvelopeLimits {
+        max_envelope_bytes: usize::MAX,
+    };
+    e.encode(&limits)
+        .expect("hostile envelopes are valid envelopes")
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+
+    use super::*;
+
+    #[test]
+    fn each_kind_is_what_it_claims_to_be() {
+        let mut rng = SmallRng::seed_from_u64(1);
+        for kind in HostileKind::ALL {
+            let h = build(*kind, &mut rng, 2048);
+            let bytes = h.message.body.as_bytes();
+            let decoded = outbox::EventEnvelope::decode_delivery(bytes);
+            let refused = std::str::from_utf8(bytes)
+                .ok()
+                .and_then(crate::fakes::pg::jsonb::jsonb_refusal);
+            match kind {
+                HostileKind::NotJson | HostileKind::Binary | HostileKind::NotV7 => {
+                    assert!(decoded.is_err(), "{kind:?}")
+                }
+                HostileKind::NulEscape
+                | HostileKind::LoneSurrogate
+                | HostileKind::NumberOutOfRange => {
+                    assert!(decoded.is_ok(), "{kind:?} decodes");
+                    assert!(refused.is_some(), "{kind:?} is refused by jsonb");
+                }
+                HostileKind::ForeignMessageId => {
+                    let e = decoded.expect("valid");
+                    assert_eq!(Some(e.id), h.envelope_id);
+                    assert_ne!(h.message.message_id, Some(e.id.to_string()));
+                }
+                HostileKind::Oversized => {
+                    assert!(decoded.is_ok());
+                    assert!(bytes.len() > 2048);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,374 @@
+//! What PostgreSQL refuses to store, as the fake must refuse it: `jsonb`
+//! input and `text` with a NUL byte. Each refusal carries PostgreSQL's
+//! SQLSTATE and message, and the inbox conformance suite runs the same
+//! inputs against the real database (`sim/tests/conformance/inbox.rs`).
+//!
+//! Measured on PostgreSQL 15 (`SELECT $1::jsonb`):
+//! - `\u0000` anywhere in a string or key: 22P05 "unsupported Unicode escape
+//!   sequence".
+//! - a lone surrogate (`\ud800` not followed by a low `\u` escape, or a low
+//!   one alone), any other bad escape, a raw control character in a string,
+//!   or any other deviation from the JSON grammar (`01`, `1.`, `.5`,
+//!   trailing commas or text): 22P02 "invalid input syntax for type json".
+//! - a number `numeric` cannot hold: more than 131 072 digits before the
+//!   decimal point (the first non-zero digit at 10^131072 or beyond), more
+//!   than 16 383 after it (fraction digits minus the exponent), or an
+//!   exponent of 1 073 741 823 or more in magnitude: 22003 "value overflows
+//!   numeric format".
+
+/// A refusal: PostgreSQL's SQLSTATE and message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    pub code: &'static str,
+    pub message: &'static str,
+}
+
+const SYNTAX: Refusal = Refusal {
+    code: "22P02",
+    message: "invalid input syntax for type json",
+};
+const NUL_ESCAPE: Refusal = Refusal {
+    code: "22P05",
+    message: "unsupported Unicode escape sequence",
+};
+const NUMERIC_OVERFLOW: Refusal = Refusal {
+    code: "22003",
+    message: "value overflows numeric format",
+};
+const NUL_BYTE: Refusal = Refusal {
+    code: "22021",
+    message: "invalid byte sequence for encoding \"UTF8\": 0x00",
+};
+
+/// `numeric`'s largest decimal weight: digits before the point.
+const INT_DIGITS_MAX: i64 = 131_072;
+/// `numeric`'s largest display scale: digits after the point.
+const DSCALE_MAX: i64 = 16_383;
+/// Exponents at or beyond this magnitude are refused outright (INT_MAX / 2).
+const EXPONENT_LIMIT: i64 = 1_073_741_823;
+
+/// Why PostgreSQL refuses `text` as a `text` value, if it does.
+pub fn text_refusal(text: &str) -> Option<Refusal> {
+    text.contains('\0').then_some(NUL_BYTE)
+}
+
+/// Why PostgreSQL refuses `text` as `jsonb` input, if it does.
+pub fn jsonb_refusal(text: &str) -> Option<Refusal> {
+    if text.contains('\0') {
+        return Some(NUL_BYTE);
+    }
+    let mut p = Parser {
+        b: text.as_bytes(),
+        i: 0,
+    };
+    p.ws();
+    if let Err(r) = p.value(0) {
+        return Some(r);
+    }
+    p.ws();
+    (p.i != p.b.len()).then_some(SYNTAX)
+}
+
+/// Nesting PostgreSQL accepts before its stack check gives up; far beyond
+/// anything the fake is sent, it only keeps this recursion bounded.
+const DEPTH_MAX: usize = 4096;
+
+struct Parser<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl Parser<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, c: u8) -> Result<(), Refusal> {
+        if self.peek() == Some(c) {
+            self.i += 1;
+            Ok(())
+        } else {
+            Err(SYNTAX)
+        }
+    }
+
+    fn value(&mut self, depth: usize) -> Result<(), Refusal> {
+        if depth > DEPTH_MAX {
+            return Err(SYNTAX);
+        }
+        match self.peek().ok_or(SYNTAX)? {
+            b'{' => self.object(depth),
+            b'[' => self.array(depth),
+            b'"' => self.string(),
+            b'-' | b'0'..=b'9' => self.number(),
+            _ => self.literal(),
+        }
+    }
+
+    fn literal(&mut self) -> Result<(), Refusal> {
+        for word in [&b"true"[..], b"false", b"null"] {
+            if self.b[self.i..].starts_with(word) {
+                self.i += word.len();
+                return Ok(());
+            }
+        }
+        Err(SYNTAX)
+    }
+
+    fn object(&mut self, depth: usize) -> Result<(), Refusal> {
+        self.eat(b'{')?;
+        self.ws();
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+            return Ok(());
+        }
+        loop {
+            self.ws();
+            self.string()?;
+            self.ws();
+            self.eat(b':')?;
+            self.ws();
+            self.value(depth + 1)?;
+            self.ws();
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(b'}') => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return Err(SYNTAX),
+            }
+        }
+    }
+
+    fn array(&mut self, depth: usize) -> Result<(), Refusal> {
+        self.eat(b'[')?;
+        self.ws();
+        if self.peek() == Some(b']') {
+            self.i += 1;
+            return Ok(());
+        }
+        loop {
+            self.ws();
+            self.value(depth + 1)?;
+            self.ws();
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(b']') => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return Err(SYNTAX),
+            }
+        }
+    }
+
+    fn hex4(&mut self) -> Result<u32, Refusal> {
+        let digits = self.b.get(self.i..self.i + 4).ok_or(SYNTAX)?;
+        let text = std::str::from_utf8(digits).map_err(|_| SYNTAX)?;
+        let v = u32::from_str_radix(text, 16).map_err(|_| SYNTAX)?;
+        if !digits.iter().all(u8::is_ascii_hexdigit) {
+            return Err(SYNTAX);
+        }
+        self.i += 4;
+        Ok(v)
+    }
+
+    fn string(&mut self) -> Result<(), Refusal> {
+        self.eat(b'"')?;
+        loop {
+            let c = self.peek().ok_or(SYNTAX)?;
+            self.i += 1;
+            match c {
+                b'"' => return Ok(()),
+                0..=0x1f => return Err(SYNTAX),
+                b'\\' => self.escape()?,
+                _ => {}
+            }
+        }
+    }
+
+    fn escape(&mut self) -> Result<(), Refusal> {
+        let c = self.peek().ok_or(SYNTAX)?;
+        self.i += 1;
+        match c {
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Ok(()),
+            b'u' => {
+                let v = self.hex4()?;
+                match v {
+                    0 => Err(NUL_ESCAPE),
+                    0xD800..=0xDBFF => {
+                        // A high surrogate must be followed by a low one.
+                        if self.b.get(self.i..self.i + 2) != Some(b"\\u") {
+                            return Err(SYNTAX);
+                        }
+                        self.i += 2;
+                        let low = self.hex4()?;
+                        if (0xDC00..=0xDFFF).contains(&low) {
+                            Ok(())
+                        } else {
+                            Err(SYNTAX)
+                        }
+                    }
+                    0xDC00..=0xDFFF => Err(SYNTAX),
+                    _ => Ok(()),
+                }
+            }
+            _ => Err(SYNTAX),
+        }
+    }
+
+    /// A JSON number, then whether `numeric` can hold it.
+    fn number(&mut self) -> Result<(), Refusal> {
+        if self.peek() == Some(b'-') {
+            self.i += 1;
+        }
+        let int_start = self.i;
+        match self.peek() {
+            Some(b'0') => self.i += 1,
+            Some(b'1'..=b'9') => self.digits(),
+            _ => return Err(SYNTAX),
+        }
+        let int = &self.b[int_start..self.i];
+        let mut frac: &[u8] = &[];
+        if self.peek() == Some(b'.') {
+            self.i += 1;
+            let start = self.i;
+            self.digits();
+            if self.i == start {
+                return Err(SYNTAX);
+            }
+            frac = &self.b[start..self.i];
+        }
+        let mut exponent: i64 = 0;
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            self.i += 1;
+            let negative = match self.peek() {
+                Some(b'-') => {
+                    self.i += 1;
+                    true
+                }
+                Some(b'+') => {
+                    self.i += 1;
+                    false
+                }
+                _ => false,
+            };
+            let start = self.i;
+            self.digits();
+            if self.i == start {
+                return Err(SYNTAX);
+            }
+            for d in &self.b[start..self.i] {
+                // Saturate: anything this large is refused below.
+                exponent = (exponent * 10 + i64::from(d - b'0')).min(EXPONENT_LIMIT);
+            }
+            if negative {
+                exponent = -exponent;
+            }
+        }
+        numeric_fits(int, frac, exponent)
+            .then_some(())
+            .ok_or(NUMERIC_OVERFLOW)
+    }
+
+    fn digits(&mut self) {
+        while matches!(self.peek(), Some(b'0'..=b'9')) {
+            self.i += 1;
+        }
+    }
+}
+
+/// Whether `int.frac × 10^exponent` fits PostgreSQL's `numeric`.
+fn numeric_fits(int: &[u8], frac: &[u8], exponent: i64) -> bool {
+    if exponent.abs() >= EXPONENT_LIMIT {
+        return false;
+    }
+    let dscale = (frac.len() as i64 - exponent).max(0);
+    if dscale > DSCALE_MAX {
+        return false;
+    }
+    // The decimal position of the first non-zero digit (0 for the ones).
+    let first_nonzero = int
+        .iter()
+        .position(|d| *d != b'0')
+        .map(|k| int.len() as i64 - 1 - k as i64)
+        .or_else(|| {
+            frac.iter()
+                .position(|d| *d != b'0')
+                .map(|k| -(k as i64) - 1)
+        });
+    match first_nonzero {
+        None => true, // zero
+        Some(p) => p + exponent < INT_DIGITS_MAX,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn code(text: &str) -> Option<&'static str> {
+        jsonb_refusal(text).map(|r| r.code)
+    }
+
+    #[test]
+    fn refusals_match_what_postgresql_15_said() {
+        // Each line was run through `SELECT $$…$$::jsonb` on PostgreSQL 15.
+        for (text, want) in [
+            (r#"{"a":"\u0000"}"#, Some("22P05")),
+            (r#"{"\u0000":1}"#, Some("22P05")),
+            (r#"{"a":"\ud800"}"#, Some("22P02")),
+            (r#"{"a":"\udc00"}"#, Some("22P02")),
+            (r#"{"a":"\ud800\u0041"}"#, Some("22P02")),
+            (r#"{"a":"\ud800\ud800"}"#, Some("22P02")),
+            (r#"{"a":"\ud800x"}"#, Some("22P02")),
+            (r#""\uD83D\uDE00""#, None),
+            (r#"{"a":"\u00e9"}"#, None),
+            (r#"{"a":"\x"}"#, Some("22P02")),
+            ("{\"a\":\"tab\t\"}", Some("22P02")),
+            (r#"{"a":1e1000000}"#, Some("22003")),
+            (r#"{"a":1e131071}"#, None),
+            (r#"{"a":9e131071}"#, None),
+            (r#"{"a":1e131072}"#, Some("22003")),
+            (r#"{"a":100e131069}"#, None),
+            (r#"{"a":100e131070}"#, Some("22003")),
+            (r#"{"a":0.01e131073}"#, None),
+            (r#"{"a":0.01e131074}"#, Some("22003")),
+            (r#"{"a":1e-16383}"#, None),
+            (r#"{"a":1e-16384}"#, Some("22003")),
+            (r#"{"a":1.5e-16383}"#, Some("22003")),
+            (r#"{"a":0e-20000}"#, Some("22003")),
+            (r#"{"a":0e99999999}"#, None),
+            (r#"{"a":1e1073741822}"#, Some("22003")),
+            (r#"{"a":1E+5}"#, None),
+            (r#"{"a":-0}"#, None),
+            (r#"{"a":01}"#, Some("22P02")),
+            (r#"{"a":1.}"#, Some("22P02")),
+            (r#"{"a":.5}"#, Some("22P02")),
+            ("[1,]", Some("22P02")),
+            (r#"{"a":1}x"#, Some("22P02")),
+            (r#" {"a":1} "#, None),
+            ("", Some("22P02")),
+            ("not json", Some("22P02")),
+            ("{\"a\":\"\0\"}", Some("22021")),
+        ] {
+            assert_eq!(code(text), want, "{text}");
+        }
+        let zeros = "0".repeat(16_384);
+        assert_eq!(code(&format!("{{\"a\":1.{zeros}}}")), Some("22003"));
+        assert_eq!(code(&format!("{{\"a\":1.{}}}", &zeros[1..])), None);
+    }
+
+    #[test]
+    fn text_with_a_nul_byte_is_refused() {
+        assert_eq!(text_refusal("a\0b").map(|r| r.code), Some("22021"));
+        assert_eq!(text_refusal("ab"), None);
+    }
+}

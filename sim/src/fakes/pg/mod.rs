@@ -1,0 +1,568 @@
+//! The fake PostgreSQL, served on the simulated `pg` host: sessions and
+//! transactions here, the tables in [`outbox`] (`event_outbox`) and
+//! [`inbox`] (`event_inbox` and the handler's domain table), and what
+//! PostgreSQL refuses to store in [`jsonb`].
+//!
+//! Modelled: sessions over the simulated network, one transaction at a time
+//! per session; inserts invisible until commit; an error inside a
+//! transaction aborts it (later statements fail with 25P02 until the
+//! rollback, as in PostgreSQL); a transaction rolls back when its
+//! connection ends or the host crashes; `idle_in_transaction_session_timeout`;
+//! errors as SQLSTATE and message, which the adapters map with the
+//! production mapping. The tables are the "disk": they survive a crash of
+//! the host; open transactions do not.
+//!
+//! Faults (each survivable, and why):
+//! - **reply lost after apply** (`lose_reply_prob`): the request takes
+//!   effect and the connection is closed before the reply. A lost claim reply
+//!   leaves leases that expire; a lost mark reply leaves rows published with
+//!   the drainer unaware (it retries nothing it needs); a lost commit reply
+//!   leaves the workload unsure, which is why the checker takes the committed
+//!   set from this fake, not from the client.
+//! - **statement failure** (`fail_prob`): the request is refused without
+//!   effect with 40001 (a serialization failure: transient, nobody's fault).
+//!   Claims are released or expire and attempts do not move; a subscriber
+//!   retries in place and counts no attempt, even when the handler's own
+//!   statement is the one that failed.
+//! - **unavailable** (the world partitions `pg`): requests and connects hang
+//!   until the adapters' timeouts; nothing committed is lost because nothing
+//!   is acknowledged without being applied.
+//! - **refused data** (not a fault of the fake but of its input): a `jsonb`
+//!   value PostgreSQL cannot store, or a NUL in `text`, is refused with
+//!   PostgreSQL's SQLSTATE (class 22), which the subscriber must dead-letter
+//!   at once rather than retry.
+
+pub mod inbox;
+pub mod jsonb;
+pub mod outbox;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use uuid::Uuid;
+
+use self::inbox::{Caller, Inbox, InboxTx};
+use self::outbox::{OutboxTable, PriorLease, Row};
+use crate::trace::{Event, FaultKind, Trace};
+use crate::wire::{PgError, PgReply, PgRequest, read_frame, write_frame};
+
+/// The fake's port.
+pub const PG_PORT: u16 = 5432;
+
+/// The fake's clock starts a day after the simulation's zero, so rows can be
+/// backdated (retention tests) without underflow.
+const CLOCK_OFFSET_MS: u64 = 86_400_000;
+
+/// The fake's clock (`now()`), in milliseconds.
+pub fn now_ms() -> u64 {
+    crate::sim_now_ms() + CLOCK_OFFSET_MS
+}
+
+/// The SQLSTATE of the injected statement failure (serialization failure).
+pub const INJECTED_FAILURE_CODE: &str = "40001";
+
+/// Both tables: the database's "disk".
+#[derive(Debug, Default)]
+pub struct Database {
+    /// `event_outbox`.
+    pub outbox: OutboxTable,
+    /// `event_inbox` and the handler's domain table.
+    pub inbox: Inbox,
+}
+
+/// Fault settings, changed by the world while the simulation runs.
+#[derive(Debug, Clone, Default)]
+pub struct PgFaults {
+    /// Probability that an applied request's reply is lost.
+    pub lose_reply_prob: f64,
+    /// Probability that a request fails without effect.
+    pub fail_prob: f64,
+}
+
+/// Everything the fake shares with the world: the tables, the faults, the
+/// RNG.
+#[derive(Debug, Clone)]
+pub struct PgState {
+    pub db: Arc<Mutex<Database>>,
+    pub faults: Arc<Mutex<PgFaults>>,
+    rng: Arc<Mutex<SmallRng>>,
+    sessions: Arc<Mutex<u64>>,
+    /// Woken whenever a transaction ends (inbox lock waiters recheck).
+    unlocked: Arc<tokio::sync::Notify>,
+    trace: Trace,
+}
+
+impl PgState {
+    /// A fresh, empty database.
+    pub fn new(seed: u64, trace: Trace) -> Self {
+        Self {
+            db: Arc::default(),
+            faults: Arc::default(),
+            rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
+            sessions: Arc::default(),
+            unlocked: Arc::default(),
+            trace,
+        }
+    }
+
+    fn roll(&self, p: f64) -> bool {
+        p > 0.0 && self.rng.lock().expect("rng").random_bool(p.min(1.0))
+    }
+
+    /// The tables, locked.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Database> {
+        self.db.lock().expect("database")
+    }
+
+    /// An operator unparks every parked row that a fix can make publishable
+    /// (the liveness phase).
+    pub fn operator_unpark_all(&self) {
+        self.lock().outbox.operator_unpark_fixable(&self.trace);
+    }
+}
+
+/// Runs the server until the host crashes.
+pub async fn serve(state: PgState) -> turmoil::Result {
+    let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PG_PORT)).await?;
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let session = {
+            let mut n = state.sessions.lock().expect("sessions");
+            *n += 1;
+            *n
+        };
+        tokio::spawn(Session::new(state.clone(), session).run(stream));
+    }
+}
+
+/// An open transaction's effects, undone on rollback.
+#[derive(Debug, Default)]
+struct Tx {
+    /// When it began: PostgreSQL's `now()` inside it.
+    began_ms: u64,
+    inserts: Vec<Row>,
+    /// Rows this transaction claimed, with their lease before the claim.
+    claimed: Vec<PriorLease>,
+    /// Inbox rows, processed marks and handler effects.
+    inbox: InboxTx,
+    /// A statement failed: only ROLLBACK (or COMMIT, which rolls back) is
+    /// accepted until the end, as in PostgreSQL.
+    aborted: bool,
+}
+
+struct Session {
+    state: PgState,
+    id: u64,
+    client: String,
+    tx: Option<Tx>,
+    /// Idle-in-transaction timeout of the open transaction, if set.
+    idle_tx_timeout: Option<Duration>,
+}
+
+impl Session {
+    fn new(state: PgState, id: u64) -> Self {
+        Self {
+            state,
+            id,
+            client: format!("session-{id}"),
+            tx: None,
+            idle_tx_timeout: None,
+        }
+    }
+
+    async fn run(mut self, stream: turmoil::net::TcpStream) {
+        let (mut r, mut w) = stream.into_split();
+        loop {
+            let next = match self.idle_tx_timeout.filter(|_| self.tx.is_some()) {
+                Some(limit) => {
+                    match tokio::time::timeout(limit, read_frame::<_, PgRequest>(&mut r)).await {
+                        Ok(next) => next,
+                        Err(_) => {
+                            self.state.trace.now(Event::Fault {
+                                kind: FaultKind::PgIdleTimeout,
+                                detail: format!(
+                                    "pg terminates {}'s session: idle in transaction past {} ms",
+                                    self.client,
+                                    limit.as_millis()
+                                ),
+                            });
+                            break; // Drop rolls the transaction back
+                        }
+                    }
+                }
+                None => read_frame::<_, PgRequest>(&mut r).await,
+            };
+            let Ok(Some(req)) = next else { break };
+            let Some(reply) = self.serve_one(&req).await else {
+                break; // the reply is lost: the connection dies
+            };
+            if write_frame(&mut w, &reply).await.is_err() {
+                break;
+            }
+        }
+    }
+
+    /// Applies one request under the fault settings; `None` if its reply is
+    /// lost (the request took effect).
+    async fn serve_one(&mut self, req: &PgRequest) -> Option<PgReply> {
+        let hello = matches!(req, PgRequest::Hello { .. });
+        let faults = self.state.faults.lock().expect("faults").clone();
+        if !hello && self.state.roll(faults.fail_prob) {
+            self.state.trace.now(Event::Fault {
+                kind: FaultKind::PgFailure,
+                detail: format!("{} {}", self.client, request_name(req)),
+            });
+            return Some(self.failed(PgError::new(
+                INJECTED_FAILURE_CODE,
+                "could not serialize access (injected statement failure)",
+            )));
+        }
+        self.wait_for_inbox_lock(req).await;
+        let reply = self.apply(req);
+        if !hello && self.state.roll(faults.lose_reply_prob) {
+            self.state.trace.now(Event::Fault {
+                kind: FaultKind::PgReplyLost,
+                detail: format!("{} {}", self.client, request_name(req)),
+            });
+            return None;
+        }
+        Some(reply)
+    }
+
+    /// A failed statement: it aborts the open transaction.
+    fn failed(&mut self, error: PgError) -> PgReply {
+        if let Some(tx) = self.tx.as_mut() {
+            tx.aborted = true;
+        }
+        PgReply::Error(error)
+    }
+
+    /// Waits while another open transaction holds the inbox row `req`
+    /// needs, as PostgreSQL's `INSERT … ON CONFLICT` waits on a row lock.
+    async fn wait_for_inbox_lock(&self, req: &PgRequest) {
+        loop {
+            let unlocked = self.state.unlocked.notified();
+            tokio::pin!(unlocked);
+            unlocked.as_mut().enable();
+            if !self.state.lock().inbox.blocked(req, self.id) {
+                return;
+            }
+            unlocked.await;
+        }
+    }
+
+    fn apply(&mut self, req: &PgRequest) -> PgReply {
+        if self.tx.as_ref().is_some_and(|t| t.aborted)
+            && !matches!(req, PgRequest::Rollback | PgRequest::Commit)
+        {
+            return PgReply::Error(PgError::new(
+                "25P02",
+                "current transaction is aborted, commands ignored until end of transaction block",
+            ));
+        }
+        let reply = match req {
+            PgRequest::Hello { client } => {
+                self.client = client.clone();
+                PgReply::Ok
+            }
+            PgRequest::Begin => self.begin(),
+            PgRequest::SetIdleInTxTimeout { ms } => {
+                if self.tx.is_none() {
+                    return self.failed(PgError::new("25P01", "SET LOCAL outside a transaction"));
+                }
+                self.idle_tx_timeout = Some(Duration::from_millis(*ms));
+                PgReply::Ok
+            }
+            PgRequest::Commit => self.commit(),
+            PgRequest::Rollback => {
+                if self.tx.is_none() {
+                    return PgReply::Error(PgError::new("25P01", "no transaction"));
+                }
+                self.rollback();
+                PgReply::Ok
+            }
+            _ => self.statement(req),
+        };
+        if let PgReply::Error(e) = reply {
+            return self.failed(e);
+        }
+        reply
+    }
+
+    fn begin(&mut self) -> PgReply {
+        if self.tx.is_some() {
+            return PgReply::Error(PgError::new("25001", "already in a transaction"));
+        }
+        self.tx = Some(Tx {
+            began_ms: now_ms(),
+            ..Tx::default()
+        });
+        self.idle_tx_timeout = None;
+        PgReply::Ok
+    }
+
+    /// One statement: an inbox request, or an outbox one.
+    fn statement(&mut self, req: &PgRequest) -> PgReply {
+        // `now()` is the transaction's start, as in PostgreSQL.
+        let now = self.tx.as_ref().map_or_else(now_ms, |t| t.began_ms);
+        let trace = &self.state.trace;
+        let mut db = self.state.db.lock().expect("database");
+        let caller = Caller {
+            session: self.id,
+            client: &self.client,
+            trace,
+        };
+        let tx = self.tx.as_mut().map(|t| &mut t.inbox);
+        if let Some(reply) = db.inbox.apply(req, &caller, tx, now) {
+            return reply;
+        }
+        let at = At {
+            session: self.id,
+            trace,
+            now,
+        };
+        outbox_statement(&at, &mut self.tx, &mut db.outbox, req)
+    }
+}
+
+/// Where and when a statement runs.
+struct At<'a> {
+    session: u64,
+    trace: &'a Trace,
+    now: u64,
+}
+
+/// The outbox's statements (`outbox/src/pg/sql/outbox_*.sql`).
+fn outbox_statement(
+    at: &At<'_>,
+    tx: &mut Option<Tx>,
+    table: &mut OutboxTable,
+    req: &PgRequest,
+) -> PgReply {
+    let (trace, session, now) = (at.trace, at.session, at.now);
+    match req {
+        PgRequest::Insert { rows } => insert(tx, table, rows, now),
+        PgRequest::Claim {
+            replica,
+            batch_size,
+            lease_ttl_ms,
+        } => {
+            let Some(tx) = tx.as_mut() else {
+                return PgReply::Error(PgError::new("25P01", "claim outside a transaction"));
+            };
+            let rows = table.claim(
+                &mut tx.claimed,
+                session,
+                replica,
+                *batch_size,
+                *lease_ttl_ms,
+                now,
+            );
+            trace.now(Event::Claimed {
+                replica: replica.clone(),
+                ids: rows.iter().map(|r| r.id).collect(),
+                attempts: rows.iter().map(|r| r.attempts).collect(),
+            });
+            PgReply::Rows(rows)
+        }
+        PgRequest::MarkPublished { replica, ids } => {
+            let ids = table.mark_published(session, replica, ids, now);
+            let n = ids.len() as u64;
+            trace.now(Event::MarkedPublished {
+                replica: replica.clone(),
+                ids,
+            });
+            PgReply::Count(n)
+        }
+        PgRequest::MarkFailed {
+            replica,
+            failures,
+            max_attempts,
+        } => {
+            let (ids, parked) = table.mark_failed(session, replica, failures, *max_attempts, now);
+            let reply = PgReply::Failed {
+                recorded: ids.len() as u64,
+                parked: parked.len() as u64,
+            };
+            trace.now(Event::MarkedFailed {
+                replica: replica.clone(),
+                ids,
+                parked,
+            });
+            reply
+        }
+        PgRequest::Release { replica, ids } => {
+            let ids = table.release(session, replica, ids);
+            let n = ids.len() as u64;
+            trace.now(Event::Released {
+                replica: replica.clone(),
+                ids,
+            });
+            PgReply::Count(n)
+        }
+        PgRequest::Stats => table.stats(now),
+        PgRequest::DeletePublished {
+            older_than_ms,
+            limit,
+        } => {
+            let ids = table.delete_published(*older_than_ms, *limit, now);
+            let n = ids.len() as u64;
+            if !ids.is_empty() {
+                trace.now(Event::Deleted { ids });
+            }
+            PgReply::Count(n)
+        }
+        PgRequest::ListParked { limit } => PgReply::Parked(table.list_parked(*limit)),
+        PgRequest::Unpark { ids } => {
+            let ids = table.unpark(ids.as_deref());
+            let n = ids.len() as u64;
+            trace.now(Event::Unparked { ids });
+            PgReply::Count(n)
+        }
+        other => unreachable!("{} is handled before the outbox", request_name(other)),
+    }
+}
+
+/// `publish_tx` / `publish_many_tx`: one statement inserting every row,
+/// all or nothing, in the open transaction.
+fn insert(
+    tx: &mut Option<Tx>,
+    table: &OutboxTable,
+    rows: &[crate::wire::NewRow],
+    now: u64,
+) -> PgReply {
+    let Some(tx) = tx.as_mut() else {
+        return PgReply::Error(PgError::new("25P01", "insert outside a transaction"));
+    };
+    for (i, row) in rows.iter().enumerate() {
+        if table.contains(&row.id)
+            || tx.inserts.iter().any(|r| r.id == row.id)
+            || rows[..i].iter().any(|r| r.id == row.id)
+        {
+            return PgReply::Error(PgError::new(
+                "23505",
+                format!("duplicate key value violates event_outbox_pkey: {}", row.id),
+            ));
+        }
+        if let Some(r) =
+            jsonb::text_refusal(&row.routing_key).or_else(|| jsonb::jsonb_refusal(&row.body))
+        {
+            return PgReply::Error(PgError::new(r.code, r.message));
+        }
+    }
+    tx.inserts.extend(
+        rows.iter()
+            .map(|r| Row::new(r.id, r.routing_key.clone(), r.body.clone(), now)),
+    );
+    PgReply::Count(rows.len() as u64)
+}
+
+impl Session {
+    fn commit(&mut self) -> PgReply {
+        let Some(tx) = self.tx.take() else {
+            return PgReply::Error(PgError::new("25P01", "no transaction"));
+        };
+        if tx.aborted {
+            // PostgreSQL answers COMMIT of an aborted transaction with a
+            // rollback.
+            self.tx = Some(tx);
+            self.rollback();
+            return PgReply::Ok;
+        }
+        let now = tx.began_ms;
+        let trace = &self.state.trace;
+        let mut db = self.state.lock();
+        let ids: Vec<Uuid> = tx.inserts.iter().map(|r| r.id).collect();
+        for row in tx.inserts {
+            db.outbox.commit_row(row);
+        }
+        if !tx.inbox.is_empty() {
+            let done = db.inbox.commit(tx.inbox, now);
+            self.state.unlocked.notify_waiters();
+            for (event_id, attempts, dead_lettered) in done.failures {
+                trace.now(Event::InboxFailure {
+                    client: self.client.clone(),
+                    event_id,
+                    attempts,
+                    dead_lettered,
+                });
+            }
+            if !done.processed.is_empty() || !done.effects.is_empty() {
+                trace.now(Event::InboxCommitted {
+                    client: self.client.clone(),
+                    began: Duration::from_millis(now - CLOCK_OFFSET_MS),
+                    processed: done.processed,
+                    effects: done.effects,
+                });
+            }
+        }
+        db.outbox.unlock(&tx.claimed);
+        if !ids.is_empty() {
+            trace.now(Event::Committed {
+                client: self.client.clone(),
+                ids,
+            });
+        }
+        PgReply::Ok
+    }
+
+    /// Undoes the open transaction: inserts vanish, claimed leases return to
+    /// what they were, locks are released.
+    fn rollback(&mut self) {
+        let Some(tx) = self.tx.take() else {
+            return;
+        };
+        let mut db = self.state.lock();
+        db.inbox.rollback(tx.inbox);
+        self.state.unlocked.notify_waiters();
+        let owners = db.outbox.restore(tx.claimed);
+        drop(db);
+        if !owners.is_empty() {
+            self.state.trace.now(Event::LeasesRestored { owners });
+        }
+        let ids: Vec<Uuid> = tx.inserts.iter().map(|r| r.id).collect();
+        if !ids.is_empty() {
+            self.state.trace.now(Event::RolledBack {
+                client: self.client.clone(),
+                ids,
+            });
+        }
+    }
+}
+
+impl Drop for Session {
+    /// The connection ended (closed, broken, or the host crashed): an open
+    /// transaction is rolled back, as PostgreSQL does.
+    fn drop(&mut self) {
+        self.rollback();
+    }
+}
+
+fn request_name(req: &PgRequest) -> &'static str {
+    match req {
+        PgRequest::Hello { .. } => "hello",
+        PgRequest::Begin => "begin",
+        PgRequest::SetIdleInTxTimeout { .. } => "set_idle_in_tx_timeout",
+        PgRequest::Commit => "commit",
+        PgRequest::Rollback => "rollback",
+        PgRequest::Insert { .. } => "insert",
+        PgRequest::Claim { .. } => "claim",
+        PgRequest::MarkPublished { .. } => "mark_published",
+        PgRequest::MarkFailed { .. } => "mark_failed",
+        PgRequest::Release { .. } => "release",
+        PgRequest::Stats => "stats",
+        PgRequest::DeletePublished { .. } => "delete_published",
+        PgRequest::ListParked { .. } => "list_parked",
+        PgRequest::Unpark { .. } => "unpark",
+        PgRequest::InboxTryInsert { .. } => "inbox_try_insert",
+        PgRequest::InboxMarkProcessed { .. } => "inbox_mark_processed",
+        PgRequest::Effect { .. } => "effect",
+        PgRequest::InboxSavepoint => "inbox_savepoint",
+        PgRequest::InboxRecordFailure { .. } => "inbox_record_failure",
+        PgRequest::InboxList { .. } => "inbox_list",
+        PgRequest::InboxReset { .. } => "inbox_reset",
+        PgRequest::InboxDeleteProcessed { .. } => "inbox_delete_processed",
+    }
+}

@@ -1,0 +1,350 @@
+//! The fake PostgreSQL's `event_outbox` table, as the drainer relies on it:
+//! committed rows in claim order, the row locks of open claim transactions
+//! (other claims skip them, as `SKIP LOCKED` does), leases on simulated
+//! time, the `claimed_by` guard on marks and releases, attempts and parking,
+//! unpark, and the bounded retention sweep. Each method is one statement of
+//! `outbox/src/pg/sql/`; the sessions in `mod.rs` call them.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use uuid::Uuid;
+
+use crate::trace::{Event, Trace};
+use crate::wire::{PgReply, WireParked, WireRow};
+
+/// A routing key no broker accepts: the drainer blames and parks such rows.
+pub fn unpublishable_key(key: &str) -> bool {
+    key.is_empty() || key.len() > outbox::envelope::ROUTING_KEY_MAX_BYTES
+}
+
+/// One outbox row (times in the fake's milliseconds).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    pub id: Uuid,
+    pub routing_key: String,
+    pub body: String,
+    pub enqueued_ms: u64,
+    pub published_ms: Option<u64>,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub claimed_ms: Option<u64>,
+    pub claimed_by: Option<String>,
+    pub parked_ms: Option<u64>,
+}
+
+impl Row {
+    /// A row as an INSERT writes it.
+    pub fn new(id: Uuid, routing_key: String, body: String, now: u64) -> Self {
+        Self {
+            id,
+            routing_key,
+            body,
+            enqueued_ms: now,
+            published_ms: None,
+            attempts: 0,
+            last_error: None,
+            claimed_ms: None,
+            claimed_by: None,
+            parked_ms: None,
+        }
+    }
+}
+
+/// A claim in an open transaction: the row and its lease before the claim,
+/// restored if the transaction rolls back.
+pub type PriorLease = (Uuid, Option<u64>, Option<String>);
+
+/// The committed table plus the locks of open claim transactions.
+#[derive(Debug, Default)]
+pub struct OutboxTable {
+    rows: BTreeMap<Uuid, Row>,
+    /// Unpublished, unparked rows in claim order.
+    pending: BTreeSet<(u64, Uuid)>,
+    /// Rows locked by an open transaction, by session number.
+    locks: BTreeMap<Uuid, u64>,
+    /// Every envelope ever committed (the janitor deletes rows; this keeps
+    /// what consumers must eventually apply, for the world's quiescence).
+    committed: BTreeSet<Uuid>,
+}
+
+impl OutboxTable {
+    /// Every committed row.
+    pub fn rows(&self) -> impl Iterator<Item = &Row> {
+        self.rows.values()
+    }
+
+    /// One committed row.
+    pub fn row(&self, id: &Uuid) -> Option<&Row> {
+        self.rows.get(id)
+    }
+
+    /// Every envelope ever committed, deleted ones included.
+    pub fn committed(&self) -> &BTreeSet<Uuid> {
+        &self.committed
+    }
+
+    /// Whether a committed (or open) row has this id.
+    pub fn contains(&self, id: &Uuid) -> bool {
+        self.rows.contains_key(id)
+    }
+
+    /// Commits an inserted row.
+    pub fn commit_row(&mut self, row: Row) {
+        self.committed.insert(row.id);
+        self.pending.insert((row.enqueued_ms, row.id));
+        self.rows.insert(row.id, row);
+    }
+
+    fn refresh_pending(&mut self, id: Uuid) {
+        if let Some(r) = self.rows.get(&id) {
+            let key = (r.enqueued_ms, r.id);
+            if r.published_ms.is_none() && r.parked_ms.is_none() {
+                self.pending.insert(key);
+            } else {
+                self.pending.remove(&key);
+            }
+        }
+    }
+
+    /// Releases the locks a transaction held on `claimed`.
+    pub fn unlock(&mut self, claimed: &[PriorLease]) {
+        for (id, _, _) in claimed {
+            self.locks.remove(id);
+        }
+    }
+
+    /// Rolls back claims: the leases return to their previous holders.
+    /// Returns the owners restored, for the trace.
+    pub fn restore(&mut self, claimed: Vec<PriorLease>) -> Vec<(Uuid, Option<String>)> {
+        let mut owners = Vec::new();
+        for (id, claimed_ms, claimed_by) in claimed.into_iter().rev() {
+            self.locks.remove(&id);
+            if let Some(row) = self.rows.get_mut(&id) {
+                row.claimed_ms = claimed_ms;
+                row.claimed_by = claimed_by.clone();
+                owners.push((id, claimed_by));
+            }
+        }
+        owners
+    }
+
+    /// Moves a row's publication `by_ms` into the past (conformance tests).
+    pub fn backdate_published(&mut self, id: Uuid, by_ms: u64) {
+        if let Some(p) = self.rows.get_mut(&id).and_then(|r| r.published_ms.as_mut()) {
+            *p = p.saturating_sub(by_ms);
+        }
+    }
+
+    /// Unparks the parked rows among `ids` (all parked rows for `None`):
+    /// a fresh attempts budget and no lease. Returns the rows unparked.
+    pub fn unpark(&mut self, ids: Option<&[Uuid]>) -> Vec<Uuid> {
+        let targets: Vec<Uuid> = self
+            .rows
+            .values()
+            .filter(|r| r.published_ms.is_none() && r.parked_ms.is_some())
+            .filter(|r| ids.is_none_or(|ids| ids.contains(&r.id)))
+            .map(|r| r.id)
+            .collect();
+        for id in &targets {
+            let row = self.rows.get_mut(id).expect("listed above");
+            row.parked_ms = None;
+            row.attempts = 0;
+            row.claimed_ms = None;
+            row.claimed_by = None;
+            self.refresh_pending(*id);
+        }
+        targets
+    }
+
+    /// The row if `replica` holds its lease and no other open transaction
+    /// holds its lock (the `claimed_by` guard).
+    fn guarded(&mut self, id: &Uuid, replica: &str, session: u64) -> Option<&mut Row> {
+        if self.locks.get(id).is_some_and(|s| *s != session) {
+            return None; // locked by another open transaction
+        }
+        self.rows
+            .get_mut(id)
+            .filter(|r| r.claimed_by.as_deref() == Some(replica))
+    }
+
+    /// `outbox_claim.sql`: up to `batch` unpublished, unparked rows that are
+    /// unclaimed or whose lease expired, skipping locked ones, in claim
+    /// order; stamps the lease and locks them for the open transaction.
+    pub fn claim(
+        &mut self,
+        claimed: &mut Vec<PriorLease>,
+        session: u64,
+        replica: &str,
+        batch: u32,
+        lease_ttl_ms: u64,
+        now: u64,
+    ) -> Vec<WireRow> {
+        let candidates: Vec<Uuid> = self
+            .pending
+            .iter()
+            .map(|(_, id)| *id)
+            .filter(|id| !self.locks.contains_key(id))
+            .filter(|id| {
+                self.rows[id]
+                    .claimed_ms
+                    .is_none_or(|c| c + lease_ttl_ms < now)
+            })
+            .take(batch as usize)
+            .collect();
+        let mut out = Vec::with_capacity(candidates.len());
+        for id in candidates {
+            let row = self.rows.get_mut(&id).expect("pending row exists");
+            claimed.push((id, row.claimed_ms, row.claimed_by.clone()));
+            row.claimed_ms = Some(now);
+            row.claimed_by = Some(replica.to_owned());
+            out.push(WireRow {
+                id,
+                routing_key: row.routing_key.clone(),
+                body: row.body.clone(),
+                attempts: row.attempts,
+            });
+            self.locks.insert(id, session);
+        }
+        out
+    }
+
+    /// `outbox_mark_published.sql`, guarded by `claimed_by`.
+    pub fn mark_published(
+        &mut self,
+        session: u64,
+        replica: &str,
+        ids: &[Uuid],
+        now: u64,
+    ) -> Vec<Uuid> {
+        let mut changed = Vec::new();
+        for id in ids {
+            if let Some(row) = self.guarded(id, replica, session) {
+                row.published_ms = Some(now);
+                changed.push(*id);
+                self.refresh_pending(*id);
+            }
+        }
+        changed
+    }
+
+    /// `outbox_mark_failed.sql`: attempts + 1, `last_error`, lease released,
+    /// parked at the budget; guarded by `claimed_by`. Returns the rows
+    /// changed and those that parked.
+    pub fn mark_failed(
+        &mut self,
+        session: u64,
+        replica: &str,
+        failures: &[(Uuid, String)],
+        max_attempts: u32,
+        now: u64,
+    ) -> (Vec<Uuid>, Vec<Uuid>) {
+        let (mut changed, mut parked) = (Vec::new(), Vec::new());
+        for (id, error) in failures {
+            let Some(row) = self.guarded(id, replica, session) else {
+                continue;
+            };
+            if row.published_ms.is_some() {
+                continue;
+            }
+            row.attempts += 1;
+            row.last_error = Some(error.clone());
+            row.claimed_ms = None;
+            row.claimed_by = None;
+            if row.attempts >= max_attempts as i32 {
+                row.parked_ms = Some(now);
+                parked.push(*id);
+            }
+            changed.push(*id);
+            self.refresh_pending(*id);
+        }
+        (changed, parked)
+    }
+
+    /// `outbox_release.sql`, guarded by `claimed_by`; attempts untouched.
+    pub fn release(&mut self, session: u64, replica: &str, ids: &[Uuid]) -> Vec<Uuid> {
+        let mut changed = Vec::new();
+        for id in ids {
+            if let Some(row) = self.guarded(id, replica, session) {
+                row.claimed_ms = None;
+                row.claimed_by = None;
+                changed.push(*id);
+            }
+        }
+        changed
+    }
+
+    /// `outbox_stats.sql`.
+    pub fn stats(&self, now: u64) -> PgReply {
+        let (mut pending, mut parked) = (0, 0);
+        let mut oldest: Option<u64> = None;
+        for r in self.rows.values().filter(|r| r.published_ms.is_none()) {
+            if r.parked_ms.is_some() {
+                parked += 1;
+            } else {
+                pending += 1;
+                oldest = Some(oldest.map_or(r.enqueued_ms, |o| o.min(r.enqueued_ms)));
+            }
+        }
+        PgReply::Stats {
+            pending,
+            oldest_age_ms: oldest.map_or(0, |o| now.saturating_sub(o)),
+            parked,
+        }
+    }
+
+    /// `outbox_delete_published.sql`: at most `limit` rows published more
+    /// than `older_than_ms` ago, oldest first.
+    pub fn delete_published(&mut self, older_than_ms: u64, limit: u32, now: u64) -> Vec<Uuid> {
+        let mut victims: Vec<(u64, Uuid)> = self
+            .rows
+            .values()
+            .filter_map(|r| r.published_ms.map(|p| (p, r.id)))
+            .filter(|(p, _)| p + older_than_ms < now)
+            .collect();
+        victims.sort();
+        victims.truncate(limit as usize);
+        let ids: Vec<Uuid> = victims.into_iter().map(|(_, id)| id).collect();
+        for id in &ids {
+            self.rows.remove(id);
+        }
+        ids
+    }
+
+    /// `outbox_list_parked.sql`.
+    pub fn list_parked(&self, limit: u32) -> Vec<WireParked> {
+        let mut parked: Vec<WireParked> = self
+            .rows
+            .values()
+            .filter(|r| r.published_ms.is_none())
+            .filter_map(|r| {
+                r.parked_ms.map(|p| WireParked {
+                    id: r.id,
+                    routing_key: r.routing_key.clone(),
+                    attempts: r.attempts,
+                    last_error: r.last_error.clone(),
+                    enqueued_ms: r.enqueued_ms,
+                    parked_ms: p,
+                })
+            })
+            .collect();
+        parked.sort_by_key(|p| (p.parked_ms, p.id));
+        parked.truncate(limit as usize);
+        parked
+    }
+
+    /// The operator's unpark in the liveness phase: every parked row except
+    /// those whose routing key no broker accepts (the operator's fix cannot
+    /// make them publishable). Traced as `Unparked`.
+    pub fn operator_unpark_fixable(&mut self, trace: &Trace) {
+        let fixable: Vec<Uuid> = self
+            .rows
+            .values()
+            .filter(|r| r.parked_ms.is_some() && !unpublishable_key(&r.routing_key))
+            .map(|r| r.id)
+            .collect();
+        let ids = self.unpark(Some(&fixable));
+        if !ids.is_empty() {
+            trace.now(Event::Unparked { ids });
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Timed faults: what a scenario file's `[[fault]]` tables say, each with
+//! its window in the fault phase.
+
+use serde::Deserialize;
+
+use crate::adapters::Point;
+use crate::trace::{FaultKind, HostileKind};
+
+/// One timed fault.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Fault {
+    /// Hold the links between `target` and `rabbit`: bytes stop, sockets stay.
+    Blackhole {
+        target: String,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Drop everything between `a` and `b` (connections die silently).
+    Partition {
+        a: String,
+        b: String,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Crash `target`; restart it `restart_after_secs` later.
+    Crash {
+        target: String,
+        at_secs: f64,
+        restart_after_secs: f64,
+    },
+    /// Every host crashes at `point` with probability `prob` while active.
+    CrashPoint {
+        point: Point,
+        prob: f64,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Every host pauses `ms` at `point` with probability `prob`.
+    Pause {
+        point: Point,
+        prob: f64,
+        ms: u64,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Store faults.
+    Pg {
+        #[serde(default)]
+        lose_reply_prob: f64,
+        #[serde(default)]
+        fail_prob: f64,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Broker faults.
+    Mq {
+        #[serde(default)]
+        drop_conn_prob: f64,
+        #[serde(default)]
+        confirm_delay_ms: u64,
+        #[serde(default)]
+        nack_prefix: Option<String>,
+        /// Per delivery, the broker also keeps a redelivered copy.
+        #[serde(default)]
+        duplicate_prob: f64,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// The consumers' downstream refuses every `poison.` event: their
+    /// handlers fail until it heals, so those deliveries dead-letter; the
+    /// operator replays them after the heal.
+    Downstream { at_secs: f64, for_secs: f64 },
+    /// The broker delivers hostile messages to the subscription, about
+    /// `per_sec` a second, of the listed kinds (all kinds if none listed).
+    Hostile {
+        per_sec: f64,
+        #[serde(default)]
+        kinds: Option<Vec<HostileKind>>,
+        at_secs: f64,
+        for_secs: f64,
+    },
+}
+
+impl Fault {
+    /// When it starts and how long it lasts (crashes last until restart).
+    pub fn window(&self) -> (f64, f64) {
+        match self {
+            Fault::Blackhole {
+                at_secs, for_secs, ..
+            }
+            | Fault::Partition {
+                at_secs, for_secs, ..
+            }
+            | Fault::CrashPoint {
+                at_secs, for_secs, ..
+            }
+            | Fault::Pause {
+                at_secs, for_secs, ..
+            }
+            | Fault::Pg {
+                at_secs, for_secs, ..
+            }
+            | Fault::Mq {
+                at_secs, for_secs, ..
+            }
+            | Fault::Hostile {
+                at_secs, for_secs, ..
+            }
+            | Fault::Downstream { at_secs, for_secs } => (*at_secs, *for_secs),
+            Fault::Crash {
+                at_secs,
+                restart_after_secs,
+                ..
+            } => (*at_secs, *restart_after_secs),
+        }
+    }
+
+    /// What kind of fault it is, for the sweep's fault table.
+    pub fn kind(&self) -> FaultKind {
+        match self {
+            Fault::Blackhole { .. } => FaultKind::Blackhole,
+            Fault::Partition { .. } => FaultKind::Partition,
+            Fault::Crash { .. } => FaultKind::Crash,
+            Fault::CrashPoint { .. } => FaultKind::CrashPoint,
+            Fault::Pause { .. } => FaultKind::Pause,
+            Fault::Pg {
+                lose_reply_prob, ..
+            } if *lose_reply_prob > 0.0 => FaultKind::PgReplyLost,
+            Fault::Pg { .. } => FaultKind::PgFailure,
+            Fault::Mq {
+                confirm_delay_ms, ..
+            } if *confirm_delay_ms > 0 => FaultKind::ConfirmDelay,
+            Fault::Mq { nack_prefix, .. } if nack_prefix.is_some() => FaultKind::MqNack,
+            Fault::Mq { duplicate_prob, .. } if *duplicate_prob > 0.0 => {
+                FaultKind::DuplicateDelivery
+            }
+            Fault::Mq { .. } => FaultKind::MqDrop,
+            Fault::Downstream { .. } => FaultKind::Downstream,
+            Fault::Hostile { .. } => FaultKind::Hostile,
+        }
+    }
+
+    /// The hostile kinds it sends (none for other faults).
+    pub fn hostile_kinds(&self) -> Vec<HostileKind> {
+        match self {
+            Fault::Hostile { kinds: Some(k), .. } => k.clone(),
+            Fault::Hostile { kinds: None, .. } => HostileKind::ALL.to_vec(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Checks values a file could get wrong.
+    pub fn check(&self) -> Result<(), String> {
+        let prob = |p: f64| (0.0..=1.0).contains(&p);
+        let ok = match self {
+            Fault::CrashPoint { prob: p, .. } | Fault::Pause { prob: p, .. } => prob(*p),
+            Fault::Pg {
+                lose_reply_prob,
+                fail_prob,
+                ..
+            } => prob(*lose_reply_prob) && prob(*fail_prob),
+            Fault::Mq {
+                drop_conn_prob,
+                duplicate_prob,
+                ..
+            } => prob(*drop_conn_prob) && prob(*duplicate_prob),
+            Fault::Hostile { per_sec, kinds, .. } => {
+                *per_sec > 0.0 && kinds.as_ref().is_none_or(|k| !k.is_empty())
+            }
+            _ => true,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "fault {self:?}: probabilities must be within [0, 1], rates > 0, kinds non-empty"
+            ))
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! The world's environment: the fakes' shared state, every host's crash and
+//! pause points, and the fault schedule's effects: starting and ending
+//! faults, crashing and restarting hosts, sending hostile messages, and the
+//! heal that ends them all.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use rand::Rng;
+use rand::rngs::SmallRng;
+
+use super::{CONSUMER_QUEUE, CRASH_RESTART_AFTER, EXCHANGE, STEP};
+use crate::adapters::Hooks;
+use crate::fakes::mq::{MqFaults, MqState};
+use crate::fakes::pg::{PgFaults, PgState};
+use crate::scenario::Fault;
+use crate::trace::{Event, HostileKind, Trace};
+
+/// Everything the world shares with its hosts and fakes.
+pub struct Env {
+    pub pg: PgState,
+    pub mq: MqState,
+    /// Every host's crash and pause points: drainers, then consumers.
+    pub hooks: Vec<(String, Hooks)>,
+    pub trace: Trace,
+    pub drainers: u32,
+    /// The consumers' downstream refuses `poison.` events while set.
+    pub downstream_broken: Arc<AtomicBool>,
+    /// Set at the heal: the operator starts replaying dead letters.
+    pub healed: Arc<AtomicBool>,
+    /// How large a hostile oversized body is.
+    pub oversize_bytes: usize,
+    /// Hostile faults now active: (fault index, per-step probability, kinds).
+    hostile: Vec<(usize, f64, Vec<HostileKind>)>,
+    /// Decides, step by step, when a hostile message is sent.
+    fault_rng: SmallRng,
+    crashed: BTreeSet<String>,
+    /// Hosts a crash point took down, and when they come back.
+    restarts: Vec<(Duration, String)>,
+}
+
+impl Env {
+    /// The environment of a run: `hooks` in host order, drainers first.
+    pub fn new(
+        trace: Trace,
+        (pg, mq): (PgState, MqState),
+        hooks: Vec<(String, Hooks)>,
+        drainers: u32,
+        oversize_bytes: usize,
+        fault_rng: SmallRng,
+    ) -> Self {
+        Self {
+            pg,
+            mq,
+            hooks,
+            trace,
+            drainers,
+            downstream_broken: Arc::default(),
+            healed: Arc::default(),
+            oversize_bytes,
+            hostile: Vec::new(),
+            fault_rng,
+            crashed: BTreeSet::new(),
+            restarts: Vec::new(),
+        }
+    }
+
+    fn hosts(&self, pattern: &str) -> Vec<String> {
+        if pattern == "drainers" {
+            (1..=self.drainers)
+                .map(|i| format!("drainer-{i}"))
+                .collect()
+        } else {
+            vec![pattern.to_owned()]
+        }
+    }
+
+    fn crash(&mut self, sim: &mut turmoil::Sim<'_>, host: &str) -> bool {
+        if !self.crashed.insert(host.to_owned()) {
+            return false;
+        }
+        sim.crash(host);
+        self.trace.now(Event::Host {
+            host: host.to_owned(),
+            up: false,
+        });
+        true
+    }
+
+    fn restart(&mut self, sim: &mut turmoil::Sim<'_>, host: &str) {
+        if self.crashed.remove(host) {
+            sim.bounce(host);
+            self.trace.now(Event::Host {
+                host: host.to_owned(),
+                up: true,
+            });
+        }
+    }
+
+    /// Starts (or ends) fault number `index`.
+    pub fn apply(&mut self, sim: &mut turmoil::Sim<'_>, index: usize, fault: &Fault, start: bool) {
+        let kind = fault.kind();
+        self.trace.now(if start {
+            Event::FaultStart {
+                kind,
+                detail: format!("{fault:?}"),
+            }
+        } else {
+            Event::FaultEnd { kind }
+        });
+        match fault {
+            Fault::Blackhole { target, .. } => {
+                for h in self.hosts(target) {
+                    if start {
+                        sim.hold(h.as_str(), "rabbit");
+                    } else {
+                        sim.release(h.as_str(), "rabbit");
+                    }
+                }
+            }
+            Fault::Partition { a, b, .. } => {
+                for h in self.hosts(a) {
+                    if start {
+                        sim.partition(h.as_str(), b.as_str());
+                    } else {
+                        sim.repair(h.as_str(), b.as_str());
+                    }
+                }
+            }
+            Fault::Crash { target, .. } => {
+                for h in self.hosts(target) {
+                    if start {
+                        self.crash(sim, &h);
+                    } else {
+                        self.restart(sim, &h);
+                    }
+                }
+            }
+            Fault::Downstream { .. } => self.downstream_broken.store(start, Ordering::SeqCst),
+            Fault::CrashPoint { point, prob, .. } => {
+                for (_, hooks) in &self.hooks {
+                    hooks.set_crash(*point, if start { *prob } else { 0.0 });
+                }
+            }
+            Fault::Pause {
+                point, prob, ms, ..
+            } => {
+                for (_, hooks) in &self.hooks {
+                    let p = if start { *prob } else { 0.0 };
+                    hooks.set_pause(*point, p, Duration::from_millis(*ms));
+                }
+            }
+            Fault::Pg {
+                lose_reply_prob,
+                fail_prob,
+                ..
+            } => {
+                *self.pg.faults.lock().expect("faults") = PgFaults {
+                    lose_reply_prob: if start { *lose_reply_prob } else { 0.0 },
+                    fail_prob: if start { *fail_prob } else { 0.0 },
+                };
+            }
+            Fault::Mq {
+                drop_conn_prob,
+                confirm_delay_ms,
+                nack_prefix,
+                duplicate_prob,
+                ..
+            } => {
+                *self.mq.faults.lock().expect("faults") = if start {
+                    MqFaults {
+                        nack_prefix: nack_prefix.clone(),
+                        drop_conn_prob: *drop_conn_prob,
+                        confirm_delay_ms: *confirm_delay_ms,
+                        duplicate_prob: *duplicate_prob,
+                    }
+                } else {
+                    MqFaults::default()
+                };
+            }
+            Fault::Hostile { per_sec, .. } => {
+                self.hostile.retain(|(i, _, _)| *i != index);
+                if start {
+                    let per_step = (per_sec * STEP.as_secs_f64()).min(1.0);
+                    self.hostile.push((index, per_step, fault.hostile_kinds()));
+                }
+            }
+        }
+    }
+
+    /// Sends the hostile messages this step draws.
+    pub fn send_hostiles(&mut self) {
+        for (_, per_step, kinds) in &self.hostile {
+            if self.fault_rng.random_bool(*per_step) {
+                self.mq
+                    .inject_hostile(EXCHANGE, CONSUMER_QUEUE, kinds, self.oversize_bytes);
+            }
+        }
+    }
+
+    /// Crashes the hosts whose crash point fired, to restart them soon.
+    pub fn crash_requested(&mut self, sim: &mut turmoil::Sim<'_>, now: Duration) {
+        let requested: Vec<String> = self
+            .hooks
+            .iter()
+            .filter(|(_, hooks)| hooks.take_crash_request())
+            .map(|(host, _)| host.clone())
+            .collect();
+        for host in requested {
+            if self.crash(sim, &host) {
+                self.restarts.push((now + CRASH_RESTART_AFTER, host));
+            }
+        }
+    }
+
+    /// Restarts the crash-point crashes that are due.
+    pub fn restart_due(&mut self, sim: &mut turmoil::Sim<'_>, now: Duration) {
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.restarts)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        self.restarts = later;
+        for (_, host) in due {
+            self.restart(sim, &host);
+        }
+    }
+
+    /// Ends every fault still active (`active` are their indexes), restarts
+    /// crashed hosts, and has the operator unpark what parked.
+    pub fn heal(&mut self, sim: &mut turmoil::Sim<'_>, faults: &[Fault], active: &[usize]) {
+        self.trace.now(Event::Heal);
+        for &i in active {
+            self.apply(sim, i, &faults[i], false);
+        }
+        self.downstream_broken.store(false, Ordering::SeqCst);
+        self.healed.store(true, Ordering::SeqCst);
+        for (_, hooks) in &self.hooks {
+            hooks.clear();
+        }
+        *self.pg.faults.lock().expect("faults") = PgFaults::default();
+        *self.mq.faults.lock().expect("faults") = MqFaults::default();
+        self.hostile.clear();
+        self.restarts.clear();
+        for host in std::mem::take(&mut self.crashed) {
+            self.crashed.insert(host.clone());
+            self.restart(sim, &host);
+        }
+        self.pg.operator_unpark_all();
+    }
+}

@@ -1,0 +1,203 @@
+//! The hosts of a run: drainer replicas (the production `Drainer` and its
+//! outbox janitor), consumer replicas (the production `Subscriber` and its
+//! inbox janitor; `consumer-1` also plays the operator who replays dead
+//! letters after the heal), and the configuration each runs with: the
+//! production defaults scaled to simulated seconds, then the scenario's
+//! overrides.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use outbox::core::janitor::InboxJanitorSettings;
+use outbox::core::ports::InboxFilter;
+use outbox::core::subscriber::ReplayOutcome;
+use outbox::{Drainer, DrainerConfig, SubscriberSettings, TokioClock};
+
+use super::env::Env;
+use super::{CONSUMER_QUEUE, EXCHANGE, REPLAY_EVERY};
+use crate::adapters::{SimBroker, SimInboxStore, SimStore, TraceMarks};
+use crate::scenario::Scenario;
+use crate::trace::{Event, Replay, Trace};
+use crate::workload::handler::SimHandler;
+
+/// The drainer configuration of `replica`.
+pub fn drainer_config(s: &Scenario, replica: &str) -> DrainerConfig {
+    let c = &s.config;
+    DrainerConfig::builder()
+        .replica_id(replica)
+        .exchange(EXCHANGE)
+        .tick_ms(c.tick_ms.unwrap_or(50))
+        .batch_size(c.batch_size.unwrap_or(20))
+        .pipeline_depth(c.pipeline_depth.unwrap_or(8))
+        .lease_ttl_secs(c.lease_ttl_secs.unwrap_or(5))
+        .confirm_timeout_secs(c.confirm_timeout_secs.unwrap_or(2))
+        .max_attempts(c.max_attempts.unwrap_or(3))
+        .max_rows_per_sec(c.max_rows_per_sec.unwrap_or(0))
+        .retention(Duration::from_secs(c.retention_secs.unwrap_or(3)))
+        .janitor_interval(Duration::from_secs(c.janitor_interval_secs.unwrap_or(2)))
+        .janitor_batch(c.janitor_batch.unwrap_or(1000))
+        .build()
+        .unwrap_or_else(|e| panic!("scenario {} has an invalid drainer config: {e}", s.name))
+}
+
+/// The subscriber settings every consumer host runs with.
+pub fn subscriber_settings(s: &Scenario) -> SubscriberSettings {
+    let c = &s.config;
+    let mut settings = SubscriberSettings::new(CONSUMER_QUEUE, &["#"]);
+    settings.spec.exchange = EXCHANGE.into();
+    settings.spec.prefetch = c.consumer_prefetch.unwrap_or(8);
+    settings.concurrency = c.consumer_concurrency.unwrap_or(2);
+    settings.max_attempts = c.consumer_max_attempts.unwrap_or(3);
+    settings.max_delivery_bytes = c.consumer_max_delivery_bytes.unwrap_or(16 * 1024);
+    settings
+        .validate()
+        .unwrap_or_else(|e| panic!("scenario {} has invalid consumer settings: {e}", s.name));
+    settings
+}
+
+/// The inbox janitor's settings on every consumer host.
+pub fn inbox_janitor_settings(s: &Scenario) -> InboxJanitorSettings {
+    let c = &s.config;
+    InboxJanitorSettings {
+        retention: Duration::from_secs(c.inbox_retention_secs.unwrap_or(30)),
+        interval: Duration::from_secs(c.inbox_janitor_interval_secs.unwrap_or(3)),
+        batch: 1000,
+    }
+}
+
+/// Host `drainer-{i}`: each start is a new process with a new replica id
+/// (`drainer-{i}#{n}`), as production's `drainer-{hostname}-{pid}-{uuid}`.
+pub fn spawn_drainer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u32, seed: u64) {
+    let host = format!("drainer-{i}");
+    let hooks = env.hooks[(i - 1) as usize].1.clone();
+    let trace = env.trace.clone();
+    let scenario = s.clone();
+    let incarnation = Arc::new(AtomicU32::new(0));
+    let name = host.clone();
+    sim.host(name.as_str(), move || {
+        let n = incarnation.fetch_add(1, Ordering::SeqCst) + 1;
+        let replica = format!("{host}#{n}");
+        let config = drainer_config(&scenario, &replica);
+        let store = Arc::new(SimStore::new(replica.clone(), trace.clone(), hooks.clone()));
+        let broker = Arc::new(SimBroker::new(
+            replica.clone(),
+            trace.clone(),
+            hooks.clone(),
+        ));
+        let marks = TraceMarks::marks(replica, trace.clone());
+        let entropy = Arc::new(outbox::SplitMix64::new(seed ^ u64::from(n)));
+        async move {
+            let clock = Arc::new(TokioClock::default());
+            let (_keep, rx) = tokio::sync::watch::channel(false);
+            tokio::spawn(outbox::core::janitor::run(
+                store.clone(),
+                clock.clone(),
+                config.clone(),
+                rx.clone(),
+                marks.clone(),
+            ));
+            Drainer::new(store, broker, clock, entropy, config)
+                .with_marks(marks)
+                .run(rx)
+                .await;
+            Ok(())
+        }
+    });
+}
+
+/// Host `consumer-{i}`: the production subscriber and inbox janitor on the
+/// simulation adapters.
+pub fn spawn_consumer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u32) {
+    let host = format!("consumer-{i}");
+    let hooks = env.hooks[(env.drainers + i - 1) as usize].1.clone();
+    let trace = env.trace.clone();
+    let settings = subscriber_settings(s);
+    let janitor = inbox_janitor_settings(s);
+    let transient = s.config.consumer_transient_one_in.unwrap_or(0);
+    let (downstream, healed) = (env.downstream_broken.clone(), env.healed.clone());
+    let incarnation = Arc::new(AtomicU32::new(0));
+    let name = host.clone();
+    sim.host(name.as_str(), move || {
+        let n = incarnation.fetch_add(1, Ordering::SeqCst) + 1;
+        let who = format!("{host}#{n}");
+        let store =
+            Arc::new(SimInboxStore::new(who.clone(), trace.clone()).with_hooks(hooks.clone()));
+        let broker = Arc::new(SimBroker::new(who.clone(), trace.clone(), hooks.clone()));
+        let handler = Arc::new(
+            SimHandler::new(CONSUMER_QUEUE, transient)
+                .with_downstream(downstream.clone())
+                .with_hooks(hooks.clone(), who.clone(), trace.clone()),
+        );
+        let marks = TraceMarks::marks(who.clone(), trace.clone());
+        let subscriber = Arc::new(
+            outbox::Subscriber::new(
+                store.clone(),
+                broker,
+                Arc::new(TokioClock::default()),
+                handler,
+                settings.clone(),
+            )
+            .with_marks(marks.clone()),
+        );
+        let operator = (i == 1).then(|| (healed.clone(), trace.clone(), who.clone()));
+        async move {
+            let (_keep, rx) = tokio::sync::watch::channel(false);
+            tokio::spawn(outbox::core::janitor::run_inbox(
+                store,
+                Arc::new(TokioClock::default()),
+                janitor,
+                rx.clone(),
+                marks,
+            ));
+            if let Some((healed, trace, who)) = operator {
+                tokio::spawn(operate(subscriber.clone(), healed, trace, who));
+            }
+            subscriber
+                .run(rx)
+                .await
+                .map_err(|e| -> Box<dyn std::error::Error> { e.to_string().into() })?;
+            Ok(())
+        }
+    });
+}
+
+type SimSubscriber = outbox::Subscriber<SimInboxStore, SimBroker, TokioClock, SimHandler>;
+
+/// The operator: after the heal, replays dead letters every few seconds,
+/// recording what each replay reported.
+async fn operate(
+    subscriber: Arc<SimSubscriber>,
+    healed: Arc<std::sync::atomic::AtomicBool>,
+    trace: Trace,
+    who: String,
+) {
+    loop {
+        tokio::time::sleep(REPLAY_EVERY).await;
+        if !healed.load(Ordering::SeqCst) {
+            continue;
+        }
+        trace.now(Event::ReplayStarted {
+            client: who.clone(),
+        });
+        let filter = InboxFilter {
+            dead_lettered_only: true,
+            ..Default::default()
+        };
+        let Ok(outcomes) = subscriber.replay(&filter).await else {
+            continue;
+        };
+        for (event_id, outcome) in outcomes {
+            trace.now(Event::Replayed {
+                client: who.clone(),
+                event_id,
+                outcome: match outcome {
+                    ReplayOutcome::Applied => Replay::Applied,
+                    ReplayOutcome::AlreadyProcessed => Replay::AlreadyProcessed,
+                    ReplayOutcome::Failed { .. } => Replay::Failed,
+                    ReplayOutcome::Undecodable { .. } => Replay::Undecodable,
+                },
+            });
+        }
+    }
+}

@@ -1,0 +1,377 @@
+//! The world: builds one turmoil simulation from a scenario and a seed
+//! (hosts in [`hosts`], the fakes and the fault schedule in [`env`]), runs
+//! the fault phase, heals everything, runs the liveness phase until the
+//! model's quiescence (or its bound), then has the checker judge.
+
+pub mod env;
+pub mod hosts;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use self::env::Env;
+pub use self::hosts::{drainer_config, inbox_janitor_settings, subscriber_settings};
+use crate::adapters::{Hooks, STORE_REQUEST_TIMEOUT};
+use crate::checker::{self, Limits, Verdict};
+use crate::fakes::mq::{self, MqState};
+use crate::fakes::pg::{self, PgState};
+use crate::model::Oracle;
+use crate::scenario::{Expect, Fault, Scenario};
+use crate::trace::{Event, FaultKind, Trace};
+use outbox::core::marks::Mark;
+
+/// Simulated time per turmoil step: the scheduling quantum. Every host runs
+/// until idle once per step and a message sent in one step is delivered in a
+/// later one, so a round trip costs one or two steps. 10 ms keeps every
+/// timing the drainer relies on several steps long (the 50 ms tick, the 2 s
+/// confirm deadline, the 5 s lease) while a 60-second swarm seed costs about
+/// 6 000 steps; turmoil's cost is per host per step, whether or not anything
+/// happens, so the step is what bounds sweep speed.
+pub const STEP: Duration = Duration::from_millis(10);
+/// Steps in `d` (at least one).
+const fn steps_in(d: Duration) -> u32 {
+    let n = d.as_millis() / STEP.as_millis();
+    if n == 0 { 1 } else { n as u32 }
+}
+/// Steps between checks for quiescence in the liveness phase.
+const QUIESCENCE_CHECK_STEPS: u32 = steps_in(Duration::from_millis(100));
+/// Steps between operator unparks in the liveness phase.
+const UNPARK_EVERY_STEPS: u32 = steps_in(Duration::from_secs(2));
+/// The exchange drainers publish to and subscriptions bind to.
+pub const EXCHANGE: &str = "canopy.events";
+/// The subscription every consumer host serves (bound to every event).
+pub const CONSUMER_QUEUE: &str = "billing.events";
+/// How often the operator (on `consumer-1`) replays dead letters after the
+/// heal.
+const REPLAY_EVERY: Duration = Duration::from_secs(2);
+/// A crash-point crash restarts the host after this long.
+const CRASH_RESTART_AFTER: Duration = Duration::from_secs(1);
+
+/// The result of one run.
+#[derive(Debug)]
+pub struct RunOutcome {
+    pub scenario: String,
+    pub seed: u64,
+    pub verdict: Verdict,
+    pub trace_hash: u64,
+    /// Simulated seconds the run took.
+    pub sim_secs: f64,
+    pub trace: Trace,
+    /// The faults this seed scheduled (swarm draws included), for the report.
+    pub faults: Vec<String>,
+    /// How often each mark and each kind of fault was hit.
+    pub coverage: Coverage,
+}
+
+/// How often a run took each marked path and suffered each kind of fault.
+#[derive(Debug, Clone, Default)]
+pub struct Coverage {
+    pub marks: BTreeMap<Mark, u64>,
+    pub faults: BTreeMap<FaultKind, u64>,
+}
+
+impl Coverage {
+    /// Counts marks and faults (window starts and single occurrences).
+    pub fn of(events: &[(Duration, Event)]) -> Self {
+        let mut c = Self::default();
+        for (_, e) in events {
+            match e {
+                Event::Mark { mark, .. } => *c.marks.entry(*mark).or_insert(0) += 1,
+                Event::FaultStart { kind, .. } | Event::Fault { kind, .. } => {
+                    *c.faults.entry(*kind).or_insert(0) += 1
+                }
+                _ => {}
+            }
+        }
+        c
+    }
+
+    /// Adds another run's counts.
+    pub fn absorb(&mut self, other: &Coverage) {
+        for (m, n) in &other.marks {
+            *self.marks.entry(*m).or_insert(0) += n;
+        }
+        for (k, n) in &other.faults {
+            *self.faults.entry(*k).or_insert(0) += n;
+        }
+    }
+}
+
+/// The rules' configuration for a scenario.
+pub fn limits(s: &Scenario) -> Limits {
+    let d = drainer_config(s, "check");
+    Limits {
+        max_attempts: d.max_attempts,
+        confirm_timeout: d.confirm_timeout,
+        lease_ttl: d.lease_ttl,
+        tick: d.tick,
+        backoff_max: outbox::core::drainer::ERROR_BACKOFF_MAX,
+        retention: d.retention,
+        consumer_max_attempts: subscriber_settings(s).max_attempts,
+        inbox_retention: inbox_janitor_settings(s).retention,
+    }
+}
+
+/// One step of the fault schedule.
+#[derive(Debug, Clone)]
+struct Scheduled {
+    at: Duration,
+    start: bool,
+    fault: usize,
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s.max(0.0))
+}
+
+fn schedule(faults: &[Fault]) -> Vec<Scheduled> {
+    let mut schedule = Vec::with_capacity(faults.len() * 2);
+    for (i, f) in faults.iter().enumerate() {
+        let (at, len) = f.window();
+        schedule.push(Scheduled {
+            at: secs(at),
+            start: true,
+            fault: i,
+        });
+        schedule.push(Scheduled {
+            at: secs(at + len),
+            start: false,
+            fault: i,
+        });
+    }
+    schedule.sort_by_key(|s| (s.at, !s.start, s.fault));
+    schedule
+}
+
+/// Runs `scenario` with `seed`.
+pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let trace = Trace::default();
+    crate::set_world_now(Duration::ZERO);
+    let topology = &scenario.topology;
+    let mut faults = scenario.faults.clone();
+    if let Some(swarm) = &scenario.swarm {
+        let phase = scenario.timing.fault_phase_secs;
+        faults.extend(swarm.draw(&mut rng, phase, topology.drainers, topology.consumers));
+    }
+    let fakes = (
+        PgState::new(rng.random(), trace.clone()),
+        MqState::new(rng.random(), trace.clone()),
+    );
+    let mut hooks: Vec<(String, Hooks)> = (1..=topology.drainers)
+        .map(|i| (format!("drainer-{i}"), Hooks::new(rng.random())))
+        .collect();
+    for i in 1..=topology.consumers {
+        hooks.push((format!("consumer-{i}"), Hooks::new(rng.random())));
+    }
+    let oversize = subscriber_settings(scenario).max_delivery_bytes as usize + 1024;
+    let mut sim = turmoil::Builder::new()
+        .rng_seed(rng.random())
+        .tick_duration(STEP)
+        // Hosts run in a seeded random order within each step, so a seed
+        // explores interleavings a fixed order would never produce.
+        .enable_random_order()
+        .min_message_latency(Duration::from_millis(1))
+        .max_message_latency(STEP)
+        .tcp_capacity(1 << 16)
+        // The run ends itself (quiescence or the liveness bound); this is a
+        // backstop far beyond both.
+        .simulation_duration(
+            secs(scenario.timing.fault_phase_secs + scenario.timing.liveness_secs * 4.0)
+                + Duration::from_secs(600),
+        )
+        .build();
+    let drainer_seeds: Vec<u64> = (1..=topology.drainers).map(|_| rng.random()).collect();
+    let workload_seed: u64 = rng.random();
+    let fault_rng = SmallRng::seed_from_u64(rng.random());
+    let mut env = Env::new(
+        trace.clone(),
+        fakes,
+        hooks,
+        topology.drainers,
+        oversize,
+        fault_rng,
+    );
+    let done = Arc::new(AtomicBool::new(false));
+    populate(
+        &mut sim,
+        &env,
+        scenario,
+        &drainer_seeds,
+        workload_seed,
+        &done,
+    );
+    let queue = (topology.consumers > 0).then_some(CONSUMER_QUEUE);
+    drive(&mut sim, &mut env, scenario, &faults, &done, queue);
+    let events = trace.events();
+    let verdict = judge(&env, scenario, &faults, queue, &events);
+    let coverage = Coverage::of(&events);
+    RunOutcome {
+        scenario: scenario.name.clone(),
+        seed,
+        verdict,
+        trace_hash: trace.hash(),
+        sim_secs: sim.elapsed().as_secs_f64(),
+        trace,
+        faults: faults.iter().map(|f| format!("{f:?}")).collect(),
+        coverage,
+    }
+}
+
+/// Puts the fakes, the drainers, the consumers and the workload on the
+/// simulated network.
+fn populate(
+    sim: &mut turmoil::Sim<'_>,
+    env: &Env,
+    scenario: &Scenario,
+    drainer_seeds: &[u64],
+    workload_seed: u64,
+    done: &Arc<AtomicBool>,
+) {
+    if scenario.topology.consumers > 0 {
+        // Deployment: the subscription exists before anything is published.
+        env.mq.queues.lock().expect("queues").declare_subscription(
+            CONSUMER_QUEUE,
+            EXCHANGE,
+            &["#".to_owned()],
+        );
+    }
+    let pg = env.pg.clone();
+    sim.host("pg", move || pg::serve(pg.clone()));
+    let mq = env.mq.clone();
+    sim.host("rabbit", move || mq::serve(mq.clone()));
+    for (i, seed) in (1..).zip(drainer_seeds) {
+        hosts::spawn_drainer(sim, env, scenario, i, *seed);
+    }
+    for i in 1..=scenario.topology.consumers {
+        hosts::spawn_consumer(sim, env, scenario, i);
+    }
+    sim.client(
+        "workload",
+        crate::workload::run(
+            scenario.workload.clone(),
+            workload_seed,
+            env.trace.clone(),
+            done.clone(),
+        ),
+    );
+}
+
+/// The retention bound: a row outlives its retention by at most two
+/// janitor intervals (one sweep may just have missed it), plus the store
+/// timeout should a sweep fail.
+fn retention_bound(retention: Duration, interval: Duration) -> Duration {
+    retention + interval * 2 + STORE_REQUEST_TIMEOUT
+}
+
+fn oracle<'a>(env: &'a Env, scenario: &Scenario, queue: Option<&'a str>) -> Oracle<'a> {
+    let d = drainer_config(scenario, "oracle");
+    let inbox = inbox_janitor_settings(scenario);
+    Oracle {
+        pg: &env.pg,
+        mq: &env.mq,
+        queue,
+        outbox_retention_bound: retention_bound(d.retention, d.janitor_interval),
+        inbox_retention_bound: retention_bound(inbox.retention, inbox.interval),
+    }
+}
+
+/// Steps the simulation: the fault phase, the heal, the liveness phase.
+fn drive(
+    sim: &mut turmoil::Sim<'_>,
+    env: &mut Env,
+    scenario: &Scenario,
+    faults: &[Fault],
+    done: &AtomicBool,
+    queue: Option<&str>,
+) {
+    let schedule = schedule(faults);
+    let heal_at = secs(scenario.timing.fault_phase_secs);
+    let liveness = secs(scenario.timing.liveness_secs);
+    let mut active: BTreeSet<usize> = BTreeSet::new();
+    let mut next = 0;
+    let mut healed = false;
+    let mut deadline: Option<Duration> = None;
+    let mut steps: u32 = 0;
+    loop {
+        let now = sim.elapsed();
+        crate::set_world_now(now);
+        while !healed && next < schedule.len() && schedule[next].at <= now {
+            let s = &schedule[next];
+            env.apply(sim, s.fault, &faults[s.fault], s.start);
+            if s.start {
+                active.insert(s.fault);
+            } else {
+                active.remove(&s.fault);
+            }
+            next += 1;
+        }
+        env.crash_requested(sim, now);
+        env.restart_due(sim, now);
+        if !healed && now >= heal_at {
+            healed = true;
+            let active: Vec<usize> = std::mem::take(&mut active).into_iter().collect();
+            env.heal(sim, faults, &active);
+        } else if !healed {
+            env.send_hostiles();
+        }
+        // The operator keeps unparking during the liveness phase: rows that
+        // were nacked just before the heal park after it.
+        if healed && steps.is_multiple_of(UNPARK_EVERY_STEPS) {
+            env.pg.operator_unpark_all();
+        }
+        if healed && deadline.is_none() && done.load(Ordering::SeqCst) {
+            deadline = Some(now + liveness);
+        }
+        steps += 1;
+        if let Some(deadline) = deadline
+            && steps.is_multiple_of(QUIESCENCE_CHECK_STEPS)
+            && (now >= deadline || oracle(env, scenario, queue).quiescent())
+        {
+            return;
+        }
+        if let Err(e) = sim.step() {
+            env.trace.now(Event::SimulationError {
+                message: e.to_string(),
+            });
+            return;
+        }
+    }
+}
+
+/// The checker's verdict on the run.
+fn judge(
+    env: &Env,
+    scenario: &Scenario,
+    faults: &[Fault],
+    queue: Option<&str>,
+    events: &[(Duration, Event)],
+) -> Verdict {
+    let fin = oracle(env, scenario, queue).read();
+    let expect = Expect {
+        quiet: faults.is_empty(),
+        ..scenario.expect.clone()
+    };
+    let mut verdict = checker::check(events, &fin, &limits(scenario), &expect);
+    if let Some((at, Event::SimulationError { message })) = events
+        .iter()
+        .find(|(_, e)| matches!(e, Event::SimulationError { .. }))
+    {
+        // Not a rule of the ADR, but no run that stopped early proves one.
+        verdict.violations.push(checker::Violation {
+            invariant: checker::Invariant::ScenarioExpectation,
+            at: Some(*at),
+            detail: format!("the simulation stopped: {message}"),
+        });
+        *verdict
+            .counts
+            .entry(checker::Invariant::ScenarioExpectation)
+            .or_insert(0) += 1;
+    }
+    verdict
+}

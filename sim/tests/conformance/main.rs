@@ -1,0 +1,58 @@
+//! Conformance: the same test bodies run against the real service and the
+//! fake. "If both arms pass, consumers can rely on the sim" (turmoil); the
+//! fakes are worth only their fidelity. river's driver test suite is the
+//! model: one body per behaviour, each run on every arm.
+//!
+//! - [`store`]: `PgOutboxStore` on PostgreSQL vs `SimStore` on the fake.
+//! - [`inbox`]: `PgInboxStore` on PostgreSQL vs `SimInboxStore` on the fake,
+//!   including what PostgreSQL refuses to store.
+//! - [`broker`]: `LapinBroker` on RabbitMQ vs `SimBroker` on the fake
+//!   (publish side).
+//! - [`consume`]: the same, consumer side.
+//!
+//! Real arms use the local services (a fresh database per test, unique
+//! exchange and queue names); fake arms run inside a turmoil simulation
+//! ([`harness::in_sim`]).
+
+#[path = "../../../outbox/tests/common/mod.rs"]
+mod common;
+
+/// Turns each body into two tests: `postgres` (or `rabbitmq`) on the real
+/// service through the suite's `real` wrapper, and `fake` through its
+/// `fake` wrapper.
+macro_rules! conformance {
+    (postgres: $real:ident, fake: $fake:ident; $($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[sqlx::test(migrator = "outbox::MIGRATOR")]
+                async fn postgres(pool: sqlx::PgPool) {
+                    super::$real(pool, super::$name).await;
+                }
+                #[test]
+                fn fake() {
+                    super::$fake(super::$name);
+                }
+            }
+        )*
+    };
+    (rabbitmq: $real:ident, fake: $fake:ident; $($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[tokio::test]
+                async fn rabbitmq() {
+                    super::$real(super::$name).await;
+                }
+                #[test]
+                fn fake() {
+                    super::$fake(super::$name);
+                }
+            }
+        )*
+    };
+}
+
+mod broker;
+mod consume;
+mod harness;
+mod inbox;
+mod store;
