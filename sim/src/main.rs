@@ -25,7 +25,7 @@ use sim::world::{self, Coverage, RunOutcome};
 
 const USAGE: &str = "usage:
   sim run SCENARIO --seed N [--trace FILE] [--scenarios DIR]
-  sim sweep [SCENARIO...] --seeds A..B [--jobs J] [--scenarios DIR]";
+  sim sweep [SCENARIO...] --seeds A..B [--jobs J] [--scenarios DIR] [--by-scenario]";
 
 fn default_scenarios_dir() -> PathBuf {
     let here = Path::new("scenarios");
@@ -140,9 +140,11 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
     let mut range = None;
     let mut jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
     let mut dir = default_scenarios_dir();
+    let mut by_scenario = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
+            "--by-scenario" => by_scenario = true,
             "--seeds" => range = Some(parse_range(it.next().ok_or("--seeds needs A..B")?)?),
             "--jobs" => {
                 let v = it.next().ok_or("--jobs needs a value")?;
@@ -232,7 +234,7 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
         failures.extend(rs.into_iter().filter(|r| !r.verdict.ok()));
     }
     print_invariants(&results);
-    let unreached = print_coverage(&scenarios, &results);
+    let unreached = print_coverage(&scenarios, &results, by_scenario);
     let secs = started.elapsed().as_secs_f64();
     println!(
         "{} runs in {:.1} s ({:.0} runs/min), {} failed, {} expected marks never reached",
@@ -284,7 +286,11 @@ fn print_invariants(results: &[RunOutcome]) {
 
 /// Prints how often each mark and fault kind was hit, and returns the
 /// marks a scenario expects to reach but never did.
-fn print_coverage(scenarios: &[Scenario], results: &[RunOutcome]) -> Vec<String> {
+fn print_coverage(
+    scenarios: &[Scenario],
+    results: &[RunOutcome],
+    by_scenario: bool,
+) -> Vec<String> {
     let mut total = Coverage::default();
     let mut reached_by: std::collections::BTreeMap<String, usize> = Default::default();
     let mut unreached = Vec::new();
@@ -295,6 +301,14 @@ fn print_coverage(scenarios: &[Scenario], results: &[RunOutcome]) -> Vec<String>
         }
         for m in c.marks.keys() {
             *reached_by.entry(m.name().to_owned()).or_insert(0) += 1;
+        }
+        if by_scenario {
+            let marks: Vec<String> = c
+                .marks
+                .iter()
+                .map(|(m, n)| format!("{}={n}", m.name()))
+                .collect();
+            println!("marks of {}: {}", s.name, marks.join(" "));
         }
         for name in &s.expect.reach {
             let hit = outbox::core::marks::Mark::from_name(name)

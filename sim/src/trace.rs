@@ -322,6 +322,11 @@ impl Trace {
         self.inner.lock().expect("trace lock").clone()
     }
 
+    /// Every event so far, borrowed (no copy) while the guard lives.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(Duration, Event)>> {
+        self.inner.lock().expect("trace lock")
+    }
+
     /// How many events so far.
     pub fn len(&self) -> usize {
         self.inner.lock().expect("trace lock").len()

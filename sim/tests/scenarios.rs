@@ -1,9 +1,12 @@
 //! Every scenario (and its clean twin) on its pinned seeds: every invariant
-//! holds, and running the same seed twice gives the same trace, byte for
-//! byte (compared by hash, and by length as a cross-check).
+//! holds, running the same seed twice gives the same trace, byte for byte
+//! (compared by hash, and by length as a cross-check), and the pinned seeds
+//! together reach every coverage mark the scenario's `reach` list names.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 
+use outbox::core::marks::Mark;
 use sim::scenario::Scenario;
 
 fn scenarios_dir() -> std::path::PathBuf {
@@ -15,9 +18,13 @@ fn check(name: &str) {
     assert!(!base.seeds.is_empty(), "{name} pins no seeds");
     let mut all = vec![base.clone()];
     all.extend(base.clean_twin());
+    let mut reached: BTreeSet<Mark> = BTreeSet::new();
     for s in all {
         for &seed in &s.seeds {
             let a = sim::world::run(&s, seed);
+            if s.name == base.name {
+                reached.extend(a.coverage.marks.keys().copied());
+            }
             assert!(
                 a.verdict.ok(),
                 "{} seed {seed} violated: {:#?}\nreproduce: cargo run --release -p sim -- run {} --seed {seed}",
@@ -38,6 +45,14 @@ fn check(name: &str) {
                 s.name
             );
         }
+    }
+    for mark in &base.expect.reach {
+        let m = Mark::from_name(mark).expect("scenarios name marks");
+        assert!(
+            reached.contains(&m),
+            "{name}: no pinned seed reaches mark {mark}; pin one that does \
+             (cargo run --release -p sim -- sweep {name} --seeds 0..50 --by-scenario)"
+        );
     }
 }
 

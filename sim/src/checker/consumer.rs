@@ -13,7 +13,9 @@
 //!   handler's own (never for database or broker trouble); a delivery is
 //!   dead-lettered exactly when its recorded attempts reach the budget:
 //!   each dead-letter (requeue) answers a record of that consumer that did
-//!   (did not) reach it, and each record says so exactly at the budget.
+//!   (did not) reach it, and each record says so exactly at the budget (or
+//!   when the row is still dead-lettered: a failed replay marks it with a
+//!   budget of one, and the mark stays until the next replay resets it).
 //! - **replay**: a replayed row gets a fresh budget before its handler
 //!   runs, and a row whose handler fails again stays dead-lettered.
 //! - **rejected at once**: a delivery that is not a valid envelope, is over
@@ -135,6 +137,8 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
     let mut handler_failures: BTreeMap<Uuid, u32> = BTreeMap::new();
     let mut records: BTreeMap<(&str, Uuid), Records> = BTreeMap::new();
     let mut replaying: BTreeSet<Uuid> = BTreeSet::new();
+    // Rows marked dead-lettered: the mark stays until a replay resets it.
+    let mut dead: BTreeSet<Uuid> = BTreeSet::new();
     for (at, e) in ctx.events {
         let at = Some(*at);
         match e {
@@ -143,7 +147,12 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
                 result: HandlerResult::Failed,
                 ..
             } => *handler_failures.entry(*event_id).or_insert(0) += 1,
-            Event::InboxReset { ids } => replaying.extend(ids.iter().copied()),
+            Event::InboxReset { ids } => {
+                replaying.extend(ids.iter().copied());
+                for id in ids {
+                    dead.remove(id);
+                }
+            }
             Event::Replayed { event_id, .. } => {
                 replaying.remove(event_id);
             }
@@ -161,14 +170,19 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
                         format!("{client} recorded attempt {attempts} of {event_id} without a handler failure"),
                     ),
                 }
+                let was_dead = if *dead_lettered {
+                    !dead.insert(*event_id)
+                } else {
+                    dead.contains(event_id)
+                };
                 if replaying.contains(event_id) {
                     continue; // a replay's budget is one (see `replay`)
                 }
-                if *dead_lettered != (*attempts as u32 >= max) {
+                if *dead_lettered != (*attempts as u32 >= max || was_dead) {
                     out.add(
                         Invariant::DeadLetterAtBudget,
                         at,
-                        format!("{event_id} recorded at attempt {attempts} of a budget of {max} with dead_lettered = {dead_lettered}"),
+                        format!("{event_id} recorded at attempt {attempts} of a budget of {max} with dead_lettered = {dead_lettered} (dead-lettered before: {was_dead})"),
                     );
                 }
                 let r = records.entry((consumer_of(client), *event_id)).or_default();

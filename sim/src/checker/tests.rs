@@ -866,3 +866,52 @@ fn an_effect_repeated_after_its_inbox_row_expired_is_the_retention_window() {
         });
     assert!(again.verdict().ok(), "{:#?}", again.verdict().violations);
 }
+
+#[test]
+fn a_row_dead_lettered_by_a_failed_replay_stays_so_below_the_budget() {
+    // A replay's failure marks the row with a budget of one; a stale
+    // duplicate failing afterwards is dead-lettered at attempt 2 of 3.
+    let run = consumer()
+        .at(200, Event::ReplayStarted { client: s("c#1") })
+        .at(201, Event::InboxReset { ids: vec![id(1)] })
+        .at(
+            202,
+            Event::HandlerRan {
+                client: s("c#1"),
+                event_id: id(1),
+                result: HandlerResult::Failed,
+            },
+        )
+        .at(
+            203,
+            Event::InboxFailure {
+                client: s("c#1"),
+                event_id: id(1),
+                attempts: 1,
+                dead_lettered: true,
+            },
+        )
+        .at(
+            204,
+            Event::Replayed {
+                client: s("c#1"),
+                event_id: id(1),
+                outcome: Replay::Failed,
+            },
+        );
+    let stale = failed_attempt(run.clone(), 300, 2, true, Settle::DeadLetter);
+    let broken = stale.verdict().broken();
+    assert!(
+        !broken.contains(&Invariant::DeadLetterAtBudget),
+        "{:#?}",
+        stale.verdict().violations
+    );
+    // Without the replay's mark, attempt 2 of 3 is too early.
+    let early = failed_attempt(consumer(), 300, 2, true, Settle::DeadLetter);
+    assert!(
+        early
+            .verdict()
+            .broken()
+            .contains(&Invariant::DeadLetterAtBudget)
+    );
+}

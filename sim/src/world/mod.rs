@@ -208,9 +208,13 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     );
     let queue = (topology.consumers > 0).then_some(CONSUMER_QUEUE);
     drive(&mut sim, &mut env, scenario, &faults, &done, queue);
-    let events = trace.events();
-    let verdict = judge(&env, scenario, &faults, queue, &events);
-    let coverage = Coverage::of(&events);
+    let (verdict, coverage) = {
+        let events = trace.lock();
+        (
+            judge(&env, scenario, &faults, queue, &events),
+            Coverage::of(&events),
+        )
+    };
     RunOutcome {
         scenario: scenario.name.clone(),
         seed,
