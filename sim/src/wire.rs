@@ -192,6 +192,11 @@ pub enum PgRequest {
         error: String,
         max_attempts: u32,
     },
+    /// A statement that fails with SQLSTATE `code` (a handler's own failing
+    /// statement, as `SELECT 1/0` fails on PostgreSQL).
+    Raise {
+        code: String,
+    },
     /// `inbox_list_unprocessed`.
     InboxList {
         ids: Option<Vec<Uuid>>,

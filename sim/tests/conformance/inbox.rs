@@ -25,6 +25,9 @@ trait InboxArm {
     fn other(&self) -> &Self::S;
     /// The handler's domain write, in the transaction.
     async fn effect(&self, tx: &mut <Self::S as InboxStore>::Tx, id: Uuid);
+    /// A handler statement that fails (division by zero), aborting the
+    /// transaction.
+    async fn failing_statement(&self, tx: &mut <Self::S as InboxStore>::Tx);
     /// Committed effects of `id`.
     async fn effects(&self, id: Uuid) -> u32;
     /// Moves a row's `processed_at` `secs` into the past.
@@ -51,6 +54,13 @@ impl InboxArm for Real {
             .execute(&mut **tx)
             .await
             .unwrap();
+    }
+    async fn failing_statement(&self, tx: &mut PgTx) {
+        let e = sqlx::query("SELECT 1/0")
+            .execute(&mut **tx)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("division by zero"), "{e}");
     }
     async fn effects(&self, id: Uuid) -> u32 {
         let n: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = $1")
@@ -89,6 +99,15 @@ impl InboxArm for Fake {
     }
     async fn effect(&self, tx: &mut SimTx, id: Uuid) {
         tx.effect("q", id).await.unwrap();
+    }
+    async fn failing_statement(&self, tx: &mut SimTx) {
+        let e = tx
+            .call(sim::wire::PgRequest::Raise {
+                code: "22012".into(),
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(e, StoreError::Refused(_)), "{e}");
     }
     async fn effects(&self, id: Uuid) -> u32 {
         let db = self.state.lock();
@@ -394,6 +413,42 @@ async fn the_retention_sweep_deletes_only_old_processed_rows<A: InboxArm>(arm: A
     assert_eq!(left.len(), 1);
 }
 
+async fn a_handler_statement_that_failed_is_undone_and_the_attempt_still_recorded<A: InboxArm>(
+    arm: A,
+) {
+    // The handler's own statement fails, which aborts the transaction; the
+    // record rolls back to the savepoint, which recovers it, and counts the
+    // attempt.
+    let e = event("k");
+    let s = arm.store();
+    let mut tx = s.inbox_begin().await.unwrap();
+    s.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
+    arm.effect(&mut tx, e.id).await;
+    arm.failing_statement(&mut tx).await;
+    let r = s
+        .inbox_record_failure(&mut tx, e.id, "division by zero", 3)
+        .await
+        .unwrap();
+    assert_eq!(
+        r,
+        AttemptRecord {
+            attempts: 1,
+            dead_lettered: false
+        }
+    );
+    s.inbox_commit(tx).await.unwrap();
+    assert_eq!(arm.effects(e.id).await, 0);
+    let rows = s
+        .inbox_list_unprocessed(&InboxFilter {
+            ids: Some(vec![e.id]),
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].attempts, 1);
+}
+
 async fn the_inbox_refuses_what_postgresql_refuses<A: InboxArm>(arm: A) {
     // Envelopes that decode (serde skips unknown fields without judging
     // them) but that PostgreSQL's jsonb will not store; and a routing key
@@ -441,4 +496,5 @@ conformance!(postgres: with_real, fake: with_fake;
     replay_listing_filters_orders_and_resets_the_budget,
     the_retention_sweep_deletes_only_old_processed_rows,
     the_inbox_refuses_what_postgresql_refuses,
+    a_handler_statement_that_failed_is_undone_and_the_attempt_still_recorded,
 );

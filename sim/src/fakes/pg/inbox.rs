@@ -106,6 +106,12 @@ impl InboxTx {
         self.inserts.is_empty() && self.locked.is_empty() && self.effects.is_empty()
     }
 
+    /// Whether a savepoint is set (`ROLLBACK TO SAVEPOINT` can recover an
+    /// aborted transaction).
+    pub fn has_savepoint(&self) -> bool {
+        self.savepoint.is_some()
+    }
+
     /// `ROLLBACK TO SAVEPOINT`: the handler's work since it goes.
     fn rollback_to_savepoint(&mut self) -> bool {
         let Some(sp) = self.savepoint.clone() else {

@@ -6,7 +6,8 @@
 //! Modelled: sessions over the simulated network, one transaction at a time
 //! per session; inserts invisible until commit; an error inside a
 //! transaction aborts it (later statements fail with 25P02 until the
-//! rollback, as in PostgreSQL); a transaction rolls back when its
+//! rollback, or until a rollback to a savepoint set before the error, as in
+//! PostgreSQL); a transaction rolls back when its
 //! connection ends or the host crashes; `idle_in_transaction_session_timeout`;
 //! errors as SQLSTATE and message, which the adapters map with the
 //! production mapping. The tables are the "disk": they survive a crash of
@@ -254,6 +255,13 @@ impl Session {
     }
 
     fn apply(&mut self, req: &PgRequest) -> PgReply {
+        if let (Some(tx), PgRequest::InboxRecordFailure { .. }) = (self.tx.as_mut(), req)
+            && tx.inbox.has_savepoint()
+        {
+            // It begins with ROLLBACK TO SAVEPOINT, which PostgreSQL accepts
+            // in an aborted transaction and which recovers it.
+            tx.aborted = false;
+        }
         if self.tx.as_ref().is_some_and(|t| t.aborted)
             && !matches!(req, PgRequest::Rollback | PgRequest::Commit)
         {
@@ -276,6 +284,7 @@ impl Session {
                 PgReply::Ok
             }
             PgRequest::Commit => self.commit(),
+            PgRequest::Raise { code } => PgReply::Error(PgError::new(code, "raised")),
             PgRequest::Rollback => {
                 if self.tx.is_none() {
                     return PgReply::Error(PgError::new("25P01", "no transaction"));
@@ -560,6 +569,7 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::InboxMarkProcessed { .. } => "inbox_mark_processed",
         PgRequest::Effect { .. } => "effect",
         PgRequest::InboxSavepoint => "inbox_savepoint",
+        PgRequest::Raise { .. } => "raise",
         PgRequest::InboxRecordFailure { .. } => "inbox_record_failure",
         PgRequest::InboxList { .. } => "inbox_list",
         PgRequest::InboxReset { .. } => "inbox_reset",
