@@ -15,8 +15,8 @@
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use sim::checker::Invariant;
@@ -135,7 +135,15 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
     })
 }
 
-fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
+/// What `sim sweep` was asked for.
+struct SweepArgs {
+    scenarios: Vec<Scenario>,
+    range: std::ops::Range<u64>,
+    jobs: usize,
+    by_scenario: bool,
+}
+
+fn parse_sweep(args: &[String]) -> Result<SweepArgs, String> {
     let mut names = Vec::new();
     let mut range = None;
     let mut jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -164,75 +172,31 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
             .map(|n| load(&dir, n))
             .collect::<Result<_, _>>()?
     };
+    Ok(SweepArgs {
+        scenarios,
+        range,
+        jobs,
+        by_scenario,
+    })
+}
+
+fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
+    let SweepArgs {
+        scenarios,
+        range,
+        jobs,
+        by_scenario,
+    } = parse_sweep(args)?;
     println!(
         "seeds {}..{} over {} scenarios",
         range.start,
         range.end,
         scenarios.len()
     );
-    let mut work: Vec<(usize, u64)> = Vec::new();
-    for (i, s) in scenarios.iter().enumerate() {
-        let mut seeds: Vec<u64> = range.clone().collect();
-        for pinned in &s.seeds {
-            if !range.contains(pinned) {
-                seeds.push(*pinned);
-            }
-        }
-        work.extend(seeds.into_iter().map(|seed| (i, seed)));
-    }
-    let total = work.len();
-    let work = Arc::new(Mutex::new(work.into_iter()));
-    let done = Arc::new(AtomicUsize::new(0));
-    let results: Arc<Mutex<Vec<RunOutcome>>> = Arc::default();
-    let scenarios = Arc::new(scenarios);
     let started = Instant::now();
-    let tty = std::io::stderr().is_terminal();
-    std::thread::scope(|scope| {
-        for _ in 0..jobs.max(1) {
-            let (work, done, results, scenarios) = (&work, &done, &results, &scenarios);
-            scope.spawn(move || {
-                loop {
-                    let next = work.lock().expect("work").next();
-                    let Some((i, seed)) = next else { break };
-                    let mut o = world::run(&scenarios[i], seed);
-                    if !o.verdict.ok() {
-                        eprintln!(
-                            "\nFAIL seed {seed} {}: {}",
-                            o.scenario, o.verdict.violations[0]
-                        );
-                    }
-                    o.trace = Default::default(); // the coverage is kept
-                    results.lock().expect("results").push(o);
-                    let n = done.fetch_add(1, Ordering::SeqCst) + 1;
-                    progress(n, total, tty);
-                }
-            });
-        }
-    });
-    eprintln!();
-    let mut results = std::mem::take(&mut *results.lock().expect("results"));
-    results.sort_by(|a, b| (a.scenario.as_str(), a.seed).cmp(&(b.scenario.as_str(), b.seed)));
-    println!(
-        "{:<34} {:>6} {:>6} {:>10} {:>10} {:>8} {:>7}",
-        "scenario", "seeds", "fail", "committed", "published", "dups", "parked"
-    );
-    let mut failures = Vec::new();
-    for s in scenarios.iter() {
-        let rs: Vec<&RunOutcome> = results.iter().filter(|r| r.scenario == s.name).collect();
-        let fails = rs.iter().filter(|r| !r.verdict.ok()).count();
-        let sum = |f: fn(&RunOutcome) -> usize| rs.iter().map(|r| f(r)).sum::<usize>();
-        println!(
-            "{:<34} {:>6} {:>6} {:>10} {:>10} {:>8} {:>7}",
-            s.name,
-            rs.len(),
-            fails,
-            sum(|r| r.verdict.committed),
-            sum(|r| r.verdict.published),
-            sum(|r| r.verdict.duplicates),
-            sum(|r| r.verdict.parked),
-        );
-        failures.extend(rs.into_iter().filter(|r| !r.verdict.ok()));
-    }
+    let results = run_all(&scenarios, &range, jobs);
+    let total = results.len();
+    let failures = print_scenarios(&scenarios, &results);
     print_invariants(&results);
     let unreached = print_coverage(&scenarios, &results, by_scenario);
     let secs = started.elapsed().as_secs_f64();
@@ -259,6 +223,74 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// Runs every scenario on every seed of `range` (and its pinned seeds) on
+/// `jobs` threads; returns the outcomes (traces dropped, coverage kept)
+/// sorted by scenario and seed.
+fn run_all(scenarios: &[Scenario], range: &std::ops::Range<u64>, jobs: usize) -> Vec<RunOutcome> {
+    let mut work: Vec<(usize, u64)> = Vec::new();
+    for (i, s) in scenarios.iter().enumerate() {
+        let pinned = s.seeds.iter().copied().filter(|p| !range.contains(p));
+        work.extend(range.clone().chain(pinned).map(|seed| (i, seed)));
+    }
+    let total = work.len();
+    let work = Mutex::new(work.into_iter());
+    let done = AtomicUsize::new(0);
+    let results: Mutex<Vec<RunOutcome>> = Mutex::default();
+    let tty = std::io::stderr().is_terminal();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.max(1) {
+            let (work, done, results) = (&work, &done, &results);
+            scope.spawn(move || {
+                loop {
+                    let next = work.lock().expect("work").next();
+                    let Some((i, seed)) = next else { break };
+                    let mut o = world::run(&scenarios[i], seed);
+                    if !o.verdict.ok() {
+                        eprintln!(
+                            "\nFAIL seed {seed} {}: {}",
+                            o.scenario, o.verdict.violations[0]
+                        );
+                    }
+                    o.trace = Default::default(); // the coverage is kept
+                    results.lock().expect("results").push(o);
+                    let n = done.fetch_add(1, Ordering::SeqCst) + 1;
+                    progress(n, total, tty);
+                }
+            });
+        }
+    });
+    eprintln!();
+    let mut results = results.into_inner().expect("results");
+    results.sort_by(|a, b| (a.scenario.as_str(), a.seed).cmp(&(b.scenario.as_str(), b.seed)));
+    results
+}
+
+/// One line per scenario; returns the failed runs.
+fn print_scenarios<'r>(scenarios: &[Scenario], results: &'r [RunOutcome]) -> Vec<&'r RunOutcome> {
+    println!(
+        "{:<34} {:>6} {:>6} {:>10} {:>10} {:>8} {:>7}",
+        "scenario", "seeds", "fail", "committed", "published", "dups", "parked"
+    );
+    let mut failures = Vec::new();
+    for s in scenarios {
+        let rs: Vec<&RunOutcome> = results.iter().filter(|r| r.scenario == s.name).collect();
+        let fails = rs.iter().filter(|r| !r.verdict.ok()).count();
+        let sum = |f: fn(&RunOutcome) -> usize| rs.iter().map(|r| f(r)).sum::<usize>();
+        println!(
+            "{:<34} {:>6} {:>6} {:>10} {:>10} {:>8} {:>7}",
+            s.name,
+            rs.len(),
+            fails,
+            sum(|r| r.verdict.committed),
+            sum(|r| r.verdict.published),
+            sum(|r| r.verdict.duplicates),
+            sum(|r| r.verdict.parked),
+        );
+        failures.extend(rs.into_iter().filter(|r| !r.verdict.ok()));
+    }
+    failures
 }
 
 /// Runs that broke each invariant, and violations in all.

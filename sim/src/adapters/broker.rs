@@ -47,6 +47,52 @@ struct Waiters {
     dead: bool,
 }
 
+impl Waiters {
+    /// Hands one frame from the broker to whoever waits for it.
+    fn dispatch(&mut self, frame: MqReply, client: &str, trace: &Trace) {
+        match frame {
+            MqReply::Ok { channel } => {
+                if let Some(tx) = self.ok.remove(&channel) {
+                    let _ = tx.send(());
+                }
+            }
+            MqReply::Confirm { channel, seq, ack } => {
+                if let Some((tx, message_id)) = self.confirms.remove(&(channel, seq)) {
+                    trace.now(Event::ConfirmReceived {
+                        client: client.to_owned(),
+                        message_id,
+                    });
+                    let _ = tx.send(ack);
+                }
+            }
+            MqReply::ChannelClosed { channel, .. } => {
+                self.ok.remove(&channel);
+                self.confirms.retain(|(c, _), _| *c != channel);
+                self.deliveries.remove(&channel);
+            }
+            MqReply::Heartbeat => {}
+            MqReply::Deliver {
+                channel,
+                tag,
+                message_id,
+                routing_key,
+                body,
+                redelivered,
+            } => {
+                if let Some(tx) = self.deliveries.get(&channel) {
+                    let _ = tx.send(Delivery {
+                        tag,
+                        message_id,
+                        routing_key,
+                        body: body.into_bytes(),
+                        redelivered,
+                    });
+                }
+            }
+        }
+    }
+}
+
 impl Drop for MqConn {
     fn drop(&mut self) {
         self.reader.abort();
@@ -107,46 +153,7 @@ impl SimBroker {
                 tokio::time::timeout(HEARTBEAT_TIMEOUT, read_frame::<_, MqReply>(&mut r)).await
             {
                 let mut w = reader_waiters.lock().expect("waiters");
-                match frame {
-                    MqReply::Ok { channel } => {
-                        if let Some(tx) = w.ok.remove(&channel) {
-                            let _ = tx.send(());
-                        }
-                    }
-                    MqReply::Confirm { channel, seq, ack } => {
-                        if let Some((tx, message_id)) = w.confirms.remove(&(channel, seq)) {
-                            trace.now(Event::ConfirmReceived {
-                                client: client.clone(),
-                                message_id,
-                            });
-                            let _ = tx.send(ack);
-                        }
-                    }
-                    MqReply::ChannelClosed { channel, .. } => {
-                        w.ok.remove(&channel);
-                        w.confirms.retain(|(c, _), _| *c != channel);
-                        w.deliveries.remove(&channel);
-                    }
-                    MqReply::Heartbeat => {}
-                    MqReply::Deliver {
-                        channel,
-                        tag,
-                        message_id,
-                        routing_key,
-                        body,
-                        redelivered,
-                    } => {
-                        if let Some(tx) = w.deliveries.get(&channel) {
-                            let _ = tx.send(Delivery {
-                                tag,
-                                message_id,
-                                routing_key,
-                                body: body.into_bytes(),
-                                redelivered,
-                            });
-                        }
-                    }
-                }
+                w.dispatch(frame, &client, &trace);
             }
             // Connection gone: every waiter fails, every consumer ends.
             let mut w = reader_waiters.lock().expect("waiters");

@@ -132,6 +132,20 @@ struct Records {
     at_budget: u32,
 }
 
+impl Records {
+    /// Uses the record a settlement answers; `Err` names the settlement if
+    /// there is none.
+    fn answer(&mut self, settle: Settle) -> Result<(), &'static str> {
+        let (slot, what) = match settle {
+            Settle::Ack => return Ok(()),
+            Settle::Requeue => (&mut self.below_budget, "requeued"),
+            Settle::DeadLetter => (&mut self.at_budget, "dead-lettered"),
+        };
+        *slot = slot.checked_sub(1).ok_or(what)?;
+        Ok(())
+    }
+}
+
 fn budget(ctx: &Context<'_>, out: &mut Findings) {
     let max = ctx.limits.consumer_max_attempts;
     let mut handler_failures: BTreeMap<Uuid, u32> = BTreeMap::new();
@@ -201,19 +215,12 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
                     continue;
                 };
                 let r = records.entry((client.as_str(), event)).or_default();
-                let (slot, what) = match settle {
-                    Settle::Ack => continue,
-                    Settle::Requeue => (&mut r.below_budget, "requeued"),
-                    Settle::DeadLetter => (&mut r.at_budget, "dead-lettered"),
-                };
-                if *slot == 0 {
+                if let Err(what) = r.answer(*settle) {
                     out.add(
                         Invariant::DeadLetterAtBudget,
                         at,
                         format!("{client} {what} {event} without a failure record {} the budget of {max}", if *settle == Settle::Requeue { "below" } else { "reaching" }),
                     );
-                } else {
-                    *slot -= 1;
                 }
             }
             _ => {}

@@ -230,46 +230,57 @@ fn failed_attempt(run: Run, t: u64, attempts: i32, dead: bool, settle: Settle) -
     )
 }
 
-fn cases() -> Vec<(Invariant, Run)> {
-    use Invariant as I;
-    let a = || s("a");
-    let nack = |t| {
-        (
-            t,
-            Event::Confirmed {
-                client: s("a"),
-                message_id: id(1),
-                ack: false,
-            },
-        )
-    };
-    let fail_mark = |t, parked: bool| {
-        (
-            t,
-            Event::MarkedFailed {
-                replica: s("a"),
-                ids: vec![id(1)],
-                parked: if parked { vec![id(1)] } else { vec![] },
-            },
-        )
-    };
-    let claim = |t, attempts: i32| {
-        (
-            t,
-            Event::Claimed {
-                replica: s("a"),
-                ids: vec![id(1)],
-                attempts: vec![attempts],
-            },
-        )
-    };
-    let hostile = |kind, mid: &str, envelope| Event::Hostile {
+fn nack(t: u64) -> (u64, Event) {
+    (
+        t,
+        Event::Confirmed {
+            client: s("a"),
+            message_id: id(1),
+            ack: false,
+        },
+    )
+}
+
+fn fail_mark(t: u64, parked: bool) -> (u64, Event) {
+    (
+        t,
+        Event::MarkedFailed {
+            replica: s("a"),
+            ids: vec![id(1)],
+            parked: if parked { vec![id(1)] } else { vec![] },
+        },
+    )
+}
+
+fn claim(t: u64, attempts: i32) -> (u64, Event) {
+    (
+        t,
+        Event::Claimed {
+            replica: s("a"),
+            ids: vec![id(1)],
+            attempts: vec![attempts],
+        },
+    )
+}
+
+fn hostile(kind: HostileKind, mid: &str, envelope: Option<Uuid>) -> Event {
+    Event::Hostile {
         kind,
         message_id: Some(mid.to_owned()),
         envelope_id: envelope,
-    };
-    let with_events =
-        |run: Run, events: Vec<(u64, Event)>| events.into_iter().fold(run, |r, (t, e)| r.at(t, e));
+    }
+}
+
+fn with_events(run: Run, events: Vec<(u64, Event)>) -> Run {
+    events.into_iter().fold(run, |r, (t, e)| r.at(t, e))
+}
+
+fn a() -> String {
+    s("a")
+}
+
+fn delivery_and_attempt_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
     vec![
         (I::Lost, producer().with(|f| f.stored.clear())),
         (
@@ -342,6 +353,12 @@ fn cases() -> Vec<(Invariant, Run)> {
                 ],
             ),
         ),
+    ]
+}
+
+fn lease_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    vec![
         (
             I::ClaimedByGuard,
             producer().at(
@@ -402,6 +419,12 @@ fn cases() -> Vec<(Invariant, Run)> {
                     },
                 ),
         ),
+    ]
+}
+
+fn timing_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    vec![
         (
             I::Phase2Deadline,
             // No confirm ever reaches the replica; it releases 3 s after the
@@ -493,6 +516,12 @@ fn cases() -> Vec<(Invariant, Run)> {
                 )
                 .at(400, Event::ClaimCalled { replica: a() }),
         ),
+    ]
+}
+
+fn retention_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    vec![
         (
             I::OutboxJanitorScope,
             producer().at(1000, Event::Deleted { ids: vec![id(1)] }),
@@ -513,6 +542,22 @@ fn cases() -> Vec<(Invariant, Run)> {
             I::InboxRetention,
             consumer().with(|f| f.consumer.as_mut().unwrap().overdue_processed = vec![id(1)]),
         ),
+        (
+            I::ScenarioExpectation,
+            Run {
+                expect: Expect {
+                    releases: true,
+                    ..Expect::default()
+                },
+                ..producer()
+            },
+        ),
+    ]
+}
+
+fn effect_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    vec![
         (
             I::ExactlyOnceEffect,
             consumer().with(|f| {
@@ -547,6 +592,12 @@ fn cases() -> Vec<(Invariant, Run)> {
             I::NoDeadLetterAfterEffect,
             failed_attempt(consumer(), 200, 3, true, Settle::DeadLetter),
         ),
+    ]
+}
+
+fn budget_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    vec![
         (
             I::AttemptOnlyOnHandlerFailure,
             consumer().at(
@@ -586,6 +637,12 @@ fn cases() -> Vec<(Invariant, Run)> {
                 Settle::Requeue,
             ),
         ),
+    ]
+}
+
+fn replay_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    vec![
         (
             I::ReplayFreshBudget,
             consumer()
@@ -630,6 +687,12 @@ fn cases() -> Vec<(Invariant, Run)> {
                     },
                 ),
         ),
+    ]
+}
+
+fn hostile_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    vec![
         (
             // Requeued, and never in the dead-letter queue.
             I::RejectedAtOnce,
@@ -700,17 +763,22 @@ fn cases() -> Vec<(Invariant, Run)> {
                     },
                 ),
         ),
-        (
-            I::ScenarioExpectation,
-            Run {
-                expect: Expect {
-                    releases: true,
-                    ..Expect::default()
-                },
-                ..producer()
-            },
-        ),
     ]
+}
+
+/// A violating trace for every invariant (some for several ways to break it).
+fn cases() -> Vec<(Invariant, Run)> {
+    [
+        delivery_and_attempt_cases(),
+        lease_cases(),
+        timing_cases(),
+        retention_cases(),
+        effect_cases(),
+        budget_cases(),
+        replay_cases(),
+        hostile_cases(),
+    ]
+    .concat()
 }
 
 #[test]

@@ -96,13 +96,14 @@ struct Batch<'a> {
     late_publish: bool,
 }
 
-fn phase2_deadline(ctx: &Context<'_>, blocked: &Blocked<'_>, out: &mut Findings) {
+/// Every claim as its replica received it, with what became of its rows;
+/// a publish after the deadline is reported as it is seen.
+fn batches<'a>(ctx: &Context<'a>, out: &mut Findings) -> Vec<Batch<'a>> {
     let timeout = ctx.limits.confirm_timeout;
     let mut batches: Vec<Batch<'_>> = Vec::new();
     // A replica can hold a row under two claims (its own lease expired while
     // it stalled, and it claimed the row again): oldest first.
     let mut open: BTreeMap<(&str, Uuid), VecDeque<usize>> = BTreeMap::new();
-    let end = ctx.events.last().map_or(Duration::ZERO, |(t, _)| *t);
     for (at, e) in ctx.events {
         match e {
             Event::ClaimReturned { replica, ids } => {
@@ -181,7 +182,13 @@ fn phase2_deadline(ctx: &Context<'_>, blocked: &Blocked<'_>, out: &mut Findings)
             _ => {}
         }
     }
-    for batch in &batches {
+    batches
+}
+
+fn phase2_deadline(ctx: &Context<'_>, blocked: &Blocked<'_>, out: &mut Findings) {
+    let timeout = ctx.limits.confirm_timeout;
+    let end = ctx.events.last().map_or(Duration::ZERO, |(t, _)| *t);
+    for batch in &batches(ctx, out) {
         let deadline = batch.returned + timeout;
         let due = deadline + TIMING_SLACK;
         if due > end {

@@ -215,42 +215,52 @@ struct Channel {
     seq: u64,
 }
 
+/// Frames to the client, each not before its instant.
+type Frames = tokio::sync::mpsc::UnboundedSender<(Duration, MqReply)>;
+
+/// One client connection, as the broker sees it.
+struct Conn {
+    state: MqState,
+    id: u64,
+    client: String,
+    channels: BTreeMap<u32, Channel>,
+    out: Frames,
+}
+
+/// What the broker does after a request.
+enum Next {
+    /// Answer (or not) and read the next request.
+    Go(Option<MqReply>),
+    /// Drop the connection.
+    Close,
+}
+
+/// One publish, as it arrived.
+struct Publish {
+    channel: u32,
+    exchange: String,
+    routing_key: String,
+    message_id: Uuid,
+    body: crate::wire::WireBody,
+}
+
 async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
     let (mut r, w) = stream.into_split();
-    // Confirms are written by a task of their own, so a confirm delay holds
-    // back confirms without holding back the reading of publishes.
-    let (out_tx, mut out_rx) = tokio::sync::mpsc::unbounded_channel::<(Duration, MqReply)>();
-    let writer = tokio::spawn(async move {
-        let mut w = w;
-        while let Some((not_before, frame)) = out_rx.recv().await {
-            let now = crate::sim_now();
-            if not_before > now {
-                tokio::time::sleep(not_before - now).await;
-            }
-            if write_frame(&mut w, &frame).await.is_err() {
-                return;
-            }
-        }
-    });
-    let conn = {
+    let (out, writer) = spawn_writer(w);
+    let heartbeat = spawn_heartbeat(out.clone());
+    let id = {
         let mut n = state.connections.lock().expect("connections");
         *n += 1;
         *n
     };
-    let heartbeat = {
-        let out = out_tx.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(HEARTBEAT_EVERY).await;
-                if out.send((Duration::ZERO, MqReply::Heartbeat)).is_err() {
-                    return;
-                }
-            }
-        })
-    };
-    let mut client = String::from("?");
-    let mut channels: BTreeMap<u32, Channel> = BTreeMap::new();
     let mut close_all = state.close_all.subscribe();
+    let mut conn = Conn {
+        state: state.clone(),
+        id,
+        client: String::from("?"),
+        channels: BTreeMap::new(),
+        out,
+    };
     loop {
         let next = tokio::select! {
             biased;
@@ -261,7 +271,8 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                     state.trace.now(Event::Fault {
                         kind: FaultKind::HeartbeatTimeout,
                         detail: format!(
-                            "broker closes {client}'s connection: no heartbeat for {} s",
+                            "broker closes {}'s connection: no heartbeat for {} s",
+                            conn.client,
                             HEARTBEAT_TIMEOUT.as_secs()
                         ),
                     });
@@ -271,28 +282,73 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
         };
         let Ok(Some(req)) = next else { break };
         let now = crate::sim_now();
+        match conn.handle(req, now) {
+            Next::Go(Some(reply)) => {
+                let _ = conn.out.send((now, reply));
+            }
+            Next::Go(None) => {}
+            Next::Close => break,
+        }
+    }
+    // The connection is gone: its consumers' deliveries go back.
+    state.with_queues(|q| q.close(id, None));
+    heartbeat.abort();
+    writer.abort();
+}
+
+/// Writes frames on a task of its own, so a confirm delay holds back
+/// confirms without holding back the reading of publishes.
+fn spawn_writer(mut w: turmoil::net::tcp::OwnedWriteHalf) -> (Frames, tokio::task::JoinHandle<()>) {
+    let (out, mut frames) = tokio::sync::mpsc::unbounded_channel::<(Duration, MqReply)>();
+    let writer = tokio::spawn(async move {
+        while let Some((not_before, frame)) = frames.recv().await {
+            let now = crate::sim_now();
+            if not_before > now {
+                tokio::time::sleep(not_before - now).await;
+            }
+            if write_frame(&mut w, &frame).await.is_err() {
+                return;
+            }
+        }
+    });
+    (out, writer)
+}
+
+/// Sends heartbeats while the connection lives.
+fn spawn_heartbeat(out: Frames) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(HEARTBEAT_EVERY).await;
+            if out.send((Duration::ZERO, MqReply::Heartbeat)).is_err() {
+                return;
+            }
+        }
+    })
+}
+
+impl Conn {
+    /// Applies one request.
+    fn handle(&mut self, req: MqRequest, now: Duration) -> Next {
+        let (state, conn) = (&self.state, self.id);
         let reply = match req {
-            MqRequest::Hello { client: c } => {
-                client = c;
+            MqRequest::Hello { client } => {
+                self.client = client;
                 None
             }
             MqRequest::Heartbeat => None,
             MqRequest::ChannelOpen { channel } => {
-                channels.insert(channel, Channel::default());
+                self.channels.insert(channel, Channel::default());
                 Some(MqReply::Ok { channel })
             }
-            MqRequest::ConfirmSelect { channel } => match channels.get_mut(&channel) {
+            MqRequest::ConfirmSelect { channel } => match self.channels.get_mut(&channel) {
                 Some(ch) => {
                     ch.confirm = true;
                     Some(MqReply::Ok { channel })
                 }
-                None => Some(MqReply::ChannelClosed {
-                    channel,
-                    reason: "no such channel".into(),
-                }),
+                None => Some(closed(channel, "no such channel")),
             },
             MqRequest::ChannelClose { channel } => {
-                channels.remove(&channel);
+                self.channels.remove(&channel);
                 state.with_queues(|q| q.close(conn, Some(channel)));
                 None
             }
@@ -310,14 +366,11 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                 Some(MqReply::Ok { channel })
             }
             MqRequest::Consume { channel, queue } => {
-                let out = out_tx.clone();
-                if state.with_queues(|q| q.consume(conn, channel, &client, &queue, out)) {
+                let (out, client) = (self.out.clone(), &self.client);
+                if state.with_queues(|q| q.consume(conn, channel, client, &queue, out)) {
                     Some(MqReply::Ok { channel })
                 } else {
-                    Some(MqReply::ChannelClosed {
-                        channel,
-                        reason: format!("NOT_FOUND - no queue '{queue}'"),
-                    })
+                    Some(closed(channel, &format!("NOT_FOUND - no queue '{queue}'")))
                 }
             }
             MqRequest::Ack { channel, tag } => {
@@ -339,97 +392,102 @@ async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
                 message_id,
                 body,
             } => {
-                let faults = state.faults.lock().expect("faults").clone();
-                let Some(ch) = channels.get_mut(&channel) else {
-                    let _ = out_tx.send((
-                        now,
-                        MqReply::ChannelClosed {
-                            channel,
-                            reason: "no such channel".into(),
-                        },
-                    ));
-                    continue;
-                };
-                ch.seq += 1;
-                let seq = ch.seq;
-                if routing_key.len() > ROUTING_KEY_MAX_BYTES {
-                    // Not encodable as an AMQP shortstr: the broker closes
-                    // the channel, failing every confirm outstanding on it.
-                    channels.remove(&channel);
-                    let _ = out_tx.send((
-                        now,
-                        MqReply::ChannelClosed {
-                            channel,
-                            reason: "routing key longer than 255 bytes".into(),
-                        },
-                    ));
-                    continue;
-                }
-                // A drop may come before or after the message is stored.
-                let drop_before = state.roll(faults.drop_conn_prob / 2.0);
-                if drop_before {
-                    state.trace.now(Event::Fault {
-                        kind: FaultKind::MqDrop,
-                        detail: format!("broker drops {client}'s connection before storing"),
-                    });
-                    break;
-                }
-                let ack = !faults
-                    .nack_prefix
-                    .as_ref()
-                    .is_some_and(|p| routing_key.starts_with(p.as_str()));
-                if ack {
-                    state
-                        .stored
-                        .lock()
-                        .expect("stored")
-                        .messages
-                        .push((message_id, routing_key.clone()));
-                    state.with_queues(|q| {
-                        q.route(
-                            &exchange,
-                            queues::QueuedMessage {
-                                message_id: Some(message_id.to_string()),
-                                routing_key: routing_key.clone(),
-                                body,
-                                redelivered: false,
-                            },
-                        )
-                    });
-                } else {
-                    state.trace.now(Event::Fault {
-                        kind: FaultKind::MqNack,
-                        detail: format!("broker nacks {message_id} ({routing_key})"),
-                    });
-                }
-                state.trace.now(Event::Confirmed {
-                    client: client.clone(),
-                    message_id,
-                    ack,
-                });
-                if state.roll(faults.drop_conn_prob / 2.0) {
-                    state.trace.now(Event::Fault {
-                        kind: FaultKind::MqDrop,
-                        detail: format!("broker drops {client}'s connection after storing"),
-                    });
-                    break;
-                }
-                if !ch.confirm {
-                    continue;
-                }
-                let _ = out_tx.send((
-                    now + Duration::from_millis(faults.confirm_delay_ms),
-                    MqReply::Confirm { channel, seq, ack },
-                ));
-                continue;
+                return self.publish(
+                    Publish {
+                        channel,
+                        exchange,
+                        routing_key,
+                        message_id,
+                        body,
+                    },
+                    now,
+                );
             }
         };
-        if let Some(reply) = reply {
-            let _ = out_tx.send((now, reply));
-        }
+        Next::Go(reply)
     }
-    // The connection is gone: its consumers' deliveries go back.
-    state.with_queues(|q| q.close(conn, None));
-    heartbeat.abort();
-    writer.abort();
+
+    /// Stores and routes a publish (or nacks it, or drops the connection
+    /// before or after storing it, as the faults say) and confirms it on a
+    /// confirm-mode channel.
+    fn publish(&mut self, p: Publish, now: Duration) -> Next {
+        let state = &self.state;
+        let faults = state.faults.lock().expect("faults").clone();
+        let Some(ch) = self.channels.get_mut(&p.channel) else {
+            return Next::Go(Some(closed(p.channel, "no such channel")));
+        };
+        ch.seq += 1;
+        let seq = ch.seq;
+        if p.routing_key.len() > ROUTING_KEY_MAX_BYTES {
+            // Not encodable as an AMQP shortstr: the broker closes the
+            // channel, failing every confirm outstanding on it.
+            self.channels.remove(&p.channel);
+            return Next::Go(Some(closed(p.channel, "routing key longer than 255 bytes")));
+        }
+        let client = &self.client;
+        // A drop may come before or after the message is stored.
+        if state.roll(faults.drop_conn_prob / 2.0) {
+            state.trace.now(Event::Fault {
+                kind: FaultKind::MqDrop,
+                detail: format!("broker drops {client}'s connection before storing"),
+            });
+            return Next::Close;
+        }
+        let ack = !faults
+            .nack_prefix
+            .as_ref()
+            .is_some_and(|prefix| p.routing_key.starts_with(prefix.as_str()));
+        if ack {
+            state
+                .stored
+                .lock()
+                .expect("stored")
+                .messages
+                .push((p.message_id, p.routing_key.clone()));
+            let message = queues::QueuedMessage {
+                message_id: Some(p.message_id.to_string()),
+                routing_key: p.routing_key.clone(),
+                body: p.body,
+                redelivered: false,
+            };
+            state.with_queues(|q| q.route(&p.exchange, message));
+        } else {
+            state.trace.now(Event::Fault {
+                kind: FaultKind::MqNack,
+                detail: format!("broker nacks {} ({})", p.message_id, p.routing_key),
+            });
+        }
+        state.trace.now(Event::Confirmed {
+            client: client.clone(),
+            message_id: p.message_id,
+            ack,
+        });
+        if state.roll(faults.drop_conn_prob / 2.0) {
+            state.trace.now(Event::Fault {
+                kind: FaultKind::MqDrop,
+                detail: format!("broker drops {client}'s connection after storing"),
+            });
+            return Next::Close;
+        }
+        let confirm = self.channels.get(&p.channel).is_some_and(|c| c.confirm);
+        if confirm {
+            let at = now + Duration::from_millis(faults.confirm_delay_ms);
+            let _ = self.out.send((
+                at,
+                MqReply::Confirm {
+                    channel: p.channel,
+                    seq,
+                    ack,
+                },
+            ));
+        }
+        Next::Go(None)
+    }
+}
+
+fn closed(channel: u32, reason: &str) -> MqReply {
+    MqReply::ChannelClosed {
+        channel,
+        reason: reason.to_owned(),
+    }
 }

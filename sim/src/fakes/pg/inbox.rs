@@ -178,7 +178,6 @@ impl Inbox {
         tx: Option<&mut InboxTx>,
         now: u64,
     ) -> Option<PgReply> {
-        let session = caller.session;
         if let PgRequest::InboxTryInsert { entry } = req
             && let Some(r) = refusal(entry)
         {
@@ -190,37 +189,51 @@ impl Inbox {
             return Some(PgReply::Error(PgError::new(r.code, r.message)));
         }
         let reply = match req {
-            PgRequest::InboxTryInsert { entry } => {
-                let Some(tx) = tx else {
-                    return Some(outside_tx("inbox insert"));
+            PgRequest::InboxTryInsert { .. }
+            | PgRequest::InboxMarkProcessed { .. }
+            | PgRequest::Effect { .. }
+            | PgRequest::InboxSavepoint
+            | PgRequest::InboxRecordFailure { .. } => match tx {
+                Some(tx) => self.in_tx(req, caller, tx, now),
+                None => outside_tx("an inbox statement"),
+            },
+            PgRequest::InboxList {
+                ids,
+                subscription,
+                routing_key,
+                dead_lettered_only,
+                limit,
+            } => {
+                let filter = |r: &&InboxRow| {
+                    r.processed_ms.is_none()
+                        && ids.as_ref().is_none_or(|ids| ids.contains(&r.event_id))
+                        && subscription.as_ref().is_none_or(|s| *s == r.subscription)
+                        && routing_key.as_ref().is_none_or(|k| *k == r.routing_key)
+                        && (!dead_lettered_only || r.dead_lettered_ms.is_some())
                 };
-                let id = entry.event_id;
-                if tx.inserts.iter().any(|r| r.event_id == id) {
-                    PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts: 0 })
-                } else if let Some(row) = self.rows.get(&id) {
-                    let outcome = if row.processed_ms.is_some() {
-                        caller.trace.now(Event::InboxDuplicate {
-                            client: caller.client.to_owned(),
-                            event_id: id,
-                        });
-                        WireInsertOutcome::AlreadyProcessed
-                    } else {
-                        WireInsertOutcome::InFlightRetry {
-                            attempts: row.attempts,
-                        }
-                    };
-                    self.lock(tx, id, session);
-                    PgReply::Inbox(outcome)
-                } else {
-                    tx.inserts.push(InboxRow::new(entry, now));
-                    self.lock(tx, id, session);
-                    PgReply::Inbox(WireInsertOutcome::Inserted)
-                }
+                self.list(filter, *limit)
             }
+            PgRequest::InboxReset { ids } => self.reset(ids, caller),
+            PgRequest::InboxDeleteProcessed {
+                older_than_ms,
+                limit,
+            } => self.delete_processed(now.saturating_sub(*older_than_ms), *limit, caller),
+            _ => return None,
+        };
+        Some(reply)
+    }
+
+    /// The statements of a handler's transaction.
+    fn in_tx(
+        &mut self,
+        req: &PgRequest,
+        caller: &Caller<'_>,
+        tx: &mut InboxTx,
+        now: u64,
+    ) -> PgReply {
+        match req {
+            PgRequest::InboxTryInsert { entry } => self.try_insert(entry, caller, tx, now),
             PgRequest::InboxMarkProcessed { event_id } => {
-                let Some(tx) = tx else {
-                    return Some(outside_tx("inbox mark"));
-                };
                 if let Some(row) = tx.inserts.iter_mut().find(|r| r.event_id == *event_id) {
                     row.processed_ms = Some(now);
                 } else {
@@ -232,16 +245,10 @@ impl Inbox {
                 subscription,
                 event_id,
             } => {
-                let Some(tx) = tx else {
-                    return Some(outside_tx("effect"));
-                };
                 tx.effects.push((subscription.clone(), *event_id));
                 PgReply::Ok
             }
             PgRequest::InboxSavepoint => {
-                let Some(tx) = tx else {
-                    return Some(outside_tx("savepoint"));
-                };
                 tx.savepoint = Some(Savepoint {
                     processed: tx.processed.len(),
                     effects: tx.effects.len(),
@@ -254,96 +261,114 @@ impl Inbox {
                 error,
                 max_attempts,
             } => {
-                let Some(tx) = tx else {
-                    return Some(outside_tx("inbox record failure"));
-                };
                 if !tx.rollback_to_savepoint() {
-                    return Some(PgReply::Error(PgError::new(
+                    return PgReply::Error(PgError::new(
                         "3B001",
                         "savepoint \"canopy_handler\" does not exist",
-                    )));
+                    ));
                 }
                 self.record_failure(tx, *event_id, error, *max_attempts, now)
             }
-            PgRequest::InboxList {
-                ids,
-                subscription,
-                routing_key,
-                dead_lettered_only,
-                limit,
-            } => {
-                let mut rows: Vec<&InboxRow> = self
-                    .rows
-                    .values()
-                    .filter(|r| r.processed_ms.is_none())
-                    .filter(|r| ids.as_ref().is_none_or(|ids| ids.contains(&r.event_id)))
-                    .filter(|r| subscription.as_ref().is_none_or(|s| *s == r.subscription))
-                    .filter(|r| routing_key.as_ref().is_none_or(|k| *k == r.routing_key))
-                    .filter(|r| !dead_lettered_only || r.dead_lettered_ms.is_some())
-                    .collect();
-                rows.sort_by_key(|r| (r.received_ms, r.event_id));
-                PgReply::InboxRows(
-                    rows.into_iter()
-                        .take(*limit as usize)
-                        .map(|r| WireInboxRow {
-                            event_id: r.event_id,
-                            subscription: r.subscription.clone(),
-                            routing_key: r.routing_key.clone(),
-                            payload: r.payload.clone(),
-                            attempts: r.attempts,
-                            last_error: r.last_error.clone(),
-                            received_ms: r.received_ms,
-                            dead_lettered_ms: r.dead_lettered_ms,
-                        })
-                        .collect(),
-                )
+            other => unreachable!("{other:?} is no handler statement"),
+        }
+    }
+
+    /// `inbox_try_insert.sql` and `inbox_lock.sql`: inserts the row if
+    /// absent, locks it, and says what it found.
+    fn try_insert(
+        &mut self,
+        entry: &WireInboxEntry,
+        caller: &Caller<'_>,
+        tx: &mut InboxTx,
+        now: u64,
+    ) -> PgReply {
+        let id = entry.event_id;
+        if tx.inserts.iter().any(|r| r.event_id == id) {
+            return PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts: 0 });
+        }
+        let outcome = match self.rows.get(&id) {
+            Some(row) if row.processed_ms.is_some() => {
+                caller.trace.now(Event::InboxDuplicate {
+                    client: caller.client.to_owned(),
+                    event_id: id,
+                });
+                WireInsertOutcome::AlreadyProcessed
             }
-            PgRequest::InboxReset { ids } => {
-                let mut reset = Vec::new();
-                for id in ids {
-                    if let Some(r) = self.rows.get_mut(id)
-                        && r.processed_ms.is_none()
-                    {
-                        r.attempts = 0;
-                        r.dead_lettered_ms = None;
-                        reset.push(*id);
-                    }
-                }
-                let n = reset.len() as u64;
-                if !reset.is_empty() {
-                    caller.trace.now(Event::InboxReset { ids: reset });
-                }
-                PgReply::Count(n)
+            Some(row) => WireInsertOutcome::InFlightRetry {
+                attempts: row.attempts,
+            },
+            None => {
+                tx.inserts.push(InboxRow::new(entry, now));
+                WireInsertOutcome::Inserted
             }
-            PgRequest::InboxDeleteProcessed {
-                older_than_ms,
-                limit,
-            } => {
-                let cutoff = now.saturating_sub(*older_than_ms);
-                let mut expired: Vec<(u64, Uuid)> = self
-                    .rows
-                    .values()
-                    .filter_map(|r| {
-                        r.processed_ms
-                            .filter(|p| *p < cutoff)
-                            .map(|p| (p, r.event_id))
-                    })
-                    .collect();
-                expired.sort();
-                expired.truncate(*limit as usize);
-                for (_, id) in &expired {
-                    self.rows.remove(id);
-                }
-                if !expired.is_empty() {
-                    caller.trace.now(Event::InboxDeleted {
-                        ids: expired.iter().map(|(_, id)| *id).collect(),
-                    });
-                }
-                PgReply::Count(expired.len() as u64)
-            }
-            _ => return None,
         };
-        Some(reply)
+        self.lock(tx, id, caller.session);
+        PgReply::Inbox(outcome)
+    }
+
+    /// `inbox_list_unprocessed.sql`: the rows `filter` keeps, oldest first.
+    fn list(&self, filter: impl FnMut(&&InboxRow) -> bool, limit: u32) -> PgReply {
+        let mut rows: Vec<&InboxRow> = self.rows.values().filter(filter).collect();
+        rows.sort_by_key(|r| (r.received_ms, r.event_id));
+        PgReply::InboxRows(
+            rows.into_iter()
+                .take(limit as usize)
+                .map(|r| WireInboxRow {
+                    event_id: r.event_id,
+                    subscription: r.subscription.clone(),
+                    routing_key: r.routing_key.clone(),
+                    payload: r.payload.clone(),
+                    attempts: r.attempts,
+                    last_error: r.last_error.clone(),
+                    received_ms: r.received_ms,
+                    dead_lettered_ms: r.dead_lettered_ms,
+                })
+                .collect(),
+        )
+    }
+
+    /// `inbox_reset_attempts.sql`: a fresh budget for unprocessed rows.
+    fn reset(&mut self, ids: &[Uuid], caller: &Caller<'_>) -> PgReply {
+        let mut reset = Vec::new();
+        for id in ids {
+            if let Some(r) = self.rows.get_mut(id)
+                && r.processed_ms.is_none()
+            {
+                r.attempts = 0;
+                r.dead_lettered_ms = None;
+                reset.push(*id);
+            }
+        }
+        let n = reset.len() as u64;
+        if !reset.is_empty() {
+            caller.trace.now(Event::InboxReset { ids: reset });
+        }
+        PgReply::Count(n)
+    }
+
+    /// `inbox_delete_processed.sql`: at most `limit` rows processed before
+    /// `cutoff`, oldest first.
+    fn delete_processed(&mut self, cutoff: u64, limit: u32, caller: &Caller<'_>) -> PgReply {
+        let mut expired: Vec<(u64, Uuid)> = self
+            .rows
+            .values()
+            .filter_map(|r| {
+                r.processed_ms
+                    .filter(|p| *p < cutoff)
+                    .map(|p| (p, r.event_id))
+            })
+            .collect();
+        expired.sort();
+        expired.truncate(limit as usize);
+        for (_, id) in &expired {
+            self.rows.remove(id);
+        }
+        if !expired.is_empty() {
+            caller.trace.now(Event::InboxDeleted {
+                ids: expired.iter().map(|(_, id)| *id).collect(),
+            });
+        }
+        PgReply::Count(expired.len() as u64)
     }
 
     /// Counts a failed attempt on a row the transaction holds.
