@@ -78,6 +78,7 @@ fn every_scenario_file_has_a_test_here() {
         "poison_parking",
         "poison_to_dlq_and_replay",
         "producer_and_consumer_swarm",
+        "rate_bounded_backlog",
         "redelivery_storm",
         "replicas_racing",
         "reply_lost",
@@ -157,6 +158,10 @@ fn producer_and_consumer_swarm() {
 #[test]
 fn redelivery_storm() {
     check("redelivery_storm");
+}
+#[test]
+fn rate_bounded_backlog() {
+    check("rate_bounded_backlog");
 }
 #[test]
 fn hostile_deliveries() {

@@ -15,7 +15,8 @@
 //!   rows it holds, with the envelope id as `message_id`, in claim order.
 //! - [`timing`]: Phase 2 ends within `confirm_timeout` of the claim (#1061);
 //!   releases come before the lease expires; a replica backs off after a
-//!   failure and hands back every claim it holds first.
+//!   failure and hands back every claim it holds first; claims keep to the
+//!   rate bound.
 //! - [`retention`]: the janitors delete only expired published (processed)
 //!   rows, and do delete them.
 //! - [`consumer`]: exactly-once effect (#433), the attempt budget, replay,
@@ -104,6 +105,8 @@ invariants! {
     BackoffAfterFailure = "backoff_after_failure",
     /// After a failure a replica hands back every claim it holds before it claims again.
     ReleaseOnFailure = "release_on_failure",
+    /// With `max_rows_per_sec`, a claim of k rows delays the replica's next claim by k / rate.
+    RateBound = "rate_bound",
     // --- retention
     /// The outbox janitor deletes only rows published longer ago than the retention.
     OutboxJanitorScope = "outbox_janitor_scope",
@@ -211,6 +214,8 @@ pub struct Limits {
     pub tick: Duration,
     /// Drainer: the longest backoff.
     pub backoff_max: Duration,
+    /// Drainer: the bound on rows claimed per second, if any.
+    pub max_rows_per_sec: Option<u32>,
     /// Outbox retention.
     pub retention: Duration,
     /// Subscriber: failed attempts before a delivery is dead-lettered.

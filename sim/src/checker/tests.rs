@@ -26,6 +26,7 @@ fn limits() -> Limits {
         lease_ttl: Duration::from_secs(5),
         tick: ms(50),
         backoff_max: Duration::from_secs(10),
+        max_rows_per_sec: Some(1000),
         retention: Duration::from_secs(3),
         consumer_max_attempts: 3,
         inbox_retention: Duration::from_secs(30),
@@ -496,6 +497,21 @@ fn timing_cases() -> Vec<(Invariant, Run)> {
                     },
                 )
                 .at(210, Event::ClaimCalled { replica: a() }),
+        ),
+        (
+            // One row at 1 000 rows/s: the next claim waits 1 ms; 50 rows
+            // would make it wait 50 ms.
+            I::RateBound,
+            producer()
+                .at(300, Event::ClaimCalled { replica: a() })
+                .at(
+                    310,
+                    Event::ClaimReturned {
+                        replica: a(),
+                        ids: (10..60).map(id).collect(),
+                    },
+                )
+                .at(320, Event::ClaimCalled { replica: a() }),
         ),
         (
             I::ReleaseOnFailure,

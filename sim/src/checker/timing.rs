@@ -13,6 +13,9 @@
 //!   to the cap: no hot loop against the database while the broker is down.
 //! - **release on failure**: by then every row the replica held is handed
 //!   back (marked or released), so none waits for its lease needlessly.
+//! - **rate bound** (`max_rows_per_sec`, this library's addition): a claim
+//!   that returned *k* rows delays the replica's next claim by *k* / rate,
+//!   with no burst allowance.
 //!
 //! A crashed replica is excused from what it did not live to do, and a
 //! replica blocked in a store call when a deadline falls (the database is
@@ -32,6 +35,41 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     phase2_deadline(ctx, &blocked, out);
     release_before_expiry(ctx, &blocked, out);
     backoff_and_release_on_failure(ctx, out);
+    if let Some(rate) = ctx.limits.max_rows_per_sec {
+        rate_bound(ctx, rate, out);
+    }
+}
+
+fn rate_bound(ctx: &Context<'_>, rate: u32, out: &mut Findings) {
+    // Per replica: when its last claim was called, and the earliest instant
+    // its next claim may be called.
+    let mut last: BTreeMap<&str, (Duration, Duration)> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::ClaimCalled { replica } => {
+                if let Some((_, earliest)) = last.get(replica.as_str())
+                    && *at + Duration::from_millis(1) < *earliest
+                {
+                    out.add(
+                        Invariant::RateBound,
+                        Some(*at),
+                        format!(
+                            "{replica} claimed {:.3}s before its rate bound of {rate} rows/s allowed",
+                            (*earliest - *at).as_secs_f64()
+                        ),
+                    );
+                }
+                last.insert(replica, (*at, *at));
+            }
+            Event::ClaimReturned { replica, ids } => {
+                if let Some((called, earliest)) = last.get_mut(replica.as_str()) {
+                    let share = Duration::from_secs(ids.len() as u64) / rate;
+                    *earliest = (*earliest).max(*called + share);
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 /// Every drainer store call: when each replica made it and when it

@@ -111,6 +111,7 @@ pub fn limits(s: &Scenario) -> Limits {
         lease_ttl: d.lease_ttl,
         tick: d.tick,
         backoff_max: outbox::core::drainer::ERROR_BACKOFF_MAX,
+        max_rows_per_sec: d.max_rows_per_sec.map(|r| r.get()),
         retention: d.retention,
         consumer_max_attempts: subscriber_settings(s).max_attempts,
         inbox_retention: inbox_janitor_settings(s).retention,
