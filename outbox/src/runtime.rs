@@ -198,7 +198,7 @@ impl DrainerHandle {
 }
 
 /// Pause before listening again after the listener connection failed.
-const LISTEN_RETRY: Duration = Duration::from_secs(5);
+pub const LISTEN_RETRY: Duration = Duration::from_secs(5);
 
 /// Wakes the drainer whenever a transaction that wrote envelopes commits
 /// (`publish_tx` and `publish_many_tx` send `NOTIFY canopy_outbox`), so the

@@ -192,6 +192,10 @@ pub enum PgRequest {
         error: String,
         max_attempts: u32,
     },
+    /// `LISTEN canopy_outbox`: the connection becomes a listener; from then
+    /// on the server sends a `Notification` after every commit that wrote
+    /// outbox rows (`publish_tx`'s `pg_notify`, delivered at commit).
+    Listen,
     /// A statement that fails with SQLSTATE `code` (a handler's own failing
     /// statement, as `SELECT 1/0` fails on PostgreSQL).
     Raise {
@@ -300,6 +304,8 @@ pub enum PgReply {
         dead_lettered: bool,
     },
     InboxRows(Vec<WireInboxRow>),
+    /// A commit wrote outbox rows (to a listening connection).
+    Notification,
     /// The statement failed (duplicate key, no transaction, refused data,
     /// injected failure).
     Error(PgError),

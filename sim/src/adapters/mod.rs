@@ -7,6 +7,7 @@
 //! - [`store`]: `OutboxStore` ([`SimStore`]).
 //! - [`inbox`]: `InboxStore` ([`SimInboxStore`]).
 //! - [`broker`]: `Broker` and `ConsumerBroker` ([`SimBroker`]).
+//! - [`listen`]: the commit wakeup (LISTEN/NOTIFY).
 //! - [`hooks`]: crash and pause points inside port calls.
 //!
 //! Marks reported by the core go into the trace through [`TraceMarks`].
@@ -14,6 +15,7 @@
 pub mod broker;
 pub mod hooks;
 pub mod inbox;
+pub mod listen;
 pub mod net;
 pub mod store;
 

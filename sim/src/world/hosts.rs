@@ -97,8 +97,16 @@ pub fn spawn_drainer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u32
                 rx.clone(),
                 marks.clone(),
             ));
+            // The commit wakeup, as DrainerHandle runs it: polling stays
+            // the fallback when notifications are lost.
+            let wakeup = Arc::new(tokio::sync::Notify::new());
+            tokio::spawn(crate::adapters::listen::listen_for_commits(
+                format!("{}/listen", config.replica_id),
+                wakeup.clone(),
+            ));
             Drainer::new(store, broker, clock, entropy, config)
                 .with_marks(marks)
+                .with_wakeup(wakeup)
                 .run(rx)
                 .await;
             Ok(())

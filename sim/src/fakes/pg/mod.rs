@@ -92,6 +92,9 @@ pub struct PgState {
     sessions: Arc<Mutex<u64>>,
     /// Woken whenever a transaction ends (inbox lock waiters recheck).
     unlocked: Arc<tokio::sync::Notify>,
+    /// Counts commits that wrote outbox rows; listeners send a
+    /// notification for each change.
+    notify: Arc<tokio::sync::watch::Sender<u64>>,
     trace: Trace,
 }
 
@@ -104,6 +107,7 @@ impl PgState {
             rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
             sessions: Arc::default(),
             unlocked: Arc::default(),
+            notify: Arc::new(tokio::sync::watch::channel(0).0),
             trace,
         }
     }
@@ -199,8 +203,36 @@ impl Session {
             let Some(reply) = self.serve_one(&req).await else {
                 break; // the reply is lost: the connection dies
             };
+            let listening = matches!((&req, &reply), (PgRequest::Listen, PgReply::Ok));
             if write_frame(&mut w, &reply).await.is_err() {
                 break;
+            }
+            if listening {
+                self.listen(r, w).await;
+                break;
+            }
+        }
+    }
+
+    /// A listening connection: a notification for every commit that wrote
+    /// outbox rows, until the client goes away.
+    async fn listen(
+        &mut self,
+        mut r: turmoil::net::tcp::OwnedReadHalf,
+        mut w: turmoil::net::tcp::OwnedWriteHalf,
+    ) {
+        let mut commits = self.state.notify.subscribe();
+        commits.mark_unchanged();
+        loop {
+            tokio::select! {
+                biased;
+                changed = commits.changed() => {
+                    if changed.is_err() || write_frame(&mut w, &PgReply::Notification).await.is_err() {
+                        return;
+                    }
+                }
+                // A listener sends nothing more: anything read is the end.
+                _ = read_frame::<_, PgRequest>(&mut r) => return,
             }
         }
     }
@@ -284,6 +316,7 @@ impl Session {
                 PgReply::Ok
             }
             PgRequest::Commit => self.commit(),
+            PgRequest::Listen => PgReply::Ok,
             PgRequest::Raise { code } => PgReply::Error(PgError::new(code, "raised")),
             PgRequest::Rollback => {
                 if self.tx.is_none() {
@@ -513,6 +546,7 @@ impl Session {
                 client: self.client.clone(),
                 ids,
             });
+            self.state.notify.send_modify(|n| *n += 1);
         }
         PgReply::Ok
     }
@@ -570,6 +604,7 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::Effect { .. } => "effect",
         PgRequest::InboxSavepoint => "inbox_savepoint",
         PgRequest::Raise { .. } => "raise",
+        PgRequest::Listen => "listen",
         PgRequest::InboxRecordFailure { .. } => "inbox_record_failure",
         PgRequest::InboxList { .. } => "inbox_list",
         PgRequest::InboxReset { .. } => "inbox_reset",

@@ -1,0 +1,26 @@
+//! The commit wakeup over the fake PostgreSQL, as `DrainerHandle` runs it
+//! over PostgreSQL (`runtime::listen_for_commits`): one connection LISTENs,
+//! and every notification wakes the drainer between ticks. A lost or broken
+//! listener only costs latency: the tick stays the fallback, so the
+//! listener reconnects after `outbox::runtime::LISTEN_RETRY` and never
+//! reports an error to the drainer.
+
+use std::sync::Arc;
+
+use super::net::{connect_pg, exchange};
+use crate::wire::{PgReply, PgRequest, read_frame};
+
+/// Listens for commits until the host goes away, waking `wakeup` for each.
+pub async fn listen_for_commits(client: String, wakeup: Arc<tokio::sync::Notify>) {
+    loop {
+        if let Ok(mut stream) = connect_pg(&client).await
+            && let Ok(PgReply::Ok) = exchange(&mut stream, &PgRequest::Listen).await
+        {
+            while let Ok(Some(PgReply::Notification)) = read_frame::<_, PgReply>(&mut stream).await
+            {
+                wakeup.notify_one();
+            }
+        }
+        tokio::time::sleep(outbox::runtime::LISTEN_RETRY).await;
+    }
+}
