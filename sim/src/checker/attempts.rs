@@ -26,14 +26,7 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                 attempts,
             } => {
                 for (id, a) in ids.iter().zip(attempts) {
-                    let expected = bumps.get(id).copied().unwrap_or(0);
-                    if *a as u32 != expected {
-                        out.add(
-                            Invariant::AttemptsOnlyOnBlame,
-                            at,
-                            format!("{id} claimed with attempts {a}, but {expected} failures were recorded"),
-                        );
-                    }
+                    recorded(out, at, id, *a, &bumps, "claimed with");
                     if parked.contains(id) {
                         out.add(
                             Invariant::ParkedNotClaimed,
@@ -85,13 +78,26 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
         }
     }
     for (id, a) in &ctx.fin.attempts {
-        let expected = bumps.get(id).copied().unwrap_or(0);
-        if *a as u32 != expected {
-            out.add(
-                Invariant::AttemptsOnlyOnBlame,
-                None,
-                format!("{id} ends with attempts {a}, but {expected} failures were recorded"),
-            );
-        }
+        recorded(out, None, id, *a, &bumps, "ends with");
+    }
+}
+
+/// A row's `attempts` as the store reports them must be the row-culpable
+/// failures recorded for it (since its last unpark).
+fn recorded(
+    out: &mut Findings,
+    at: Option<std::time::Duration>,
+    id: &Uuid,
+    attempts: i32,
+    bumps: &BTreeMap<Uuid, u32>,
+    what: &str,
+) {
+    let expected = bumps.get(id).copied().unwrap_or(0);
+    if attempts as u32 != expected {
+        out.add(
+            Invariant::AttemptsOnlyOnBlame,
+            at,
+            format!("{id} {what} attempts {attempts}, but {expected} failures were recorded"),
+        );
     }
 }

@@ -674,34 +674,7 @@ fn replay_cases() -> Vec<(Invariant, Run)> {
         ),
         (
             I::ReplayKeepsFailedFindable,
-            consumer()
-                .at(200, Event::ReplayStarted { client: s("c#1") })
-                .at(201, Event::InboxReset { ids: vec![id(1)] })
-                .at(
-                    202,
-                    Event::HandlerRan {
-                        client: s("c#1"),
-                        event_id: id(1),
-                        result: HandlerResult::Failed,
-                    },
-                )
-                .at(
-                    203,
-                    Event::InboxFailure {
-                        client: s("c#1"),
-                        event_id: id(1),
-                        attempts: 1,
-                        dead_lettered: false,
-                    },
-                )
-                .at(
-                    204,
-                    Event::Replayed {
-                        client: s("c#1"),
-                        event_id: id(1),
-                        outcome: Replay::Failed,
-                    },
-                ),
+            failed_replay(consumer(), false),
         ),
     ]
 }
@@ -780,6 +753,38 @@ fn hostile_cases() -> Vec<(Invariant, Run)> {
                 ),
         ),
     ]
+}
+
+/// The operator replays event 1; the handler fails again and the failure
+/// is recorded at attempt 1, `dead_lettered` as given.
+fn failed_replay(run: Run, dead_lettered: bool) -> Run {
+    run.at(200, Event::ReplayStarted { client: s("c#1") })
+        .at(201, Event::InboxReset { ids: vec![id(1)] })
+        .at(
+            202,
+            Event::HandlerRan {
+                client: s("c#1"),
+                event_id: id(1),
+                result: HandlerResult::Failed,
+            },
+        )
+        .at(
+            203,
+            Event::InboxFailure {
+                client: s("c#1"),
+                event_id: id(1),
+                attempts: 1,
+                dead_lettered,
+            },
+        )
+        .at(
+            204,
+            Event::Replayed {
+                client: s("c#1"),
+                event_id: id(1),
+                outcome: Replay::Failed,
+            },
+        )
 }
 
 /// A violating trace for every invariant (some for several ways to break it).
@@ -955,34 +960,7 @@ fn an_effect_repeated_after_its_inbox_row_expired_is_the_retention_window() {
 fn a_row_dead_lettered_by_a_failed_replay_stays_so_below_the_budget() {
     // A replay's failure marks the row with a budget of one; a stale
     // duplicate failing afterwards is dead-lettered at attempt 2 of 3.
-    let run = consumer()
-        .at(200, Event::ReplayStarted { client: s("c#1") })
-        .at(201, Event::InboxReset { ids: vec![id(1)] })
-        .at(
-            202,
-            Event::HandlerRan {
-                client: s("c#1"),
-                event_id: id(1),
-                result: HandlerResult::Failed,
-            },
-        )
-        .at(
-            203,
-            Event::InboxFailure {
-                client: s("c#1"),
-                event_id: id(1),
-                attempts: 1,
-                dead_lettered: true,
-            },
-        )
-        .at(
-            204,
-            Event::Replayed {
-                client: s("c#1"),
-                event_id: id(1),
-                outcome: Replay::Failed,
-            },
-        );
+    let run = failed_replay(consumer(), true);
     let stale = failed_attempt(run.clone(), 300, 2, true, Settle::DeadLetter);
     let broken = stale.verdict().broken();
     assert!(
