@@ -1,0 +1,181 @@
+//! `Drainer::tick`, the strictly sequential claim → publish → mark cycle
+//! (the harness's phase breakdown and services that drive the drainer
+//! themselves), on the simulation adapters: it publishes and marks what it
+//! claimed; when the broker's link black-holes it releases the batch within
+//! the confirm timeout, blames no row, and the next tick after the heal
+//! publishes it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::{DrainError, Drainer, DrainerConfig, EventEnvelope, TokioClock};
+use sim::adapters::{Hooks, PgClient, SimBroker, SimStore};
+use sim::fakes::mq::{self, MqState};
+use sim::fakes::pg::{self, PgState};
+use sim::trace::{Call, Event, Trace};
+use sim::wire::{NewRow, PgRequest};
+
+/// Commits envelopes number `first..first + n` in one transaction.
+async fn commit(pg: &PgClient, first: u64, n: u64) {
+    let rows = (first..first + n)
+        .map(|i| {
+            let random = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes();
+            let mut bytes = [0u8; 10];
+            bytes[2..].copy_from_slice(&random);
+            let mut e = EventEnvelope::new("orders.created", serde_json::json!({ "i": i }));
+            e.id = uuid::Builder::from_unix_timestamp_millis(1_767_225_600_000 + i, &bytes)
+                .into_uuid();
+            NewRow {
+                id: e.id,
+                routing_key: e.routing_key.clone(),
+                body: e.encode(&Default::default()).unwrap(),
+            }
+        })
+        .collect();
+    pg.in_tx(vec![PgRequest::Insert { rows }]).await.unwrap();
+}
+
+#[test]
+fn a_tick_publishes_and_marks_and_a_black_holed_tick_releases_in_time() {
+    let trace = Trace::default();
+    let (pg, mq) = (
+        PgState::new(1, trace.clone()),
+        MqState::new(2, trace.clone()),
+    );
+    let mut sim = turmoil::Builder::new()
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    let (pg_server, mq_server) = (pg.clone(), mq.clone());
+    sim.host("pg", move || pg::serve(pg_server.clone()));
+    sim.host("rabbit", move || mq::serve(mq_server.clone()));
+    let state = pg.clone();
+    sim.client("drainer", async move {
+        let config = DrainerConfig::builder()
+            .replica_id("drainer-1")
+            .batch_size(10)
+            .pipeline_depth(4)
+            .lease_ttl_secs(5)
+            .confirm_timeout_secs(2)
+            .build()
+            .unwrap();
+        let drainer = Drainer::new(
+            Arc::new(SimStore::new("drainer-1", trace.clone(), Hooks::new(3))),
+            Arc::new(SimBroker::new("drainer-1", trace.clone(), Hooks::new(4))),
+            Arc::new(TokioClock::default()),
+            Arc::new(outbox::SplitMix64::new(5)),
+            config,
+        );
+        let writer = PgClient::new("writer", trace.clone());
+        commit(&writer, 0, 6).await;
+        let report = drainer.tick().await.unwrap();
+        assert_eq!((report.claimed, report.published), (6, 6), "{report:?}");
+        assert_eq!(drainer.tick().await.unwrap().claimed, 0, "nothing left");
+
+        commit(&writer, 6, 3).await;
+        turmoil::hold("drainer", "rabbit");
+        let e = drainer.tick().await.unwrap_err();
+        assert!(
+            matches!(e, DrainError::ConfirmTimeout { rows: 3, .. }),
+            "{e}"
+        );
+        // Handed back at the deadline, counted from the claim's return (the
+        // tick returns later: it replaces the connection first, which takes
+        // its own timeout on a held link).
+        let events = trace.events();
+        let at = |want: fn(&Event) -> bool| {
+            events
+                .iter()
+                .rev()
+                .find(|(_, e)| want(e))
+                .map(|(t, _)| *t)
+                .expect("the event is in the trace")
+        };
+        let claimed = at(|e| matches!(e, Event::ClaimReturned { ids, .. } if ids.len() == 3));
+        let released = at(
+            |e| matches!(e, Event::StoreCalled { call: Call::Release, ids, .. } if ids.len() == 3),
+        );
+        let after = released - claimed;
+        assert!(
+            after <= Duration::from_millis(2_025),
+            "released {after:?} after the claim returned; confirm timeout 2 s"
+        );
+        {
+            let db = state.lock();
+            let unpublished: Vec<_> = db
+                .outbox
+                .rows()
+                .filter(|r| r.published_ms.is_none())
+                .collect();
+            assert_eq!(unpublished.len(), 3);
+            assert!(
+                unpublished
+                    .iter()
+                    .all(|r| r.claimed_by.is_none() && r.attempts == 0),
+                "released, nobody blamed: {unpublished:?}"
+            );
+        }
+        turmoil::release("drainer", "rabbit");
+        let mut published = 0;
+        for _ in 0..20 {
+            match drainer.tick().await {
+                Ok(report) => published += report.published,
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+            if published == 3 {
+                break;
+            }
+        }
+        assert_eq!(published, 3, "the next ticks publish the released rows");
+        Ok(())
+    });
+    sim.run().unwrap();
+}
+
+#[test]
+fn ticks_keep_to_the_rate_bound() {
+    // Ten rows at five rows a second, a batch of five: the second tick's
+    // claim starts a second after the first's.
+    let trace = Trace::default();
+    let (pg, mq) = (
+        PgState::new(6, trace.clone()),
+        MqState::new(7, trace.clone()),
+    );
+    let mut sim = turmoil::Builder::new()
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    let (pg_server, mq_server) = (pg.clone(), mq.clone());
+    sim.host("pg", move || pg::serve(pg_server.clone()));
+    sim.host("rabbit", move || mq::serve(mq_server.clone()));
+    sim.client("drainer", async move {
+        let config = DrainerConfig::builder()
+            .replica_id("drainer-1")
+            .batch_size(5)
+            .max_rows_per_sec(5)
+            .build()
+            .unwrap();
+        let drainer = Drainer::new(
+            Arc::new(SimStore::new("drainer-1", trace.clone(), Hooks::new(3))),
+            Arc::new(SimBroker::new("drainer-1", trace.clone(), Hooks::new(4))),
+            Arc::new(TokioClock::default()),
+            Arc::new(outbox::SplitMix64::new(5)),
+            config,
+        );
+        commit(&PgClient::new("writer", trace.clone()), 0, 10).await;
+        for _ in 0..2 {
+            assert_eq!(drainer.tick().await.unwrap().published, 5);
+        }
+        let calls: Vec<Duration> = trace
+            .events()
+            .into_iter()
+            .filter_map(|(at, e)| matches!(e, Event::ClaimCalled { .. }).then_some(at))
+            .collect();
+        assert_eq!(calls.len(), 2);
+        assert!(
+            calls[1] - calls[0] >= Duration::from_secs(1),
+            "claims {:?} apart; five rows at five a second take a second",
+            calls[1] - calls[0]
+        );
+        Ok(())
+    });
+    sim.run().unwrap();
+}
