@@ -109,8 +109,11 @@ pub enum HostileKind {
     LoneSurrogate,
     /// An envelope with an extra field holding a number beyond jsonb's range.
     NumberOutOfRange,
-    /// A valid envelope over the subscriber's size limit.
+    /// A valid envelope one byte over the subscriber's size limit.
     Oversized,
+    /// A valid envelope exactly at the subscriber's size limit: it must be
+    /// taken and applied once.
+    AtTheLimit,
 }
 
 impl HostileKind {
@@ -124,12 +127,16 @@ impl HostileKind {
         HostileKind::LoneSurrogate,
         HostileKind::NumberOutOfRange,
         HostileKind::Oversized,
+        HostileKind::AtTheLimit,
     ];
 
     /// Whether the subscriber must apply it (once) rather than dead-letter
     /// it at once.
     pub fn applies(self) -> bool {
-        self == HostileKind::ForeignMessageId
+        matches!(
+            self,
+            HostileKind::ForeignMessageId | HostileKind::AtTheLimit
+        )
     }
 }
 

@@ -16,7 +16,7 @@ use outbox::{EventEnvelope, TokioClock};
 use sim::adapters::{Hooks, SimBroker, SimInboxStore};
 use sim::fakes::mq::{self, MqState};
 use sim::fakes::pg::{self, PgState};
-use sim::trace::Trace;
+use sim::trace::{Event, FaultKind, Trace};
 use sim::workload::handler::SimHandler;
 
 const QUEUE: &str = "billing.orders";
@@ -191,6 +191,103 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
                 assert_eq!(db.inbox.effects().get(&(QUEUE.to_owned(), e.id)), Some(&1));
             }
         }
+        stop.send(true).unwrap();
+        runner.await.unwrap().unwrap();
+        Ok(())
+    });
+    sim.run().unwrap();
+}
+
+#[test]
+fn database_trouble_is_retried_in_place_with_a_doubling_backoff_and_counts_no_attempt() {
+    // Every statement fails (a serialization failure, nobody's fault) for
+    // ten seconds: the one delivery is retried in place, each retry after
+    // twice the pause of the last (100 ms up to 5 s): seven tries, not a hot
+    // loop. Then the database answers: the event takes effect once, with no
+    // attempt recorded.
+    let trace = Trace::default();
+    let pg = PgState::new(31, trace.clone());
+    let mq = MqState::new(32, trace.clone());
+    let mut sim = turmoil::Builder::new()
+        .rng_seed(33)
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    let server = pg.clone();
+    sim.host("pg", move || pg::serve(server.clone()));
+    let server = mq.clone();
+    sim.host("rabbit", move || mq::serve(server.clone()));
+    let (pg_check, events) = (pg.clone(), trace.clone());
+    sim.client("consumer", async move {
+        let settings = SubscriberSettings {
+            spec: SubscriptionSpec {
+                queue: QUEUE.into(),
+                exchange: "canopy.events".into(),
+                bindings: vec!["orders.*".into()],
+                prefetch: 1,
+            },
+            concurrency: 1,
+            max_attempts: 3,
+            max_delivery_bytes: 64 * 1024,
+        };
+        let subscriber = Arc::new(Subscriber::new(
+            Arc::new(SimInboxStore::new("consumer-1", trace.clone())),
+            Arc::new(SimBroker::new("consumer-1", trace.clone(), Hooks::new(3))),
+            Arc::new(TokioClock::default()),
+            Arc::new(SimHandler::new(QUEUE, 0)),
+            settings,
+        ));
+        let (stop, rx) = tokio::sync::watch::channel(false);
+        let runner = {
+            let s = subscriber.clone();
+            tokio::spawn(async move { s.run(rx).await })
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await; // the queue is declared
+        pg_check.faults.lock().unwrap().fail_prob = 1.0;
+        let started = sim::sim_now();
+        let publisher = SimBroker::new("producer", trace.clone(), Hooks::new(4));
+        let mut ch = publisher.channel_open().await.unwrap();
+        ch.channel_confirm_select().await.unwrap();
+        let e = envelope("orders.created", 1);
+        let body = e.encode(&Default::default()).unwrap();
+        let confirm = ch
+            .channel_publish(OutgoingMessage {
+                exchange: "canopy.events",
+                routing_key: &e.routing_key,
+                message_id: e.id,
+                body: body.as_bytes(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(confirm.await.unwrap(), Confirm::Ack);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        pg_check.faults.lock().unwrap().fail_prob = 0.0;
+        let tries = events
+            .events()
+            .into_iter()
+            .filter(|(at, ev)| {
+                *at >= started
+                    && matches!(ev, Event::Fault { kind: FaultKind::PgFailure, detail }
+                        if detail.starts_with("consumer-1 "))
+            })
+            .count();
+        assert!(
+            (5..=9).contains(&tries),
+            "{tries} failed statements in 10 s: 0.1, 0.2, 0.4, … 5 s apart makes seven"
+        );
+        for _ in 0..100 {
+            if subscriber.counters().snapshot().processed == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(subscriber.counters().snapshot().processed, 1);
+        let db = pg_check.lock();
+        assert_eq!(db.inbox.effects().get(&(QUEUE.to_owned(), e.id)), Some(&1));
+        assert!(
+            db.inbox.rows().all(|r| r.attempts == 0),
+            "database trouble counts no attempt"
+        );
+        drop(db);
         stop.send(true).unwrap();
         runner.await.unwrap().unwrap();
         Ok(())

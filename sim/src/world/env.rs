@@ -30,8 +30,8 @@ pub struct Env {
     pub downstream_broken: Arc<AtomicBool>,
     /// Set at the heal: the operator starts replaying dead letters.
     pub healed: Arc<AtomicBool>,
-    /// How large a hostile oversized body is.
-    pub oversize_bytes: usize,
+    /// The subscribers' `max_delivery_bytes` (hostile bodies are sized to it).
+    pub delivery_limit: usize,
     /// Hostile faults now active: (fault index, per-step probability, kinds).
     hostile: Vec<(usize, f64, Vec<HostileKind>)>,
     /// Decides, step by step, when a hostile message is sent.
@@ -48,7 +48,7 @@ impl Env {
         (pg, mq): (PgState, MqState),
         hooks: Vec<(String, Hooks)>,
         drainers: u32,
-        oversize_bytes: usize,
+        delivery_limit: usize,
         fault_rng: SmallRng,
     ) -> Self {
         Self {
@@ -59,7 +59,7 @@ impl Env {
             drainers,
             downstream_broken: Arc::default(),
             healed: Arc::default(),
-            oversize_bytes,
+            delivery_limit,
             hostile: Vec::new(),
             fault_rng,
             crashed: BTreeSet::new(),
@@ -195,7 +195,7 @@ impl Env {
         for (_, per_step, kinds) in &self.hostile {
             if self.fault_rng.random_bool(*per_step) {
                 self.mq
-                    .inject_hostile(EXCHANGE, CONSUMER_QUEUE, kinds, self.oversize_bytes);
+                    .inject_hostile(EXCHANGE, CONSUMER_QUEUE, kinds, self.delivery_limit);
             }
         }
     }

@@ -170,7 +170,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     for i in 1..=topology.consumers {
         hooks.push((format!("consumer-{i}"), Hooks::new(rng.random())));
     }
-    let oversize = subscriber_settings(scenario).max_delivery_bytes as usize + 1024;
+    let delivery_limit = subscriber_settings(scenario).max_delivery_bytes as usize;
     let mut sim = turmoil::Builder::new()
         .rng_seed(rng.random())
         .tick_duration(STEP)
@@ -195,7 +195,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         fakes,
         hooks,
         topology.drainers,
-        oversize,
+        delivery_limit,
         fault_rng,
     );
     let done = Arc::new(AtomicBool::new(false));

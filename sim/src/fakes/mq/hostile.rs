@@ -12,8 +12,10 @@
 //!   skips unknown fields without judging them) but PostgreSQL refuses to
 //!   store it (SQLSTATE class 22); the subscriber dead-letters it at once
 //!   instead of retrying a statement that can never succeed.
-//! - an **oversized** envelope, over the subscriber's `max_delivery_bytes`:
-//!   dead-lettered at once, before it is parsed.
+//! - an **oversized** envelope, one byte over the subscriber's
+//!   `max_delivery_bytes`: dead-lettered at once, before it is parsed; and
+//!   one **at the limit**, exactly `max_delivery_bytes` long, which is taken
+//!   and applied once.
 //! - a valid envelope whose AMQP **`message_id` is foreign** (another UUID, a
 //!   string that is no UUID, or none): it is a real event and takes effect
 //!   exactly once, keyed by the envelope id, never by the `message_id`.
@@ -35,9 +37,9 @@ pub struct Hostile {
     pub envelope_id: Option<Uuid>,
 }
 
-/// Builds a hostile message of `kind`; `oversize_bytes` is how large an
-/// oversized body is.
-pub fn build(kind: HostileKind, rng: &mut SmallRng, oversize_bytes: usize) -> Hostile {
+/// Builds a hostile message of `kind`; `limit` is the subscriber's
+/// `max_delivery_bytes`.
+pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
     let routing_key = format!("hostile.{kind:?}").to_lowercase();
     let (body, message_id, envelope_id) = match kind {
         HostileKind::NotJson => (
@@ -83,8 +85,13 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, oversize_bytes: usize) -> Ho
             body.push('}');
             (WireBody::Text(body), Some(e.id.to_string()), Some(e.id))
         }
-        HostileKind::Oversized => {
-            let e = envelope(rng, &routing_key, oversize_bytes);
+        HostileKind::Oversized | HostileKind::AtTheLimit => {
+            let len = if kind == HostileKind::Oversized {
+                limit + 1
+            } else {
+                limit
+            };
+            let e = sized_envelope(rng, &routing_key, len);
             (
                 WireBody::Text(encode(&e)),
                 Some(e.id.to_string()),
@@ -119,6 +126,20 @@ fn envelope(rng: &mut SmallRng, key: &str, pad: usize) -> outbox::EventEnvelope 
         headers: Default::default(),
         payload: serde_json::json!({ "hostile": true, "pad": "p".repeat(pad) }),
     }
+}
+
+/// A valid envelope whose encoding is exactly `len` bytes (each padding
+/// character adds one byte).
+fn sized_envelope(rng: &mut SmallRng, key: &str, len: usize) -> outbox::EventEnvelope {
+    let mut e = envelope(rng, key, 0);
+    let bare = encode(&e).len();
+    assert!(
+        len >= bare,
+        "a {len}-byte envelope is shorter than an empty one"
+    );
+    e.payload = serde_json::json!({ "hostile": true, "pad": "p".repeat(len - bare) });
+    debug_assert_eq!(encode(&e).len(), len);
+    e
 }
 
 fn encode(e: &outbox::EventEnvelope) -> String {
@@ -162,7 +183,11 @@ mod tests {
                 }
                 HostileKind::Oversized => {
                     assert!(decoded.is_ok());
-                    assert!(bytes.len() > 2048);
+                    assert_eq!(bytes.len(), 2049);
+                }
+                HostileKind::AtTheLimit => {
+                    assert!(decoded.is_ok());
+                    assert_eq!(bytes.len(), 2048);
                 }
             }
         }

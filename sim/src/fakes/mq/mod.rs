@@ -136,13 +136,13 @@ impl MqState {
 
     /// Puts a hostile message of one of `kinds` (drawn from the broker's
     /// RNG) in `queue`, as a foreign publisher on `exchange` would;
-    /// `oversize_bytes` is how large an oversized one is.
+    /// `delivery_limit` is the subscribers' `max_delivery_bytes`.
     pub fn inject_hostile(
         &self,
         exchange: &str,
         queue: &str,
         kinds: &[HostileKind],
-        oversize_bytes: usize,
+        delivery_limit: usize,
     ) {
         if kinds.is_empty() {
             return;
@@ -150,7 +150,7 @@ impl MqState {
         let h = {
             let mut rng = self.rng.lock().expect("rng");
             let kind = kinds[rng.random_range(0..kinds.len())];
-            hostile::build(kind, &mut rng, oversize_bytes)
+            hostile::build(kind, &mut rng, delivery_limit)
         };
         self.trace.now(Event::Hostile {
             kind: h.kind,
