@@ -281,13 +281,14 @@ fn database_trouble_is_retried_in_place_with_a_doubling_backoff_and_counts_no_at
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         assert_eq!(subscriber.counters().snapshot().processed, 1);
-        let db = pg_check.lock();
-        assert_eq!(db.inbox.effects().get(&(QUEUE.to_owned(), e.id)), Some(&1));
-        assert!(
-            db.inbox.rows().all(|r| r.attempts == 0),
-            "database trouble counts no attempt"
-        );
-        drop(db);
+        {
+            let db = pg_check.lock();
+            assert_eq!(db.inbox.effects().get(&(QUEUE.to_owned(), e.id)), Some(&1));
+            assert!(
+                db.inbox.rows().all(|r| r.attempts == 0),
+                "database trouble counts no attempt"
+            );
+        }
         stop.send(true).unwrap();
         runner.await.unwrap().unwrap();
         Ok(())
