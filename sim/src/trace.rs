@@ -303,7 +303,8 @@ pub enum Event {
     },
 
     // --- coverage ------------------------------------------------------------
-    /// The core took a named path (coverage only; never evidence).
+    /// The core took a named path (coverage only: never evidence for a
+    /// rule; the checker holds the marks it can to the evidence).
     Mark { who: String, mark: Mark },
 }
 

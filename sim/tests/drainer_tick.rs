@@ -3,7 +3,7 @@
 //! themselves), on the simulation adapters: it publishes and marks what it
 //! claimed; when the broker's link black-holes it releases the batch within
 //! the confirm timeout, blames no row, and the next tick after the heal
-//! publishes it.
+//! publishes it. Its report, and a drain's, count what the store did.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,12 +17,18 @@ use sim::wire::{NewRow, PgRequest};
 
 /// Commits envelopes number `first..first + n` in one transaction.
 async fn commit(pg: &PgClient, first: u64, n: u64) {
+    commit_keyed(pg, first, n, "orders.created").await;
+}
+
+/// Commits envelopes number `first..first + n`, routed by `key`, in one
+/// transaction.
+async fn commit_keyed(pg: &PgClient, first: u64, n: u64, key: &str) {
     let rows = (first..first + n)
         .map(|i| {
             let random = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes();
             let mut bytes = [0u8; 10];
             bytes[2..].copy_from_slice(&random);
-            let mut e = EventEnvelope::new("orders.created", serde_json::json!({ "i": i }));
+            let mut e = EventEnvelope::new(key, serde_json::json!({ "i": i }));
             e.id = uuid::Builder::from_unix_timestamp_millis(1_767_225_600_000 + i, &bytes)
                 .into_uuid();
             NewRow {
@@ -174,6 +180,60 @@ fn ticks_keep_to_the_rate_bound() {
             calls[1] - calls[0] >= Duration::from_secs(1),
             "claims {:?} apart; five rows at five a second take a second",
             calls[1] - calls[0]
+        );
+        Ok(())
+    });
+    sim.run().unwrap();
+}
+
+#[test]
+fn reports_count_what_the_store_did() {
+    // Batches of three over five good rows and two the broker nacks, with
+    // two attempts before a row parks: a drain claims all seven in three
+    // batches, marks five published and two failed; a tick then claims
+    // the two again and parks them.
+    let trace = Trace::default();
+    let (pg, mq) = (
+        PgState::new(8, trace.clone()),
+        MqState::new(9, trace.clone()),
+    );
+    mq.faults.lock().unwrap().nack_prefix = Some("poison.".into());
+    let mut sim = turmoil::Builder::new()
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    let (pg_server, mq_server) = (pg.clone(), mq.clone());
+    sim.host("pg", move || pg::serve(pg_server.clone()));
+    sim.host("rabbit", move || mq::serve(mq_server.clone()));
+    let state = pg.clone();
+    sim.client("drainer", async move {
+        let config = DrainerConfig::builder()
+            .replica_id("drainer-1")
+            .batch_size(3)
+            .max_attempts(2)
+            .build()
+            .unwrap();
+        let drainer = Drainer::new(
+            Arc::new(SimStore::new("drainer-1", trace.clone(), Hooks::new(3))),
+            Arc::new(SimBroker::new("drainer-1", trace.clone(), Hooks::new(4))),
+            Arc::new(TokioClock::default()),
+            Arc::new(outbox::SplitMix64::new(5)),
+            config,
+        );
+        let writer = PgClient::new("writer", trace.clone());
+        commit(&writer, 0, 2).await;
+        commit_keyed(&writer, 2, 2, "poison.order").await;
+        commit(&writer, 4, 3).await;
+        let (_keep, shutdown) = tokio::sync::watch::channel(false);
+        let report = drainer.drain(&shutdown).await.unwrap();
+        let counts =
+            |r: outbox::TickReport| (r.claimed, r.published, r.failed, r.parked, r.mark_lost);
+        assert_eq!(counts(report), (7, 5, 2, 0, 0), "{report:?}");
+        let report = drainer.tick().await.unwrap();
+        assert_eq!(counts(report), (2, 0, 2, 2, 0), "{report:?}");
+        let db = state.lock();
+        assert_eq!(
+            db.outbox.rows().filter(|r| r.parked_ms.is_some()).count(),
+            2
         );
         Ok(())
     });

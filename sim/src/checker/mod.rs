@@ -22,6 +22,8 @@
 //! - [`consumer`]: exactly-once effect (#433), the attempt budget, replay,
 //!   and hostile deliveries.
 //! - [`expectations`]: what a scenario's faults must make happen.
+//! - [`marks`]: the coverage marks agree with the trace, so a scenario's
+//!   `[expect] reach` list cannot be met by a mark that lies.
 //!
 //! Violations are values: [`Violation`] names its [`Invariant`], the
 //! simulated time and what happened.
@@ -31,6 +33,7 @@ mod consumer;
 mod delivery;
 mod expectations;
 mod leases;
+mod marks;
 mod retention;
 mod timing;
 mod transactions;
@@ -140,6 +143,8 @@ invariants! {
     // --- expectations
     /// What the scenario's faults must make happen did happen.
     ScenarioExpectation = "scenario_expectation",
+    /// A coverage mark comes exactly when the trace shows its path was taken (a full claim, a mark that found leases gone, a park).
+    MarksTruthful = "marks_truthful",
 }
 
 impl std::fmt::Display for Invariant {
@@ -204,6 +209,8 @@ pub const LISTED_MAX: usize = 5;
 /// The configuration the rules are stated against.
 #[derive(Debug, Clone)]
 pub struct Limits {
+    /// Drainer: rows per claim.
+    pub batch_size: u32,
     /// Drainer: row-culpable failures before a row parks.
     pub max_attempts: u32,
     /// Drainer: Phase 2's deadline, from the claim.
@@ -283,6 +290,7 @@ pub fn check(
     retention::check(&ctx, &mut out);
     consumer::check(&ctx, &mut out);
     expectations::check(&ctx, &mut out);
+    marks::check(&ctx, &mut out);
     let duplicates = fin
         .stored
         .values()

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
+use outbox::core::marks::Mark;
+
 use super::*;
 use crate::model::{ConsumerFinal, FinalState};
 use crate::trace::{Call, HandlerResult, HostileKind, Replay, Settle};
@@ -21,6 +23,7 @@ fn ms(n: u64) -> Duration {
 
 fn limits() -> Limits {
     Limits {
+        batch_size: 2,
         max_attempts: 3,
         confirm_timeout: Duration::from_secs(2),
         lease_ttl: Duration::from_secs(5),
@@ -787,6 +790,106 @@ fn failed_replay(run: Run, dead_lettered: bool) -> Run {
         )
 }
 
+fn mark(m: Mark) -> Event {
+    Event::Mark {
+        who: s("a"),
+        mark: m,
+    }
+}
+
+/// The producer run whose mark found its row's lease gone.
+fn mark_lost() -> Run {
+    Run {
+        events: producer()
+            .events
+            .into_iter()
+            .filter(|(_, e)| !matches!(e, Event::MarkedPublished { .. }))
+            .collect(),
+        ..producer()
+    }
+}
+
+/// The producer run with a second claim at 200 ms returning `n` rows.
+fn claim_of(n: u128) -> Run {
+    producer()
+        .at(200, Event::ClaimCalled { replica: s("a") })
+        .at(
+            210,
+            Event::ClaimReturned {
+                replica: s("a"),
+                ids: (2..2 + n).map(id).collect(),
+            },
+        )
+}
+
+fn mark_cases() -> Vec<(Invariant, Run)> {
+    use Invariant::MarksTruthful as M;
+    let failure_mark = |parked: Vec<Uuid>| {
+        producer()
+            .at(
+                300,
+                Event::StoreCalled {
+                    replica: s("a"),
+                    call: Call::MarkFailed,
+                    ids: vec![id(1)],
+                },
+            )
+            .at(
+                310,
+                Event::MarkedFailed {
+                    replica: s("a"),
+                    ids: vec![id(1)],
+                    parked,
+                },
+            )
+            .at(
+                320,
+                Event::StoreAnswered {
+                    replica: s("a"),
+                    call: Call::MarkFailed,
+                },
+            )
+    };
+    vec![
+        // A short claim marked full; a full claim left unmarked.
+        (M, claim_of(1).at(210, mark(Mark::ClaimFull))),
+        (
+            M,
+            claim_of(2).at(300, Event::ClaimCalled { replica: s("a") }),
+        ),
+        (M, claim_of(2)),
+        // A mark that changed every row it named, reported as lease lost;
+        // one that changed none, not reported.
+        (M, producer().at(90, mark(Mark::LeaseLostBeforeMark))),
+        (M, mark_lost()),
+        // A park reported when the failure mark parked nothing; a park
+        // not reported.
+        (M, failure_mark(vec![]).at(320, mark(Mark::RowParked))),
+        (M, failure_mark(vec![id(1)])),
+    ]
+}
+
+#[test]
+fn marks_that_agree_with_the_trace_pass() {
+    let quiet = |run: Run| {
+        let v = run.verdict();
+        assert!(
+            !v.counts.contains_key(&Invariant::MarksTruthful),
+            "{:#?}",
+            v.violations
+        );
+    };
+    quiet(claim_of(1));
+    quiet(claim_of(2).at(210, mark(Mark::ClaimFull)));
+    quiet(mark_lost().at(90, mark(Mark::LeaseLostBeforeMark)));
+    // Another replica's mark does not stand for this one's.
+    let other = Event::Mark {
+        who: s("b"),
+        mark: Mark::ClaimFull,
+    };
+    assert!(claim_of(2).at(210, other).verdict().counts[&Invariant::MarksTruthful] == 2);
+}
+
 /// A violating trace for every invariant (some for several ways to break it).
 fn cases() -> Vec<(Invariant, Run)> {
     [
@@ -798,6 +901,7 @@ fn cases() -> Vec<(Invariant, Run)> {
         budget_cases(),
         replay_cases(),
         hostile_cases(),
+        mark_cases(),
     ]
     .concat()
 }

@@ -106,6 +106,7 @@ impl Coverage {
 pub fn limits(s: &Scenario) -> Limits {
     let d = drainer_config(s, "check");
     Limits {
+        batch_size: d.batch_size,
         max_attempts: d.max_attempts,
         confirm_timeout: d.confirm_timeout,
         lease_ttl: d.lease_ttl,
