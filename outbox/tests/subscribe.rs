@@ -1,7 +1,8 @@
 //! The subscriber against the real local PostgreSQL and RabbitMQ: duplicates
 //! take effect once, failed attempts are retried then dead-lettered into
 //! `<queue>.dlq` with the attempts recorded, undecodable deliveries go to the
-//! dead-letter queue at once, and replay applies a dead-lettered event once.
+//! dead-letter queue at once, replay applies a dead-lettered event once, and
+//! a queue the broker refuses to declare fails the subscriber at boot.
 
 mod common;
 
@@ -596,4 +597,69 @@ async fn a_republish_after_a_lost_mark_takes_effect_once(pool: PgPool) {
     assert_eq!(r.effects(e.id).await, 1);
     drainer.shutdown().await;
     r.stop().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: PgPool) {
+    // Someone declared the queue without the dead-letter arguments: the
+    // broker refuses the subscriber's declaration (PRECONDITION_FAILED),
+    // and the first attempt is a setup error, not a retry loop.
+    let (queue, exchange) = (unique("sub.clash"), unique("sub.clash.x"));
+    let conn = common::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        queue.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let broker = Arc::new(LapinBroker::new(common::amqp_url()));
+    let subscriber = Subscriber::new(
+        Arc::new(PgInboxStore::new(pool)),
+        broker.clone(),
+        Arc::new(TokioClock::default()),
+        Arc::new(Effects {
+            fail_first: false,
+            always_fail: Arc::default(),
+            seen: Mutex::default(),
+            delay: Duration::ZERO,
+            started: Arc::default(),
+        }),
+        SubscriberSettings {
+            spec: SubscriptionSpec {
+                queue: queue.clone(),
+                exchange: exchange.clone(),
+                bindings: vec!["orders.#".into()],
+                prefetch: 4,
+            },
+            concurrency: 1,
+            max_attempts: 3,
+            max_delivery_bytes: 64 * 1024,
+        },
+    );
+    let (_stop, rx) = watch::channel(false);
+    let result = tokio::time::timeout(Duration::from_secs(30), subscriber.run(rx))
+        .await
+        .expect("a setup error ends the subscriber at once, without retrying");
+    match result {
+        Err(outbox::SubscribeError::Setup { queue: q, source }) => {
+            assert_eq!(q, queue);
+            assert!(
+                matches!(source, outbox::BrokerError::Channel(_)),
+                "{source:?}"
+            );
+        }
+        other => panic!("expected a setup error, got {other:?}"),
+    }
+    delete_queue(&conn, &queue).await;
+    delete_queue(&conn, &format!("{queue}.dlq")).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_delete(exchange.as_str().into(), Default::default())
+        .await
+        .unwrap();
+    broker.close().await;
 }
