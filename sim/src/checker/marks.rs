@@ -4,9 +4,11 @@
 //! coverage nobody has. The drainer marks that the trace can corroborate
 //! are checked both ways: the mark comes exactly when its evidence does.
 //!
-//! The core reports a mark in the same step as the store answer it
-//! follows (no await between), so a replica's owed mark must come before
-//! its next store call.
+//! The core reports a drainer mark in the same step as the store answer
+//! it follows (no await between), so a replica's owed mark must come
+//! before its next store call. A consumer's `message_id_mismatch` is held
+//! to counts: at most one per delivery of a message whose `message_id`
+//! differs from its envelope id, at least one per such delivery it acked.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -15,7 +17,7 @@ use outbox::core::marks::Mark;
 use uuid::Uuid;
 
 use super::{Context, Findings, Invariant};
-use crate::trace::{Call, Event};
+use crate::trace::{Call, Event, Settle};
 
 /// One replica's store call in progress, and the mark it owes.
 #[derive(Default)]
@@ -98,6 +100,48 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     }
     for (name, r) in &mut replicas {
         settle(r, name, out);
+    }
+    message_id_marks(ctx, out);
+}
+
+/// A consumer's `message_id_mismatch` marks against its deliveries of
+/// messages whose `message_id` differs from the envelope id inside.
+fn message_id_marks(ctx: &Context<'_>, out: &mut Findings) {
+    let foreign = |mid: &Option<String>| {
+        mid.as_ref()
+            .and_then(|m| ctx.model.hostile.get(m).map(|h| (m, h)))
+            .is_some_and(|(m, (_, envelope))| envelope.is_some_and(|e| e.to_string() != *m))
+    };
+    // Per consumer: (deliveries, acks, marks).
+    let mut clients: BTreeMap<&str, (usize, usize, usize)> = BTreeMap::new();
+    for (_, e) in ctx.events {
+        match e {
+            Event::Delivered {
+                client, message_id, ..
+            } if foreign(message_id) => clients.entry(client).or_default().0 += 1,
+            Event::Settled {
+                client,
+                message_id,
+                settle: Settle::Ack,
+            } if foreign(message_id) => clients.entry(client).or_default().1 += 1,
+            Event::Mark {
+                who,
+                mark: Mark::MessageIdMismatch,
+            } => clients.entry(who).or_default().2 += 1,
+            _ => {}
+        }
+    }
+    for (client, (delivered, acked, marked)) in clients {
+        if marked > delivered || marked < acked {
+            out.add(
+                Invariant::MarksTruthful,
+                None,
+                format!(
+                    "{client} marked message_id_mismatch {marked} times for {delivered} \
+                     deliveries of foreign message_ids, {acked} of them acked"
+                ),
+            );
+        }
     }
 }
 

@@ -143,7 +143,7 @@ invariants! {
     // --- expectations
     /// What the scenario's faults must make happen did happen.
     ScenarioExpectation = "scenario_expectation",
-    /// A coverage mark comes exactly when the trace shows its path was taken (a full claim, a mark that found leases gone, a park).
+    /// A coverage mark comes exactly when the trace shows its path was taken (a full claim, a mark that found leases gone, a park, a foreign `message_id`).
     MarksTruthful = "marks_truthful",
 }
 

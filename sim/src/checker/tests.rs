@@ -866,7 +866,43 @@ fn mark_cases() -> Vec<(Invariant, Run)> {
         // not reported.
         (M, failure_mark(vec![]).at(320, mark(Mark::RowParked))),
         (M, failure_mark(vec![id(1)])),
+        // A foreign message_id acked unmarked; a mark with none delivered.
+        (M, foreign_acked()),
+        (M, consumer().at(140, mismatch_mark())),
     ]
+}
+
+/// A valid envelope (id 7) under the foreign `message_id` "m7", delivered
+/// to the consumer and acked.
+fn foreign_acked() -> Run {
+    consumer()
+        .at(
+            140,
+            hostile(HostileKind::ForeignMessageId, "m7", Some(id(7))),
+        )
+        .at(
+            141,
+            Event::Delivered {
+                client: s("c#1"),
+                message_id: Some(s("m7")),
+                redelivered: false,
+            },
+        )
+        .at(
+            150,
+            Event::Settled {
+                client: s("c#1"),
+                message_id: Some(s("m7")),
+                settle: Settle::Ack,
+            },
+        )
+}
+
+fn mismatch_mark() -> Event {
+    Event::Mark {
+        who: s("c#1"),
+        mark: Mark::MessageIdMismatch,
+    }
 }
 
 #[test]
@@ -882,6 +918,7 @@ fn marks_that_agree_with_the_trace_pass() {
     quiet(claim_of(1));
     quiet(claim_of(2).at(210, mark(Mark::ClaimFull)));
     quiet(mark_lost().at(90, mark(Mark::LeaseLostBeforeMark)));
+    quiet(foreign_acked().at(142, mismatch_mark()));
     // Another replica's mark does not stand for this one's.
     let other = Event::Mark {
         who: s("b"),
