@@ -181,6 +181,8 @@ pub enum Event {
     // --- the drainer's store calls as the replica made them (the adapter) --
     /// The replica called `outbox_claim`.
     ClaimCalled { replica: String },
+    /// A commit notification reached the replica's listener (its wakeup).
+    Notified { replica: String },
     /// `outbox_claim` returned these rows to the replica (its view: the
     /// batch's Phase-2 deadline counts from here).
     ClaimReturned { replica: String, ids: Vec<Uuid> },

@@ -8,16 +8,23 @@
 use std::sync::Arc;
 
 use super::net::{connect_pg, exchange};
+use crate::trace::{Event, Trace};
 use crate::wire::{PgReply, PgRequest, read_frame};
 
-/// Listens for commits until the host goes away, waking `wakeup` for each.
-pub async fn listen_for_commits(client: String, wakeup: Arc<tokio::sync::Notify>) {
+/// Listens for commits until the host goes away, waking `wakeup` for each
+/// and recording that `replica` was notified (the evidence that excuses an
+/// early claim).
+pub async fn listen_for_commits(replica: String, wakeup: Arc<tokio::sync::Notify>, trace: Trace) {
+    let client = format!("{replica}/listen");
     loop {
         if let Ok(mut stream) = connect_pg(&client).await
             && let Ok(PgReply::Ok) = exchange(&mut stream, &PgRequest::Listen).await
         {
             while let Ok(Some(PgReply::Notification)) = read_frame::<_, PgReply>(&mut stream).await
             {
+                trace.now(Event::Notified {
+                    replica: replica.clone(),
+                });
                 wakeup.notify_one();
             }
         }

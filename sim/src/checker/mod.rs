@@ -16,7 +16,7 @@
 //! - [`timing`]: Phase 2 ends within `confirm_timeout` of the claim (#1061);
 //!   releases come before the lease expires; a replica backs off after a
 //!   failure and hands back every claim it holds first; claims keep to the
-//!   rate bound.
+//!   rate bound; an idle replica polls no faster than the ADR's cadence.
 //! - [`retention`]: the janitors delete only expired published (processed)
 //!   rows, and do delete them.
 //! - [`consumer`]: exactly-once effect (#433), the attempt budget, replay,
@@ -110,6 +110,8 @@ invariants! {
     ReleaseOnFailure = "release_on_failure",
     /// With `max_rows_per_sec`, a claim of k rows delays the replica's next claim by k / rate.
     RateBound = "rate_bound",
+    /// After a drain that ended without failure the next claim waits the tick, four ticks once steady for a minute, unless a commit woke the replica.
+    PollCadence = "poll_cadence",
     // --- retention
     /// The outbox janitor deletes only rows published longer ago than the retention.
     OutboxJanitorScope = "outbox_janitor_scope",

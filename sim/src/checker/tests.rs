@@ -517,6 +517,17 @@ fn timing_cases() -> Vec<(Invariant, Run)> {
                 .at(320, Event::ClaimCalled { replica: a() }),
         ),
         (
+            // Busy: the drain ended on a short claim at 30 ms; the next
+            // claim waits the 50 ms tick.
+            I::PollCadence,
+            producer().at(40, Event::ClaimCalled { replica: a() }),
+        ),
+        (
+            // Never busy: the next empty claim waits four ticks (200 ms).
+            I::PollCadence,
+            idle_polls(&[0, 150]),
+        ),
+        (
             I::ReleaseOnFailure,
             producer()
                 .at(
@@ -925,6 +936,53 @@ fn marks_that_agree_with_the_trace_pass() {
         mark: Mark::ClaimFull,
     };
     assert!(claim_of(2).at(210, other).verdict().counts[&Invariant::MarksTruthful] == 2);
+}
+
+/// Replica `b` polls an empty outbox at the given milliseconds.
+fn idle_polls(at: &[u64]) -> Run {
+    at.iter().fold(producer(), |run, &t| {
+        run.at(t, Event::ClaimCalled { replica: s("b") }).at(
+            t + 1,
+            Event::ClaimReturned {
+                replica: s("b"),
+                ids: vec![],
+            },
+        )
+    })
+}
+
+#[test]
+fn polls_that_keep_the_cadence_pass() {
+    let quiet = |run: Run| {
+        let v = run.verdict();
+        assert!(v.ok(), "{:#?}", v.violations);
+    };
+    quiet(idle_polls(&[0, 201, 402]));
+    // A commit notification wakes the sleeping replica early.
+    quiet(idle_polls(&[0, 150]).at(120, Event::Notified { replica: s("b") }));
+    // A notification that came while a failure's backoff could not be woken
+    // is still waiting when the next sleep begins.
+    quiet(
+        idle_polls(&[0, 400, 420])
+            .at(
+                300,
+                Event::StoreFailed {
+                    replica: s("b"),
+                    call: Call::Claim,
+                },
+            )
+            .at(301, Event::Notified { replica: s("b") }),
+    );
+    // A restarted replica claims at once.
+    quiet(idle_polls(&[0, 20]).at(
+        10,
+        Event::Host {
+            host: s("b"),
+            up: false,
+        },
+    ));
+    // Busy a moment ago: the busy tick is enough.
+    quiet(producer().at(81, Event::ClaimCalled { replica: s("a") }));
 }
 
 /// A violating trace for every invariant (some for several ways to break it).

@@ -16,6 +16,13 @@
 //! - **rate bound** (`max_rows_per_sec`, this library's addition): a claim
 //!   that returned *k* rows delays the replica's next claim by *k* / rate,
 //!   with no burst allowance.
+//! - **poll cadence** (the ADR's "polls every 250ms when busy; backs off to
+//!   1s when steady for a minute"): after a drain that ended on a short
+//!   claim without a failure, the next claim waits at least the tick, and
+//!   at least four ticks once the replica has had nothing to do for a
+//!   minute, unless a commit notification reached it meanwhile. Only the
+//!   floor is checked: a late poll costs latency, and `undrained` catches
+//!   one that never comes.
 //!
 //! A crashed replica is excused from what it did not live to do, and a
 //! replica blocked in a store call when a deadline falls (the database is
@@ -28,6 +35,8 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{Context, Findings, Invariant, TIMING_SLACK, host_of};
+use outbox::core::drainer::{IDLE_TICK_FACTOR, STEADY_AFTER};
+
 use crate::trace::{Call, Event};
 
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
@@ -35,6 +44,7 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     phase2_deadline(ctx, &blocked, out);
     release_before_expiry(ctx, &blocked, out);
     backoff_and_release_on_failure(ctx, out);
+    poll_cadence(ctx, out);
     if let Some(rate) = ctx.limits.max_rows_per_sec {
         rate_bound(ctx, rate, out);
     }
@@ -371,6 +381,101 @@ fn backoff_and_release_on_failure(ctx: &Context<'_>, out: &mut Findings) {
             }
             Event::StoreFailed { replica, call } if *call != Call::Release => {
                 replicas.entry(replica).or_default().failed_at = Some(*at);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// One replica's current drain, as far as the poll cadence needs it.
+#[derive(Default)]
+struct Drain {
+    /// When the drain ended: its last claim returned short, or failed.
+    ended: Option<Duration>,
+    /// When the last sleep that a commit could wake began (the end of the
+    /// last drain that did not fail): a notification since then may still
+    /// be waiting to wake the next sleep.
+    wakeable_since: Duration,
+    /// It claimed rows.
+    claimed: bool,
+    /// It failed (a store call failed, or claims were released).
+    failed: bool,
+    /// No earlier than the core's last busy instant (the start of the drain
+    /// after the last busy one); `None` while the replica was never busy.
+    busy_by: Option<Duration>,
+    /// The latest commit notification that reached the replica.
+    notified: Option<Duration>,
+}
+
+fn poll_cadence(ctx: &Context<'_>, out: &mut Findings) {
+    let (limits, batch) = (ctx.limits, ctx.limits.batch_size as usize);
+    let mut replicas: BTreeMap<&str, Drain> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::ClaimCalled { replica } => {
+                let d = replicas.entry(replica).or_default();
+                let Some(ended) = d.ended.take() else {
+                    continue; // the drain goes on after a full claim
+                };
+                let woken = d.notified.is_some_and(|n| n >= d.wakeable_since);
+                if !d.failed && !woken {
+                    // The core is surely steady when nothing was claimed and
+                    // its last busy instant is a minute before the drain's
+                    // end; otherwise it may use the busy tick.
+                    let steady = !d.claimed
+                        && d.busy_by
+                            .is_none_or(|b| ended.saturating_sub(b) >= STEADY_AFTER);
+                    let floor = if steady {
+                        limits.tick * IDLE_TICK_FACTOR
+                    } else {
+                        limits.tick
+                    };
+                    if *at + Duration::from_millis(1) < ended + floor {
+                        out.add(
+                            Invariant::PollCadence,
+                            Some(*at),
+                            format!(
+                                "{replica} claimed {:.3}s after its last drain ended ({}; at least {:.3}s)",
+                                (*at - ended).as_secs_f64(),
+                                if steady { "steady for a minute" } else { "busy" },
+                                floor.as_secs_f64()
+                            ),
+                        );
+                    }
+                }
+                if d.claimed || d.failed {
+                    d.busy_by = Some(*at);
+                }
+                if !d.failed {
+                    d.wakeable_since = ended;
+                }
+                (d.claimed, d.failed) = (false, false);
+            }
+            Event::ClaimReturned { replica, ids } => {
+                let d = replicas.entry(replica).or_default();
+                d.claimed |= !ids.is_empty();
+                if ids.len() < batch {
+                    d.ended = Some(*at);
+                }
+            }
+            Event::StoreCalled {
+                replica,
+                call: Call::Release,
+                ..
+            } => replicas.entry(replica).or_default().failed = true,
+            Event::StoreFailed { replica, call } => {
+                let d = replicas.entry(replica).or_default();
+                d.failed = true;
+                if *call == Call::Claim {
+                    d.ended = Some(*at);
+                }
+            }
+            Event::Notified { replica } => {
+                replicas.entry(replica).or_default().notified = Some(*at);
+            }
+            // A restarted replica starts a new drainer, which claims at once.
+            Event::Host { host, up: false } => {
+                replicas.retain(|replica, _| host_of(replica) != host);
             }
             _ => {}
         }

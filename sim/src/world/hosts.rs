@@ -87,6 +87,7 @@ pub fn spawn_drainer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u32
         ));
         let marks = TraceMarks::marks(replica, trace.clone());
         let entropy = Arc::new(outbox::SplitMix64::new(seed ^ u64::from(n)));
+        let listen_trace = trace.clone();
         async move {
             let clock = Arc::new(TokioClock::default());
             let (_keep, rx) = tokio::sync::watch::channel(false);
@@ -101,8 +102,9 @@ pub fn spawn_drainer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u32
             // the fallback when notifications are lost.
             let wakeup = Arc::new(tokio::sync::Notify::new());
             tokio::spawn(crate::adapters::listen::listen_for_commits(
-                format!("{}/listen", config.replica_id),
+                config.replica_id.clone(),
                 wakeup.clone(),
+                listen_trace,
             ));
             Drainer::new(store, broker, clock, entropy, config)
                 .with_marks(marks)
