@@ -53,7 +53,7 @@ pub enum FaultKind {
 }
 
 /// Which drainer store call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Call {
     Claim,
     MarkPublished,

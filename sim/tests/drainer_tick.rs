@@ -8,12 +8,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::{DrainError, Drainer, DrainerConfig, EventEnvelope, TokioClock};
+use outbox::{DrainError, Drainer, DrainerConfig, TokioClock};
 use sim::adapters::{Hooks, PgClient, SimBroker, SimStore};
-use sim::fakes::mq::{self, MqState};
-use sim::fakes::pg::{self, PgState};
+use sim::fakes::{self, mq::MqState, pg::PgState};
 use sim::trace::{Call, Event, Trace};
 use sim::wire::{NewRow, PgRequest};
+use sim::workload::numbered_envelope;
 
 /// Commits envelopes number `first..first + n` in one transaction.
 async fn commit(pg: &PgClient, first: u64, n: u64) {
@@ -25,12 +25,7 @@ async fn commit(pg: &PgClient, first: u64, n: u64) {
 async fn commit_keyed(pg: &PgClient, first: u64, n: u64, key: &str) {
     let rows = (first..first + n)
         .map(|i| {
-            let random = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes();
-            let mut bytes = [0u8; 10];
-            bytes[2..].copy_from_slice(&random);
-            let mut e = EventEnvelope::new(key, serde_json::json!({ "i": i }));
-            e.id = uuid::Builder::from_unix_timestamp_millis(1_767_225_600_000 + i, &bytes)
-                .into_uuid();
+            let e = numbered_envelope(key, i);
             NewRow {
                 id: e.id,
                 routing_key: e.routing_key.clone(),
@@ -41,20 +36,40 @@ async fn commit_keyed(pg: &PgClient, first: u64, n: u64, key: &str) {
     pg.in_tx(vec![PgRequest::Insert { rows }]).await.unwrap();
 }
 
+/// The replica `drainer-1` on the simulation adapters.
+type SimDrainer = Drainer<SimStore, SimBroker, TokioClock, outbox::SplitMix64>;
+
+fn sim_drainer(trace: &Trace, config: DrainerConfig) -> SimDrainer {
+    Drainer::new(
+        Arc::new(SimStore::new("drainer-1", trace.clone(), Hooks::new(3))),
+        Arc::new(SimBroker::new("drainer-1", trace.clone(), Hooks::new(4))),
+        Arc::new(TokioClock::default()),
+        Arc::new(outbox::SplitMix64::new(5)),
+        config,
+    )
+}
+
+/// A world with the fake PostgreSQL and RabbitMQ (seeded `seed` and
+/// `seed + 1`, turmoil `seed + 2`), `faults` set on the broker before it
+/// serves.
+fn world(
+    seed: u64,
+    trace: &Trace,
+    faults: impl FnOnce(&MqState),
+) -> (turmoil::Sim<'static>, PgState) {
+    let (pg, mq) = (
+        PgState::new(seed, trace.clone()),
+        MqState::new(seed + 1, trace.clone()),
+    );
+    faults(&mq);
+    let sim = fakes::bare_world(seed + 2, &pg, &mq);
+    (sim, pg)
+}
+
 #[test]
 fn a_tick_publishes_and_marks_and_a_black_holed_tick_releases_in_time() {
     let trace = Trace::default();
-    let (pg, mq) = (
-        PgState::new(1, trace.clone()),
-        MqState::new(2, trace.clone()),
-    );
-    let mut sim = turmoil::Builder::new()
-        .simulation_duration(Duration::from_secs(600))
-        .build();
-    let (pg_server, mq_server) = (pg.clone(), mq.clone());
-    sim.host("pg", move || pg::serve(pg_server.clone()));
-    sim.host("rabbit", move || mq::serve(mq_server.clone()));
-    let state = pg.clone();
+    let (mut sim, state) = world(1, &trace, |_| ());
     sim.client("drainer", async move {
         let config = DrainerConfig::builder()
             .replica_id("drainer-1")
@@ -64,13 +79,7 @@ fn a_tick_publishes_and_marks_and_a_black_holed_tick_releases_in_time() {
             .confirm_timeout_secs(2)
             .build()
             .unwrap();
-        let drainer = Drainer::new(
-            Arc::new(SimStore::new("drainer-1", trace.clone(), Hooks::new(3))),
-            Arc::new(SimBroker::new("drainer-1", trace.clone(), Hooks::new(4))),
-            Arc::new(TokioClock::default()),
-            Arc::new(outbox::SplitMix64::new(5)),
-            config,
-        );
+        let drainer = sim_drainer(&trace, config);
         let writer = PgClient::new("writer", trace.clone());
         commit(&writer, 0, 6).await;
         let report = drainer.tick().await.unwrap();
@@ -142,16 +151,7 @@ fn ticks_keep_to_the_rate_bound() {
     // Ten rows at five rows a second, a batch of five: the second tick's
     // claim starts a second after the first's.
     let trace = Trace::default();
-    let (pg, mq) = (
-        PgState::new(6, trace.clone()),
-        MqState::new(7, trace.clone()),
-    );
-    let mut sim = turmoil::Builder::new()
-        .simulation_duration(Duration::from_secs(600))
-        .build();
-    let (pg_server, mq_server) = (pg.clone(), mq.clone());
-    sim.host("pg", move || pg::serve(pg_server.clone()));
-    sim.host("rabbit", move || mq::serve(mq_server.clone()));
+    let (mut sim, _) = world(6, &trace, |_| ());
     sim.client("drainer", async move {
         let config = DrainerConfig::builder()
             .replica_id("drainer-1")
@@ -159,13 +159,7 @@ fn ticks_keep_to_the_rate_bound() {
             .max_rows_per_sec(5)
             .build()
             .unwrap();
-        let drainer = Drainer::new(
-            Arc::new(SimStore::new("drainer-1", trace.clone(), Hooks::new(3))),
-            Arc::new(SimBroker::new("drainer-1", trace.clone(), Hooks::new(4))),
-            Arc::new(TokioClock::default()),
-            Arc::new(outbox::SplitMix64::new(5)),
-            config,
-        );
+        let drainer = sim_drainer(&trace, config);
         commit(&PgClient::new("writer", trace.clone()), 0, 10).await;
         for _ in 0..2 {
             assert_eq!(drainer.tick().await.unwrap().published, 5);
@@ -193,18 +187,9 @@ fn reports_count_what_the_store_did() {
     // batches, marks five published and two failed; a tick then claims
     // the two again and parks them.
     let trace = Trace::default();
-    let (pg, mq) = (
-        PgState::new(8, trace.clone()),
-        MqState::new(9, trace.clone()),
-    );
-    mq.faults.lock().unwrap().nack_prefix = Some("poison.".into());
-    let mut sim = turmoil::Builder::new()
-        .simulation_duration(Duration::from_secs(600))
-        .build();
-    let (pg_server, mq_server) = (pg.clone(), mq.clone());
-    sim.host("pg", move || pg::serve(pg_server.clone()));
-    sim.host("rabbit", move || mq::serve(mq_server.clone()));
-    let state = pg.clone();
+    let (mut sim, state) = world(8, &trace, |mq| {
+        mq.faults.lock().unwrap().nack_prefix = Some("poison.".into())
+    });
     sim.client("drainer", async move {
         let config = DrainerConfig::builder()
             .replica_id("drainer-1")
@@ -212,13 +197,7 @@ fn reports_count_what_the_store_did() {
             .max_attempts(2)
             .build()
             .unwrap();
-        let drainer = Drainer::new(
-            Arc::new(SimStore::new("drainer-1", trace.clone(), Hooks::new(3))),
-            Arc::new(SimBroker::new("drainer-1", trace.clone(), Hooks::new(4))),
-            Arc::new(TokioClock::default()),
-            Arc::new(outbox::SplitMix64::new(5)),
-            config,
-        );
+        let drainer = sim_drainer(&trace, config);
         let writer = PgClient::new("writer", trace.clone());
         commit(&writer, 0, 2).await;
         commit_keyed(&writer, 2, 2, "poison.order").await;

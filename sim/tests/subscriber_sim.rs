@@ -14,37 +14,19 @@ use outbox::core::ports::{
 use outbox::core::subscriber::{ReplayOutcome, Subscriber, SubscriberSettings};
 use outbox::{EventEnvelope, TokioClock};
 use sim::adapters::{Hooks, SimBroker, SimInboxStore};
-use sim::fakes::mq::{self, MqState};
-use sim::fakes::pg::{self, PgState};
+use sim::fakes::{self, mq::MqState, pg::PgState};
 use sim::trace::{Event, FaultKind, Trace};
 use sim::workload::handler::SimHandler;
+use sim::workload::numbered_envelope;
 
 const QUEUE: &str = "billing.orders";
-
-/// An envelope with a deterministic v7 id (the test's behaviour must not
-/// depend on the wall clock or OS randomness).
-fn envelope(key: &str, n: u64) -> EventEnvelope {
-    let random = n.wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes();
-    let mut bytes = [0u8; 10];
-    bytes[2..].copy_from_slice(&random);
-    let mut e = EventEnvelope::new(key, serde_json::json!({ "n": n }));
-    e.id = uuid::Builder::from_unix_timestamp_millis(1_767_225_600_000 + n, &bytes).into_uuid();
-    e
-}
 
 #[test]
 fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison() {
     let trace = Trace::default();
     let pg = PgState::new(21, trace.clone());
     let mq = MqState::new(22, trace.clone());
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(23)
-        .simulation_duration(Duration::from_secs(600))
-        .build();
-    let server = pg.clone();
-    sim.host("pg", move || pg::serve(server.clone()));
-    let server = mq.clone();
-    sim.host("rabbit", move || mq::serve(server.clone()));
+    let mut sim = fakes::bare_world(23, &pg, &mq);
     let (pg_check, mq_check) = (pg.clone(), mq.clone());
     sim.client("consumer", async move {
         let handler = Arc::new(SimHandler::new(QUEUE, 4));
@@ -79,10 +61,10 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
         ch.channel_confirm_select().await.unwrap();
         let mut events = Vec::new();
         for i in 0..30 {
-            events.push(envelope("orders.created", i));
+            events.push(numbered_envelope("orders.created", i));
         }
         let poison: Vec<_> = (0..3)
-            .map(|i| envelope("poison.created", 100 + i))
+            .map(|i| numbered_envelope("poison.created", 100 + i))
             .collect();
         // Every fifth event twice: a republish after a lost mark.
         let sends: Vec<&EventEnvelope> = events
@@ -208,14 +190,7 @@ fn database_trouble_is_retried_in_place_with_a_doubling_backoff_and_counts_no_at
     let trace = Trace::default();
     let pg = PgState::new(31, trace.clone());
     let mq = MqState::new(32, trace.clone());
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(33)
-        .simulation_duration(Duration::from_secs(600))
-        .build();
-    let server = pg.clone();
-    sim.host("pg", move || pg::serve(server.clone()));
-    let server = mq.clone();
-    sim.host("rabbit", move || mq::serve(server.clone()));
+    let mut sim = fakes::bare_world(33, &pg, &mq);
     let (pg_check, events) = (pg.clone(), trace.clone());
     sim.client("consumer", async move {
         let settings = SubscriberSettings {
@@ -247,7 +222,7 @@ fn database_trouble_is_retried_in_place_with_a_doubling_backoff_and_counts_no_at
         let publisher = SimBroker::new("producer", trace.clone(), Hooks::new(4));
         let mut ch = publisher.channel_open().await.unwrap();
         ch.channel_confirm_select().await.unwrap();
-        let e = envelope("orders.created", 1);
+        let e = numbered_envelope("orders.created", 1);
         let body = e.encode(&Default::default()).unwrap();
         let confirm = ch
             .channel_publish(OutgoingMessage {

@@ -19,13 +19,14 @@ use uuid::Uuid;
 use super::{Context, Findings, Invariant};
 use crate::trace::{Call, Event, Settle};
 
-/// One replica's store call in progress, and the mark it owes.
+/// One replica's store calls in progress, and the mark it owes.
 #[derive(Default)]
 struct Replica {
-    /// The mark or release call in progress and the rows it names.
-    called: Option<(Call, BTreeSet<Uuid>)>,
-    /// Rows of that call the store changed (marked published, or parked).
-    changed: usize,
+    /// The mark and release calls in progress (the drain's stages make
+    /// theirs concurrently, at most one of each kind): the rows each names
+    /// and how many of them the store changed (marked published, or
+    /// parked).
+    called: BTreeMap<Call, (BTreeSet<Uuid>, usize)>,
     /// The mark the last answer calls for, and when it came.
     owed: Option<(Mark, Duration)>,
 }
@@ -49,37 +50,34 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
             Event::StoreCalled { replica, call, ids } => {
                 let r = replicas.entry(replica).or_default();
                 settle(r, replica, out);
-                r.called = Some((*call, ids.iter().copied().collect()));
-                r.changed = 0;
+                r.called.insert(*call, (ids.iter().copied().collect(), 0));
             }
             Event::MarkedPublished { replica, ids } => {
                 let r = replicas.entry(replica).or_default();
-                if let Some((Call::MarkPublished, named)) = &r.called {
-                    r.changed += ids.iter().filter(|id| named.contains(id)).count();
+                if let Some((named, changed)) = r.called.get_mut(&Call::MarkPublished) {
+                    *changed += ids.iter().filter(|id| named.contains(id)).count();
                 }
             }
             Event::MarkedFailed {
                 replica, parked, ..
             } => {
                 let r = replicas.entry(replica).or_default();
-                if let Some((Call::MarkFailed, named)) = &r.called {
-                    r.changed += parked.iter().filter(|id| named.contains(id)).count();
+                if let Some((named, changed)) = r.called.get_mut(&Call::MarkFailed) {
+                    *changed += parked.iter().filter(|id| named.contains(id)).count();
                 }
             }
             Event::StoreAnswered { replica, call } => {
                 let r = replicas.entry(replica).or_default();
-                let named = match &r.called {
-                    Some((c, named)) if c == call => named.len(),
-                    _ => continue,
+                let Some((named, changed)) = r.called.remove(call) else {
+                    continue;
                 };
                 match call {
-                    Call::MarkPublished if r.changed < named => {
+                    Call::MarkPublished if changed < named.len() => {
                         r.owed = Some((Mark::LeaseLostBeforeMark, *at));
                     }
-                    Call::MarkFailed if r.changed > 0 => r.owed = Some((Mark::RowParked, *at)),
+                    Call::MarkFailed if changed > 0 => r.owed = Some((Mark::RowParked, *at)),
                     _ => {}
                 }
-                r.called = None;
             }
             Event::Mark { who, mark } if CHECKED.contains(mark) => {
                 let r = replicas.entry(who).or_default();

@@ -929,6 +929,19 @@ fn marks_that_agree_with_the_trace_pass() {
     quiet(claim_of(1));
     quiet(claim_of(2).at(210, mark(Mark::ClaimFull)));
     quiet(mark_lost().at(90, mark(Mark::LeaseLostBeforeMark)));
+    // Another stage's release while the mark is in flight.
+    quiet(
+        mark_lost()
+            .at(
+                75,
+                Event::StoreCalled {
+                    replica: s("a"),
+                    call: Call::Release,
+                    ids: vec![id(2)],
+                },
+            )
+            .at(90, mark(Mark::LeaseLostBeforeMark)),
+    );
     quiet(foreign_acked().at(142, mismatch_mark()));
     // Another replica's mark does not stand for this one's.
     let other = Event::Mark {

@@ -6,3 +6,25 @@
 
 pub mod mq;
 pub mod pg;
+
+use std::time::Duration;
+
+/// Serves the fake PostgreSQL as host `pg` and the fake RabbitMQ as host
+/// `rabbit`, where the adapters look for them.
+pub fn serve(sim: &mut turmoil::Sim<'_>, pg: &pg::PgState, mq: &mq::MqState) {
+    let pg = pg.clone();
+    sim.host("pg", move || pg::serve(pg.clone()));
+    let mq = mq.clone();
+    sim.host("rabbit", move || mq::serve(mq.clone()));
+}
+
+/// A bare world for tests that drive the production core by hand: the two
+/// fakes served, turmoil seeded with `seed`, ten simulated minutes at most.
+pub fn bare_world(seed: u64, pg: &pg::PgState, mq: &mq::MqState) -> turmoil::Sim<'static> {
+    let mut sim = turmoil::Builder::new()
+        .rng_seed(seed)
+        .simulation_duration(Duration::from_secs(600))
+        .build();
+    serve(&mut sim, pg, mq);
+    sim
+}

@@ -120,6 +120,18 @@ async fn rolled_back(pg: &PgClient, body: Vec<PgRequest>) -> Result<(), outbox::
 }
 
 /// A UUID v7 from simulated time and seeded randomness.
+/// Envelope number `n` on `routing_key`, its id depending on `n` alone (a
+/// UUID v7 at the simulation's epoch plus `n` ms): known, distinct,
+/// time-ordered ids for tests, with no wall clock or OS randomness.
+pub fn numbered_envelope(routing_key: &str, n: u64) -> EventEnvelope {
+    let random = (n + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_be_bytes();
+    let mut bytes = [0u8; 10];
+    bytes[2..].copy_from_slice(&random);
+    let mut e = EventEnvelope::new(routing_key, serde_json::json!({ "n": n }));
+    e.id = uuid::Builder::from_unix_timestamp_millis(EPOCH_MS + n, &bytes).into_uuid();
+    e
+}
+
 fn envelope(rng: &mut SmallRng, key: &str, n: u32, k: u32) -> EventEnvelope {
     let ms = crate::sim_now_ms() + EPOCH_MS;
     let random: [u8; 10] = rng.random();

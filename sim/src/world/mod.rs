@@ -18,8 +18,8 @@ use self::env::Env;
 pub use self::hosts::{drainer_config, inbox_janitor_settings, subscriber_settings};
 use crate::adapters::{Hooks, STORE_REQUEST_TIMEOUT};
 use crate::checker::{self, Limits, Verdict};
-use crate::fakes::mq::{self, MqState};
-use crate::fakes::pg::{self, PgState};
+use crate::fakes::mq::MqState;
+use crate::fakes::pg::PgState;
 use crate::model::Oracle;
 use crate::scenario::{Expect, Fault, Scenario};
 use crate::trace::{Event, FaultKind, Trace};
@@ -247,10 +247,7 @@ fn populate(
             &["#".to_owned()],
         );
     }
-    let pg = env.pg.clone();
-    sim.host("pg", move || pg::serve(pg.clone()));
-    let mq = env.mq.clone();
-    sim.host("rabbit", move || mq::serve(mq.clone()));
+    crate::fakes::serve(sim, &env.pg, &env.mq);
     for (i, seed) in (1..).zip(drainer_seeds) {
         hosts::spawn_drainer(sim, env, scenario, i, *seed);
     }
