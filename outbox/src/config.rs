@@ -58,7 +58,10 @@ pub mod vars {
     pub const SUBSCRIBER_MAX_ATTEMPTS: &str = "CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS";
     /// Largest delivery body a subscriber handles; larger ones are
     /// dead-lettered at once.
-    pub const SUBSCRIBER_MAX_DELIVERY_BYTES: &str = "CANOPY_MQ_SUBSCRIBER_MAX_DELIVERY_BYTES";
+    pub const SUBSCRIBER_MAX_BODY_BYTES: &str = "CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES";
+    /// Longest a handler may run on one delivery before the attempt counts
+    /// as failed.
+    pub const SUBSCRIBER_HANDLER_TIMEOUT_SECS: &str = "CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS";
 }
 
 /// Upper bound on a subscriber's handler concurrency.
@@ -68,10 +71,18 @@ pub const SUBSCRIBER_CONCURRENCY_MAX: u32 = 1024;
 /// envelope [`crate::Publisher`] writes by default, so every default-sized
 /// event passes with room to spare, while a stray huge message cannot make
 /// every worker hold a broker-sized (128 MiB) body at once.
-pub const SUBSCRIBER_MAX_DELIVERY_BYTES_DEFAULT: u32 =
+pub const SUBSCRIBER_MAX_BODY_BYTES_DEFAULT: u32 =
     4 * crate::envelope::DEFAULT_MAX_ENVELOPE_BYTES as u32;
 /// RabbitMQ's own largest message (`max_message_size`, 128 MiB).
-pub const SUBSCRIBER_MAX_DELIVERY_BYTES_MAX: u32 = 128 * 1024 * 1024;
+pub const SUBSCRIBER_MAX_BODY_BYTES_MAX: u32 = 128 * 1024 * 1024;
+
+/// Default handler deadline: long enough for a handler's few statements and
+/// a slow downstream call, short enough that a hung handler neither holds
+/// its worker nor its inbox row lock for long (PostgreSQL ends a handler
+/// transaction idle for 60 s anyway).
+pub const SUBSCRIBER_HANDLER_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+/// Longest handler deadline accepted (an hour).
+pub const SUBSCRIBER_HANDLER_TIMEOUT_MAX_SECS: u64 = 3600;
 
 impl crate::core::subscriber::SubscriberSettings {
     /// A subscription of `queue` to `bindings` on the default exchange
@@ -88,14 +99,16 @@ impl crate::core::subscriber::SubscriberSettings {
             },
             concurrency: 4,
             max_attempts: 5,
-            max_delivery_bytes: SUBSCRIBER_MAX_DELIVERY_BYTES_DEFAULT,
+            max_body_bytes: SUBSCRIBER_MAX_BODY_BYTES_DEFAULT,
+            handler_timeout: SUBSCRIBER_HANDLER_TIMEOUT_DEFAULT,
         }
     }
 
     /// [`new`](Self::new) with `CANOPY_MQ_EXCHANGE`,
     /// `CANOPY_MQ_SUBSCRIBER_PREFETCH`, `CANOPY_MQ_SUBSCRIBER_CONCURRENCY`,
-    /// `CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS` and
-    /// `CANOPY_MQ_SUBSCRIBER_MAX_DELIVERY_BYTES` applied, then validated.
+    /// `CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS`,
+    /// `CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES` and
+    /// `CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS` applied, then validated.
     pub fn from_env(queue: impl Into<String>, bindings: &[&str]) -> Result<Self, ConfigError> {
         Self::from_lookup(queue, bindings, |name| std::env::var(name).ok())
     }
@@ -133,8 +146,12 @@ impl crate::core::subscriber::SubscriberSettings {
         if let Some(v) = lookup(vars::SUBSCRIBER_MAX_ATTEMPTS) {
             s.max_attempts = parse(vars::SUBSCRIBER_MAX_ATTEMPTS, &v)?;
         }
-        if let Some(v) = lookup(vars::SUBSCRIBER_MAX_DELIVERY_BYTES) {
-            s.max_delivery_bytes = parse(vars::SUBSCRIBER_MAX_DELIVERY_BYTES, &v)?;
+        if let Some(v) = lookup(vars::SUBSCRIBER_MAX_BODY_BYTES) {
+            s.max_body_bytes = parse(vars::SUBSCRIBER_MAX_BODY_BYTES, &v)?;
+        }
+        if let Some(v) = lookup(vars::SUBSCRIBER_HANDLER_TIMEOUT_SECS) {
+            s.handler_timeout =
+                Duration::from_secs(parse(vars::SUBSCRIBER_HANDLER_TIMEOUT_SECS, &v)?);
         }
         s.validate()?;
         Ok(s)
@@ -198,11 +215,20 @@ impl crate::core::subscriber::SubscriberSettings {
                 "must be > 0",
             );
         }
-        if !(1024..=SUBSCRIBER_MAX_DELIVERY_BYTES_MAX).contains(&self.max_delivery_bytes) {
+        if !(1024..=SUBSCRIBER_MAX_BODY_BYTES_MAX).contains(&self.max_body_bytes) {
             return invalid(
-                vars::SUBSCRIBER_MAX_DELIVERY_BYTES,
-                &self.max_delivery_bytes,
+                vars::SUBSCRIBER_MAX_BODY_BYTES,
+                &self.max_body_bytes,
                 "must be >= 1024 and <= 134217728 (RabbitMQ's largest message)",
+            );
+        }
+        if self.handler_timeout.is_zero()
+            || self.handler_timeout > Duration::from_secs(SUBSCRIBER_HANDLER_TIMEOUT_MAX_SECS)
+        {
+            return invalid(
+                vars::SUBSCRIBER_HANDLER_TIMEOUT_SECS,
+                &self.handler_timeout.as_secs(),
+                "must be > 0 and <= 3600",
             );
         }
         Ok(())

@@ -264,3 +264,40 @@ fn the_builder_applies_the_same_rules() {
         .unwrap();
     assert_eq!(ok.pipeline_depth, 8);
 }
+
+#[test]
+fn subscriber_variables_are_read_and_checked_naming_them() {
+    let read = |pairs: &[(&str, &str)]| {
+        let map: BTreeMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        outbox::SubscriberSettings::from_lookup("billing.orders", &["orders.*"], |name| {
+            map.get(name).cloned()
+        })
+    };
+    let defaults = read(&[]).unwrap();
+    assert_eq!(defaults.max_body_bytes, 1024 * 1024);
+    assert_eq!(defaults.handler_timeout, Duration::from_secs(30));
+    let s = read(&[
+        ("CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES", "2048"),
+        ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "5"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (s.max_body_bytes, s.handler_timeout),
+        (2048, Duration::from_secs(5))
+    );
+    for (var, value, rule) in [
+        ("CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES", "1023", ">= 1024"),
+        ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "0", "> 0"),
+        ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "3601", "<= 3600"),
+        ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "1.5", "whole number"),
+    ] {
+        let e = read(&[(var, value)]).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("{var}={value} is invalid")) && e.contains(rule),
+            "{e}"
+        );
+    }
+}

@@ -24,7 +24,8 @@ use uuid::Uuid;
 
 /// Writes one domain row per event it applies (no unique key: a second
 /// application would show as a second row). Fails the first attempt of
-/// every event when `fail_first`, every attempt when `always_fail`.
+/// every event when `fail_first`, every attempt when `always_fail`; after
+/// writing, panics on `orders.panic` and never returns on `orders.stall`.
 struct Effects {
     fail_first: bool,
     always_fail: Arc<Mutex<bool>>,
@@ -44,6 +45,11 @@ impl Handler<PgTx> for Effects {
             .bind(event.id)
             .execute(&mut **tx)
             .await?;
+        match event.routing_key.as_str() {
+            "orders.panic" => panic!("the handler cannot cope with {}", event.id),
+            "orders.stall" => std::future::pending::<()>().await,
+            _ => {}
+        }
         if *self.always_fail.lock().unwrap() {
             return Err(HandlerError::msg("downstream refused the event"));
         }
@@ -76,6 +82,8 @@ struct Options {
     delay: Duration,
     /// The subscriber's broker URL (a proxy's), if not the broker's own.
     amqp_url: Option<String>,
+    /// The handler deadline, if not 30 s.
+    handler_timeout: Option<Duration>,
 }
 
 async fn start(pool: PgPool, fail_first: bool, always_fail: bool) -> Running {
@@ -119,7 +127,8 @@ async fn start_with(pool: PgPool, o: Options) -> Running {
         },
         concurrency: 4,
         max_attempts: 3,
-        max_delivery_bytes: 64 * 1024,
+        max_body_bytes: 64 * 1024,
+        handler_timeout: o.handler_timeout.unwrap_or(Duration::from_secs(30)),
     };
     let subscriber = Arc::new(Subscriber::new(
         Arc::new(PgInboxStore::new(pool.clone())),
@@ -327,6 +336,69 @@ async fn a_permanently_failing_event_ends_in_the_dlq_after_max_attempts_and_repl
     // A second replay finds nothing unprocessed.
     assert!(r.subscriber.replay(&filter).await.unwrap().is_empty());
     assert_eq!(r.effects(e.id).await, 1);
+    r.stop().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_panicking_or_stalled_handler_counts_attempts_and_the_subscriber_goes_on(pool: PgPool) {
+    let r = start_with(
+        pool,
+        Options {
+            handler_timeout: Some(Duration::from_secs(1)),
+            ..Options::default()
+        },
+    )
+    .await;
+    let panics = EventEnvelope::new("orders.panic", serde_json::json!({ "order": 1 }));
+    let stalls = EventEnvelope::new("orders.stall", serde_json::json!({ "order": 2 }));
+    let good = EventEnvelope::new("orders.created", serde_json::json!({ "order": 3 }));
+    for e in [&panics, &stalls, &good] {
+        r.publish_envelope(e).await;
+    }
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(30), || {
+        let s = c.snapshot();
+        async move { s.dead_lettered == 2 && s.processed == 1 }
+    })
+    .await;
+    assert_eq!(r.counters.snapshot().retried, 4, "two retries each");
+    for e in [&panics, &stalls] {
+        assert_eq!(r.effects(e.id).await, 0, "every attempt rolled back");
+        assert_eq!(r.inbox(e.id).await, Some((false, 3, true)));
+    }
+    assert_eq!(r.effects(good.id).await, 1);
+    let error = |id: Uuid| {
+        let pool = r.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT last_error FROM event_inbox WHERE event_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(
+        error(panics.id).await,
+        format!(
+            "handler panicked: the handler cannot cope with {}",
+            panics.id
+        )
+    );
+    assert_eq!(
+        error(stalls.id).await,
+        "handler ran past its deadline of 1 s"
+    );
+    assert_eq!(r.dlq_bodies().await.len(), 2);
+    // Still consuming.
+    let after = EventEnvelope::new("orders.created", serde_json::json!({ "order": 4 }));
+    r.publish_envelope(&after).await;
+    eventually(Duration::from_secs(20), || {
+        let s = c.snapshot();
+        async move { s.processed == 2 }
+    })
+    .await;
     r.stop().await;
 }
 
@@ -638,7 +710,8 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
             },
             concurrency: 1,
             max_attempts: 3,
-            max_delivery_bytes: 64 * 1024,
+            max_body_bytes: 64 * 1024,
+            handler_timeout: Duration::from_secs(30),
         },
     );
     let (_stop, rx) = watch::channel(false);

@@ -40,7 +40,8 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
             },
             concurrency: 3,
             max_attempts: 3,
-            max_delivery_bytes: 64 * 1024,
+            max_body_bytes: 64 * 1024,
+            handler_timeout: Duration::from_secs(30),
         };
         let subscriber = Arc::new(Subscriber::new(
             Arc::new(SimInboxStore::new("consumer-1", trace.clone())),
@@ -202,7 +203,8 @@ fn database_trouble_is_retried_in_place_with_a_doubling_backoff_and_counts_no_at
             },
             concurrency: 1,
             max_attempts: 3,
-            max_delivery_bytes: 64 * 1024,
+            max_body_bytes: 64 * 1024,
+            handler_timeout: Duration::from_secs(30),
         };
         let subscriber = Arc::new(Subscriber::new(
             Arc::new(SimInboxStore::new("consumer-1", trace.clone())),

@@ -130,6 +130,10 @@ marks! {
     HandlerFailed = "handler_failed",
     /// The handler's database was unavailable: no attempt counts.
     HandlerUnavailable = "handler_unavailable",
+    /// The handler panicked: caught, an attempt counts.
+    HandlerPanicked = "handler_panicked",
+    /// The handler ran past its deadline: an attempt counts.
+    HandlerTimedOut = "handler_timed_out",
     /// The inbox was unavailable: the delivery is retried in place.
     InboxRetriedInPlace = "inbox_retried_in_place",
     /// A delivery was dead-lettered at its attempt budget.

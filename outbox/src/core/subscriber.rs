@@ -77,7 +77,10 @@ pub struct SubscriberSettings {
     pub max_attempts: u32,
     /// Largest delivery body handled, in bytes; a larger one is
     /// dead-lettered at once.
-    pub max_delivery_bytes: u32,
+    pub max_body_bytes: u32,
+    /// Longest the handler may run on one delivery: past it the handler's
+    /// work is rolled back and the attempt counts as failed.
+    pub handler_timeout: Duration,
 }
 
 /// What happened to one delivery.
@@ -102,7 +105,7 @@ pub enum DeliveryOutcome {
         /// Why it could not be decoded.
         reason: String,
     },
-    /// Its body is over `max_delivery_bytes`; nacked into `<queue>.dlq` at
+    /// Its body is over `max_body_bytes`; nacked into `<queue>.dlq` at
     /// once.
     TooLarge {
         /// The body's size.
@@ -336,7 +339,7 @@ where
         shutdown: &watch::Receiver<bool>,
     ) -> DeliveryOutcome {
         let queue = &self.settings.spec.queue;
-        let limit = self.settings.max_delivery_bytes;
+        let limit = self.settings.max_body_bytes;
         let decoded = if delivery.body.len() > limit as usize {
             Err(DeliveryOutcome::TooLarge {
                 bytes: delivery.body.len(),
@@ -494,7 +497,7 @@ where
             self.store.inbox_commit(tx).await?;
             return Ok(Attempt::AlreadyProcessed);
         }
-        let (recorded, attempt) = match self.handler.handle(&mut tx, envelope).await {
+        let (recorded, attempt) = match self.run_handler(&mut tx, envelope).await {
             Ok(()) => (
                 self.store
                     .inbox_mark_processed(&mut tx, entry.event_id)
@@ -531,6 +534,35 @@ where
             Some((record, text)) => Attempt::Failed(record, text),
             None => Attempt::Applied,
         })
+    }
+
+    /// Runs the handler under its deadline with a panic caught: a handler
+    /// that panics or overruns has failed, like one that returns `Err`, so
+    /// its work is rolled back and the attempt counts (a poison event thus
+    /// reaches the dead-letter queue instead of taking every worker down).
+    /// A panic is only caught where panics unwind (not under
+    /// `panic = "abort"`).
+    async fn run_handler(
+        &self,
+        tx: &mut S::Tx,
+        envelope: &EventEnvelope,
+    ) -> Result<(), HandlerError> {
+        let limit = self.settings.handler_timeout;
+        let guarded = CatchUnwind(Box::pin(self.handler.handle(tx, envelope)));
+        match with_deadline(&*self.clock, limit, guarded).await {
+            Some(Ok(result)) => result,
+            Some(Err(panic)) => {
+                self.marks.hit(Mark::HandlerPanicked);
+                Err(HandlerError::msg(format!("handler panicked: {panic}")))
+            }
+            None => {
+                self.marks.hit(Mark::HandlerTimedOut);
+                Err(HandlerError::msg(format!(
+                    "handler ran past its deadline of {} s",
+                    limit.as_secs_f64()
+                )))
+            }
+        }
     }
 
     /// Re-runs the handler, with the inbox's semantics, for unprocessed
@@ -590,6 +622,33 @@ enum Attempt {
     AlreadyProcessed,
     /// The handler failed with this error; its attempt is recorded.
     Failed(AttemptRecord, String),
+}
+
+/// Polls a future, turning a panic inside it into `Err` with the panic's
+/// message. It is not polled again after a panic.
+struct CatchUnwind<F>(Pin<Box<F>>);
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, String>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let fut = self.0.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fut.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
+            Err(payload) => Poll::Ready(Err(panic_message(payload.as_ref()))),
+        }
+    }
+}
+
+/// The text a panic was raised with, bounded.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    let text = payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)");
+    truncate_chars(text, LAST_ERROR_MAX_CHARS)
 }
 
 /// Polls every future, in order, until all are done: the workers of one

@@ -30,7 +30,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use uuid::Uuid;
 
 use super::{Context, Findings, Invariant};
-use crate::trace::{Event, HandlerResult, Replay, Settle};
+use crate::trace::{Event, FaultKind, HandlerResult, Replay, Settle};
 
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     let Some(fin) = &ctx.fin.consumer else {
@@ -281,8 +281,29 @@ fn rejected(ctx: &Context<'_>, out: &mut Findings) {
     let rejected = &model.hostile_rejected;
     let mut deliveries: BTreeMap<&str, u32> = BTreeMap::new();
     let mut refused: BTreeMap<Uuid, u32> = BTreeMap::new();
+    // A refusal whose reply was lost on the way (the fault follows it at
+    // once) never reached the subscriber, which rightly retried in place.
+    let mut last_refusal: Option<(&str, Uuid)> = None;
     for (at, e) in ctx.events {
         let at = Some(*at);
+        if let (
+            Some((client, id)),
+            Event::Fault {
+                kind: FaultKind::PgReplyLost,
+                detail,
+            },
+        ) = (last_refusal, e)
+            && detail.strip_prefix(client) == Some(" inbox_try_insert")
+            && let Some(n) = refused.get_mut(&id)
+        {
+            *n -= 1;
+        }
+        last_refusal = match e {
+            Event::InboxRefused {
+                client, event_id, ..
+            } => Some((client.as_str(), *event_id)),
+            _ => None,
+        };
         match e {
             Event::Delivered {
                 message_id: Some(mid),

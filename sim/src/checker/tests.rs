@@ -693,6 +693,54 @@ fn replay_cases() -> Vec<(Invariant, Run)> {
     ]
 }
 
+/// A NUL-escape delivery delivered once and refused by the inbox twice,
+/// then dead-lettered.
+fn refused_twice() -> Run {
+    consumer()
+        .at(140, hostile(HostileKind::NulEscape, "m2", Some(id(5))))
+        .at(
+            141,
+            Event::Delivered {
+                client: s("c#1"),
+                message_id: Some(s("m2")),
+                redelivered: false,
+            },
+        )
+        .at(
+            142,
+            Event::InboxRefused {
+                client: s("c#1"),
+                event_id: id(5),
+                code: "22P05",
+            },
+        )
+        .at(
+            143,
+            Event::InboxRefused {
+                client: s("c#1"),
+                event_id: id(5),
+                code: "22P05",
+            },
+        )
+        .with(|f| {
+            f.consumer
+                .as_mut()
+                .unwrap()
+                .dead_letters
+                .insert(Some(s("m2")), 1);
+        })
+}
+
+#[test]
+fn a_refusal_whose_reply_was_lost_may_be_asked_again() {
+    let lost = Event::Fault {
+        kind: crate::trace::FaultKind::PgReplyLost,
+        detail: s("c#1 inbox_try_insert"),
+    };
+    let v = refused_twice().at(142, lost).verdict();
+    assert!(v.ok(), "{:#?}", v.violations);
+}
+
 fn hostile_cases() -> Vec<(Invariant, Run)> {
     use Invariant as I;
     vec![
@@ -713,39 +761,7 @@ fn hostile_cases() -> Vec<(Invariant, Run)> {
         (
             // Retried in place: the inbox was asked twice for one delivery.
             I::RejectedAtOnce,
-            consumer()
-                .at(140, hostile(HostileKind::NulEscape, "m2", Some(id(5))))
-                .at(
-                    141,
-                    Event::Delivered {
-                        client: s("c#1"),
-                        message_id: Some(s("m2")),
-                        redelivered: false,
-                    },
-                )
-                .at(
-                    142,
-                    Event::InboxRefused {
-                        client: s("c#1"),
-                        event_id: id(5),
-                        code: "22P05",
-                    },
-                )
-                .at(
-                    143,
-                    Event::InboxRefused {
-                        client: s("c#1"),
-                        event_id: id(5),
-                        code: "22P05",
-                    },
-                )
-                .with(|f| {
-                    f.consumer
-                        .as_mut()
-                        .unwrap()
-                        .dead_letters
-                        .insert(Some(s("m2")), 1);
-                }),
+            refused_twice(),
         ),
         (
             I::KeyedByEnvelopeId,

@@ -156,7 +156,7 @@ pub struct ConfigOverrides {
     pub consumer_transient_one_in: Option<u64>,
     /// Subscriber size limit (default 16 KiB, so hostile oversized bodies
     /// stay small on the simulated network).
-    pub consumer_max_delivery_bytes: Option<u32>,
+    pub consumer_max_body_bytes: Option<u32>,
     /// Inbox retention in seconds (default 30).
     pub inbox_retention_secs: Option<u64>,
     /// Inbox janitor interval in seconds (default 3).

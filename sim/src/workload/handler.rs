@@ -5,8 +5,10 @@
 //! own database errors go back with `?`, as a service's handler's would:
 //! the production conversion decides whether they count an attempt.
 //!
-//! It records every run and what it came to (`HandlerRan`): the checker's
-//! budget rules count attempts against these.
+//! A transient failure comes in the three shapes a real handler fails in:
+//! an `Err`, a panic, or a stall past the subscriber's handler deadline.
+//! It records every run and what it came to (`HandlerRan`, before a panic
+//! or a stall): the checker's budget rules count attempts against these.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +19,30 @@ use outbox::{EventEnvelope, HandlerError};
 
 use crate::adapters::{Hooks, Point, SimTx};
 use crate::trace::{Event, HandlerResult, Trace};
+
+/// What the handler's deliberate panics say (see [`quiet_handler_panics`]).
+pub const PANIC_MESSAGE: &str = "simulated handler panic on";
+
+/// Keeps the handler's deliberate panics out of the output (the subscriber
+/// catches them; a sweep would print thousands); any other panic still
+/// reaches the hook installed before.
+pub fn quiet_handler_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let text = info
+                .payload()
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| info.payload().downcast_ref::<&str>().copied())
+                .unwrap_or("");
+            if !text.starts_with(PANIC_MESSAGE) {
+                previous(info);
+            }
+        }));
+    });
+}
 
 /// Routing-key prefix of events the broken downstream refuses.
 pub const POISON_PREFIX: &str = "poison.";
@@ -67,20 +93,25 @@ impl SimHandler {
 impl Handler<SimTx> for SimHandler {
     async fn handle(&self, tx: &mut SimTx, event: &EventEnvelope) -> Result<(), HandlerError> {
         let result = self.apply(tx, event).await;
-        self.trace.now(Event::HandlerRan {
-            client: self.who.clone(),
-            event_id: event.id,
-            result: match &result {
-                Ok(()) => HandlerResult::Ok,
-                Err(e) if e.is_unavailable() => HandlerResult::Unavailable,
-                Err(_) => HandlerResult::Failed,
-            },
-        });
+        self.ran(event, &result);
         result
     }
 }
 
 impl SimHandler {
+    /// Records a run and what it came to.
+    fn ran(&self, event: &EventEnvelope, result: &Result<(), HandlerError>) {
+        self.trace.now(Event::HandlerRan {
+            client: self.who.clone(),
+            event_id: event.id,
+            result: match result {
+                Ok(()) => HandlerResult::Ok,
+                Err(e) if e.is_unavailable() => HandlerResult::Unavailable,
+                Err(_) => HandlerResult::Failed,
+            },
+        });
+    }
+
     async fn apply(&self, tx: &mut SimTx, event: &EventEnvelope) -> Result<(), HandlerError> {
         if event.routing_key.starts_with(POISON_PREFIX)
             && self.downstream_broken.load(Ordering::SeqCst)
@@ -100,7 +131,20 @@ impl SimHandler {
             .at(Point::MidHandler, &self.who, &self.trace)
             .await;
         if transient {
-            return Err(HandlerError::msg("transient failure after the effect"));
+            // The three ways a handler fails, by the id's next bits: an
+            // `Err`, a panic, or a stall past the subscriber's deadline.
+            let failure = Err(HandlerError::msg("transient failure after the effect"));
+            match (event.id.as_u64_pair().1 / self.transient_one_in) % 3 {
+                0 => return failure,
+                1 => {
+                    self.ran(event, &failure);
+                    panic!("{PANIC_MESSAGE} {}", event.id);
+                }
+                _ => {
+                    self.ran(event, &failure);
+                    std::future::pending::<()>().await;
+                }
+            }
         }
         Ok(())
     }

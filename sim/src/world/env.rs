@@ -30,7 +30,7 @@ pub struct Env {
     pub downstream_broken: Arc<AtomicBool>,
     /// Set at the heal: the operator starts replaying dead letters.
     pub healed: Arc<AtomicBool>,
-    /// The subscribers' `max_delivery_bytes` (hostile bodies are sized to it).
+    /// The subscribers' `max_body_bytes` (hostile bodies are sized to it).
     pub delivery_limit: usize,
     /// Hostile faults now active: (fault index, per-step probability, kinds).
     hostile: Vec<(usize, f64, Vec<HostileKind>)>,

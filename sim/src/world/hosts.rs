@@ -49,7 +49,9 @@ pub fn subscriber_settings(s: &Scenario) -> SubscriberSettings {
     settings.spec.prefetch = c.consumer_prefetch.unwrap_or(8);
     settings.concurrency = c.consumer_concurrency.unwrap_or(2);
     settings.max_attempts = c.consumer_max_attempts.unwrap_or(3);
-    settings.max_delivery_bytes = c.consumer_max_delivery_bytes.unwrap_or(16 * 1024);
+    settings.max_body_bytes = c.consumer_max_body_bytes.unwrap_or(16 * 1024);
+    // Stalled handlers (see `SimHandler`) are cut off after two seconds.
+    settings.handler_timeout = std::time::Duration::from_secs(2);
     settings
         .validate()
         .unwrap_or_else(|e| panic!("scenario {} has invalid consumer settings: {e}", s.name));

@@ -152,6 +152,7 @@ fn schedule(faults: &[Fault]) -> Vec<Scheduled> {
 
 /// Runs `scenario` with `seed`.
 pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
+    crate::workload::handler::quiet_handler_panics();
     let mut rng = SmallRng::seed_from_u64(seed);
     let trace = Trace::default();
     crate::set_world_now(Duration::ZERO);
@@ -171,7 +172,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     for i in 1..=topology.consumers {
         hooks.push((format!("consumer-{i}"), Hooks::new(rng.random())));
     }
-    let delivery_limit = subscriber_settings(scenario).max_delivery_bytes as usize;
+    let delivery_limit = subscriber_settings(scenario).max_body_bytes as usize;
     let mut sim = turmoil::Builder::new()
         .rng_seed(rng.random())
         .tick_duration(STEP)

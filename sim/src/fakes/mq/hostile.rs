@@ -13,8 +13,8 @@
 //!   store it (SQLSTATE class 22); the subscriber dead-letters it at once
 //!   instead of retrying a statement that can never succeed.
 //! - an **oversized** envelope, one byte over the subscriber's
-//!   `max_delivery_bytes`: dead-lettered at once, before it is parsed; and
-//!   one **at the limit**, exactly `max_delivery_bytes` long, which is taken
+//!   `max_body_bytes`: dead-lettered at once, before it is parsed; and
+//!   one **at the limit**, exactly `max_body_bytes` long, which is taken
 //!   and applied once.
 //! - a valid envelope whose AMQP **`message_id` is foreign** (another UUID, a
 //!   string that is no UUID, or none): it is a real event and takes effect
@@ -38,7 +38,7 @@ pub struct Hostile {
 }
 
 /// Builds a hostile message of `kind`; `limit` is the subscriber's
-/// `max_delivery_bytes`.
+/// `max_body_bytes`.
 pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
     let routing_key = format!("hostile.{kind:?}").to_lowercase();
     let (body, message_id, envelope_id) = match kind {

@@ -136,7 +136,7 @@ impl MqState {
 
     /// Puts a hostile message of one of `kinds` (drawn from the broker's
     /// RNG) in `queue`, as a foreign publisher on `exchange` would;
-    /// `delivery_limit` is the subscribers' `max_delivery_bytes`.
+    /// `delivery_limit` is the subscribers' `max_body_bytes`.
     pub fn inject_hostile(
         &self,
         exchange: &str,
