@@ -28,6 +28,10 @@ pub const FILES: &[(&str, &str)] = &[
         "20260729000000_add_event_outbox_parking.sql",
         include_str!("../../migrations/20260729000000_add_event_outbox_parking.sql"),
     ),
+    (
+        "20261201000000_key_event_inbox_by_subscription.sql",
+        include_str!("../../migrations/20261201000000_key_event_inbox_by_subscription.sql"),
+    ),
 ];
 
 /// The embedded sqlx migrator over `migrations/`.

@@ -291,8 +291,16 @@ fn subscriber_variables_are_read_and_checked_naming_them() {
     for (var, value, rule) in [
         ("CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES", "1023", ">= 1024"),
         ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "0", "> 0"),
-        ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "3601", "<= 3600"),
-        ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "1.5", "whole number"),
+        (
+            "CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS",
+            "3601",
+            "<= 3600",
+        ),
+        (
+            "CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS",
+            "1.5",
+            "whole number",
+        ),
     ] {
         let e = read(&[(var, value)]).unwrap_err().to_string();
         assert!(

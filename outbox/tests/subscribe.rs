@@ -84,6 +84,8 @@ struct Options {
     amqp_url: Option<String>,
     /// The handler deadline, if not 30 s.
     handler_timeout: Option<Duration>,
+    /// An exchange another subscription already uses, if not a new one.
+    exchange: Option<String>,
 }
 
 async fn start(pool: PgPool, fail_first: bool, always_fail: bool) -> Running {
@@ -100,12 +102,12 @@ async fn start(pool: PgPool, fail_first: bool, always_fail: bool) -> Running {
 
 async fn start_with(pool: PgPool, o: Options) -> Running {
     let (fail_first, always_fail) = (o.fail_first, o.always_fail);
-    sqlx::query("CREATE TABLE effects (event_id UUID NOT NULL)")
+    sqlx::query("CREATE TABLE IF NOT EXISTS effects (event_id UUID NOT NULL)")
         .execute(&pool)
         .await
         .unwrap();
     let queue = unique("sub");
-    let exchange = unique("sub.x");
+    let exchange = o.exchange.clone().unwrap_or_else(|| unique("sub.x"));
     let broker = Arc::new(LapinBroker::new(
         o.amqp_url.clone().unwrap_or_else(common::amqp_url),
     ));
@@ -400,6 +402,48 @@ async fn a_panicking_or_stalled_handler_counts_attempts_and_the_subscriber_goes_
     })
     .await;
     r.stop().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn one_event_bound_to_two_queues_takes_effect_once_in_each(pool: PgPool) {
+    // Two subscriptions of one service (one database, one inbox) both
+    // receive the event: each runs its handler once.
+    let first = start(pool.clone(), false, false).await;
+    let second = start_with(
+        pool,
+        Options {
+            exchange: Some(first.exchange.clone()),
+            ..Options::default()
+        },
+    )
+    .await;
+    let e = EventEnvelope::new("orders.created", serde_json::json!({ "order": 1 }));
+    first.publish_envelope(&e).await;
+    first.publish_envelope(&e).await;
+    let (a, b) = (first.counters.clone(), second.counters.clone());
+    eventually(Duration::from_secs(20), || {
+        let (a, b) = (a.snapshot(), b.snapshot());
+        async move { a.processed + a.duplicates == 2 && b.processed + b.duplicates == 2 }
+    })
+    .await;
+    for r in [&first, &second] {
+        let s = r.counters.snapshot();
+        assert_eq!((s.processed, s.duplicates), (1, 1), "{}: {s:?}", r.queue);
+    }
+    assert_eq!(first.effects(e.id).await, 2, "one effect per subscription");
+    let rows: Vec<String> = sqlx::query_scalar(
+        "SELECT subscription FROM event_inbox \
+         WHERE event_id = $1 AND processed_at IS NOT NULL ORDER BY subscription",
+    )
+    .bind(e.id)
+    .fetch_all(&first.pool)
+    .await
+    .unwrap();
+    let mut queues = vec![first.queue.clone(), second.queue.clone()];
+    queues.sort();
+    assert_eq!(rows, queues);
+    second.stop().await;
+    first.stop().await;
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]

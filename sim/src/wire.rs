@@ -174,6 +174,7 @@ pub enum PgRequest {
     },
     /// `inbox_mark_processed`, in a transaction.
     InboxMarkProcessed {
+        subscription: String,
         event_id: Uuid,
     },
     /// The simulated handler's domain write, in a transaction: committed
@@ -188,6 +189,7 @@ pub enum PgRequest {
     /// savepoint, then attempts + 1, `last_error`, dead-lettered at the
     /// budget; takes effect at commit.
     InboxRecordFailure {
+        subscription: String,
         event_id: Uuid,
         error: String,
         max_attempts: u32,
@@ -211,6 +213,7 @@ pub enum PgRequest {
     },
     /// `inbox_reset_attempts`.
     InboxReset {
+        subscription: String,
         ids: Vec<Uuid>,
     },
     /// `inbox_delete_processed`.

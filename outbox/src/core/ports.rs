@@ -239,9 +239,10 @@ pub trait PublishChannel: Send {
 /// One inbox row as a delivery (or a replay) brings it.
 #[derive(Debug, Clone, Copy)]
 pub struct InboxEntry<'a> {
-    /// The envelope id: the inbox key.
+    /// The envelope id (with the subscription, the inbox key).
     pub event_id: Uuid,
-    /// The subscription (queue) it came through.
+    /// The subscription (queue) it came through: each subscription keeps
+    /// its own row, so two that both receive an event each take its effect.
     pub subscription: &'a str,
     /// Its routing key.
     pub routing_key: &'a str,
@@ -337,11 +338,11 @@ pub trait InboxStore: Send + Sync + 'static {
         entry: &InboxEntry<'_>,
     ) -> impl Future<Output = Result<InsertOutcome, StoreError>> + Send;
 
-    /// Sets `processed_at` on the row, in the handler's transaction.
+    /// Sets `processed_at` on `entry`'s row, in the handler's transaction.
     fn inbox_mark_processed(
         &self,
         tx: &mut Self::Tx,
-        event_id: Uuid,
+        entry: &InboxEntry<'_>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Commits the handler's transaction.
@@ -361,7 +362,7 @@ pub trait InboxStore: Send + Sync + 'static {
     fn inbox_record_failure(
         &self,
         tx: &mut Self::Tx,
-        event_id: Uuid,
+        entry: &InboxEntry<'_>,
         error: &str,
         max_attempts: u32,
     ) -> impl Future<Output = Result<AttemptRecord, StoreError>> + Send;
@@ -372,10 +373,11 @@ pub trait InboxStore: Send + Sync + 'static {
         filter: &InboxFilter,
     ) -> impl Future<Output = Result<Vec<InboxRow>, StoreError>> + Send;
 
-    /// Gives unprocessed rows a fresh budget for replay: `attempts = 0`,
-    /// dead-letter mark cleared. Returns how many it reset.
+    /// Gives unprocessed rows of `subscription` a fresh budget for replay:
+    /// `attempts = 0`, dead-letter mark cleared. Returns how many it reset.
     fn inbox_reset_attempts(
         &self,
+        subscription: &str,
         ids: &[Uuid],
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 

@@ -498,12 +498,7 @@ where
             return Ok(Attempt::AlreadyProcessed);
         }
         let (recorded, attempt) = match self.run_handler(&mut tx, envelope).await {
-            Ok(()) => (
-                self.store
-                    .inbox_mark_processed(&mut tx, entry.event_id)
-                    .await,
-                None,
-            ),
+            Ok(()) => (self.store.inbox_mark_processed(&mut tx, entry).await, None),
             Err(error) if error.is_unavailable() => {
                 // The handler's database is unavailable: nobody's fault, no
                 // attempt counts; retried in place like the inbox's own.
@@ -517,7 +512,7 @@ where
                 let text = truncate_chars(error.message(), LAST_ERROR_MAX_CHARS);
                 match self
                     .store
-                    .inbox_record_failure(&mut tx, entry.event_id, &text, max_attempts)
+                    .inbox_record_failure(&mut tx, entry, &text, max_attempts)
                     .await
                 {
                     Ok(record) => (Ok(()), Some((record, text))),
@@ -583,7 +578,9 @@ where
             let outcome = match EventEnvelope::decode_delivery(&row.payload) {
                 Err(reason) => ReplayOutcome::Undecodable { reason },
                 Ok(envelope) => {
-                    self.store.inbox_reset_attempts(&[row.event_id]).await?;
+                    self.store
+                        .inbox_reset_attempts(&row.subscription, &[row.event_id])
+                        .await?;
                     let entry = InboxEntry {
                         event_id: row.event_id,
                         subscription: &row.subscription,

@@ -89,6 +89,7 @@ impl InboxStore for PgInboxStore {
                 // transaction holding it). Lock it for this transaction.
                 let row = sqlx::query(sql::INBOX_LOCK)
                     .bind(entry.event_id)
+                    .bind(entry.subscription)
                     .fetch_optional(&mut **tx)
                     .await
                     .map_err(map_err)?;
@@ -116,10 +117,15 @@ impl InboxStore for PgInboxStore {
         .await
     }
 
-    async fn inbox_mark_processed(&self, tx: &mut PgTx, event_id: Uuid) -> Result<(), StoreError> {
+    async fn inbox_mark_processed(
+        &self,
+        tx: &mut PgTx,
+        entry: &InboxEntry<'_>,
+    ) -> Result<(), StoreError> {
         bounded(async {
             sqlx::query(sql::INBOX_MARK_PROCESSED)
-                .bind(event_id)
+                .bind(entry.event_id)
+                .bind(entry.subscription)
                 .execute(&mut **tx)
                 .await
                 .map_err(map_err)?;
@@ -140,7 +146,7 @@ impl InboxStore for PgInboxStore {
     async fn inbox_record_failure(
         &self,
         tx: &mut PgTx,
-        event_id: Uuid,
+        entry: &InboxEntry<'_>,
         error: &str,
         max_attempts: u32,
     ) -> Result<AttemptRecord, StoreError> {
@@ -150,9 +156,10 @@ impl InboxStore for PgInboxStore {
                 .await
                 .map_err(map_err)?;
             let row = sqlx::query(sql::INBOX_RECORD_FAILURE)
-                .bind(event_id)
+                .bind(entry.event_id)
                 .bind(error)
                 .bind(i64::from(max_attempts))
+                .bind(entry.subscription)
                 .fetch_optional(&mut **tx)
                 .await
                 .map_err(map_err)?;
@@ -162,7 +169,8 @@ impl InboxStore for PgInboxStore {
                     dead_lettered: r.get("dead_lettered"),
                 }),
                 None => Err(StoreError::Statement(format!(
-                    "inbox row {event_id} is not held by this transaction"
+                    "inbox row {} is not held by this transaction",
+                    entry.event_id
                 ))),
             }
         })
@@ -201,10 +209,15 @@ impl InboxStore for PgInboxStore {
         .await
     }
 
-    async fn inbox_reset_attempts(&self, ids: &[Uuid]) -> Result<u64, StoreError> {
+    async fn inbox_reset_attempts(
+        &self,
+        subscription: &str,
+        ids: &[Uuid],
+    ) -> Result<u64, StoreError> {
         bounded(async {
             let done = sqlx::query(sql::INBOX_RESET_ATTEMPTS)
                 .bind(ids)
+                .bind(subscription)
                 .execute(&self.pool)
                 .await
                 .map_err(map_err)?;

@@ -154,10 +154,17 @@ impl InboxStore for SimInboxStore {
         Ok(outcome)
     }
 
-    async fn inbox_mark_processed(&self, tx: &mut SimTx, event_id: Uuid) -> Result<(), StoreError> {
-        tx.call(PgRequest::InboxMarkProcessed { event_id })
-            .await
-            .map(drop)
+    async fn inbox_mark_processed(
+        &self,
+        tx: &mut SimTx,
+        entry: &InboxEntry<'_>,
+    ) -> Result<(), StoreError> {
+        tx.call(PgRequest::InboxMarkProcessed {
+            subscription: entry.subscription.to_owned(),
+            event_id: entry.event_id,
+        })
+        .await
+        .map(drop)
     }
 
     async fn inbox_commit(&self, mut tx: SimTx) -> Result<(), StoreError> {
@@ -178,13 +185,14 @@ impl InboxStore for SimInboxStore {
     async fn inbox_record_failure(
         &self,
         tx: &mut SimTx,
-        event_id: Uuid,
+        entry: &InboxEntry<'_>,
         error: &str,
         max_attempts: u32,
     ) -> Result<AttemptRecord, StoreError> {
         match tx
             .call(PgRequest::InboxRecordFailure {
-                event_id,
+                subscription: entry.subscription.to_owned(),
+                event_id: entry.event_id,
                 error: error.to_owned(),
                 max_attempts,
             })
@@ -233,9 +241,16 @@ impl InboxStore for SimInboxStore {
         }
     }
 
-    async fn inbox_reset_attempts(&self, ids: &[Uuid]) -> Result<u64, StoreError> {
+    async fn inbox_reset_attempts(
+        &self,
+        subscription: &str,
+        ids: &[Uuid],
+    ) -> Result<u64, StoreError> {
         match self
-            .side_call(PgRequest::InboxReset { ids: ids.to_vec() })
+            .side_call(PgRequest::InboxReset {
+                subscription: subscription.to_owned(),
+                ids: ids.to_vec(),
+            })
             .await?
         {
             PgReply::Count(n) => Ok(n),

@@ -171,9 +171,14 @@ fn event(key: &str) -> Event {
 }
 
 fn entry<'a>(e: &'a Event, key: &'a str) -> InboxEntry<'a> {
+    entry_of("q", e, key)
+}
+
+/// `e` as subscription `subscription` receives it.
+fn entry_of<'a>(subscription: &'a str, e: &'a Event, key: &'a str) -> InboxEntry<'a> {
     InboxEntry {
         event_id: e.id,
-        subscription: "q",
+        subscription,
         routing_key: key,
         payload: e.payload.as_bytes(),
     }
@@ -188,7 +193,10 @@ async fn apply<A: InboxArm>(arm: &A, store: &A::S, e: &Event) -> InsertOutcome {
         .unwrap();
     if outcome != InsertOutcome::AlreadyProcessed {
         arm.effect(&mut tx, e.id).await;
-        store.inbox_mark_processed(&mut tx, e.id).await.unwrap();
+        store
+            .inbox_mark_processed(&mut tx, &entry(e, "k"))
+            .await
+            .unwrap();
     }
     store.inbox_commit(tx).await.unwrap();
     outcome
@@ -210,7 +218,7 @@ async fn fail<A: InboxArm>(
         .unwrap();
     arm.effect(&mut tx, e.id).await;
     let r = store
-        .inbox_record_failure(&mut tx, e.id, "boom", max_attempts)
+        .inbox_record_failure(&mut tx, &entry(e, key), "boom", max_attempts)
         .await
         .unwrap();
     store.inbox_commit(tx).await.unwrap();
@@ -218,6 +226,49 @@ async fn fail<A: InboxArm>(
 }
 
 // ---- bodies --------------------------------------------------------------
+
+async fn two_subscriptions_each_take_an_events_effect<A: InboxArm>(arm: A) {
+    // One event bound to two queues of one service: each subscription has
+    // its own row, effect and budget.
+    let e = event("k");
+    let s = arm.store();
+    for subscription in ["q", "q2"] {
+        let mut tx = s.inbox_begin().await.unwrap();
+        let entry = entry_of(subscription, &e, "k");
+        assert_eq!(
+            s.inbox_try_insert(&mut tx, &entry).await.unwrap(),
+            InsertOutcome::Inserted,
+            "{subscription}"
+        );
+        arm.effect(&mut tx, e.id).await;
+        s.inbox_mark_processed(&mut tx, &entry).await.unwrap();
+        s.inbox_commit(tx).await.unwrap();
+    }
+    assert_eq!(arm.effects(e.id).await, 2);
+    // A failure recorded for one subscription leaves the other's row alone.
+    let f = event("k");
+    fail(&arm, s, &f, "k", 1).await;
+    let mut tx = s.inbox_begin().await.unwrap();
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry_of("q2", &f, "k"))
+            .await
+            .unwrap(),
+        InsertOutcome::Inserted
+    );
+    s.inbox_rollback(tx).await;
+    // A duplicate is recognised per subscription.
+    let mut tx = s.inbox_begin().await.unwrap();
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry_of("q2", &e, "k"))
+            .await
+            .unwrap(),
+        InsertOutcome::AlreadyProcessed
+    );
+    s.inbox_commit(tx).await.unwrap();
+    // Replay's reset is scoped to its subscription.
+    assert_eq!(s.inbox_reset_attempts("q2", &[f.id]).await.unwrap(), 0);
+    assert_eq!(s.inbox_reset_attempts("q", &[f.id]).await.unwrap(), 1);
+}
 
 async fn a_committed_event_is_already_processed_the_second_time<A: InboxArm>(arm: A) {
     let e = event("k");
@@ -304,7 +355,9 @@ async fn a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome<A: Inbox
     let first = async {
         tokio::time::sleep(Duration::from_millis(300)).await;
         arm.effect(&mut tx, e.id).await;
-        a.inbox_mark_processed(&mut tx, e.id).await.unwrap();
+        a.inbox_mark_processed(&mut tx, &entry(&e, "k"))
+            .await
+            .unwrap();
         a.inbox_commit(tx).await.unwrap();
     };
     let ((), outcome) = futures_lite::future::zip(first, second).await;
@@ -364,7 +417,7 @@ async fn replay_listing_filters_orders_and_resets_the_budget<A: InboxArm>(arm: A
         .await
         .unwrap();
     assert_eq!(ids(by_id), vec![c.id]);
-    assert_eq!(s.inbox_reset_attempts(&[a.id, b.id]).await.unwrap(), 2);
+    assert_eq!(s.inbox_reset_attempts("q", &[a.id, b.id]).await.unwrap(), 2);
     let still_dead = s
         .inbox_list_unprocessed(&InboxFilter {
             dead_lettered_only: true,
@@ -378,7 +431,7 @@ async fn replay_listing_filters_orders_and_resets_the_budget<A: InboxArm>(arm: A
         apply(&arm, s, &a).await,
         InsertOutcome::InFlightRetry { attempts: 0 }
     );
-    assert_eq!(s.inbox_reset_attempts(&[a.id]).await.unwrap(), 0);
+    assert_eq!(s.inbox_reset_attempts("q", &[a.id]).await.unwrap(), 0);
 }
 
 async fn the_retention_sweep_deletes_only_old_processed_rows<A: InboxArm>(arm: A) {
@@ -426,7 +479,7 @@ async fn a_handler_statement_that_failed_is_undone_and_the_attempt_still_recorde
     arm.effect(&mut tx, e.id).await;
     arm.failing_statement(&mut tx).await;
     let r = s
-        .inbox_record_failure(&mut tx, e.id, "division by zero", 3)
+        .inbox_record_failure(&mut tx, &entry(&e, "k"), "division by zero", 3)
         .await
         .unwrap();
     assert_eq!(
@@ -491,6 +544,7 @@ async fn the_inbox_refuses_what_postgresql_refuses<A: InboxArm>(arm: A) {
 conformance!(postgres: with_real, fake: with_fake;
 
     a_committed_event_is_already_processed_the_second_time,
+    two_subscriptions_each_take_an_events_effect,
     a_rolled_back_attempt_leaves_only_its_recorded_failure,
     a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome,
     replay_listing_filters_orders_and_resets_the_budget,

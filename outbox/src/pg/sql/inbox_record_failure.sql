@@ -3,7 +3,7 @@
 -- dead-lettered at the budget. It commits with the transaction, so the count
 -- survives the handler's rollback (the ADR's reason for a separate
 -- connection) and a retry after a lost reply cannot count one failure twice.
--- $1 event id, $2 error, $3 max attempts.
+-- $1 event id, $2 error, $3 max attempts, $4 subscription.
 UPDATE event_inbox
 SET attempts = attempts + 1,
     last_error = $2,
@@ -12,4 +12,5 @@ SET attempts = attempts + 1,
         ELSE dead_lettered_at
     END
 WHERE event_id = $1
+  AND subscription = $4
 RETURNING attempts, dead_lettered_at IS NOT NULL AS dead_lettered

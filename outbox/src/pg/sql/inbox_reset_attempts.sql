@@ -1,6 +1,8 @@
--- Replay: a fresh budget for unprocessed rows. $1 ids.
+-- Replay: a fresh budget for unprocessed rows of one subscription.
+-- $1 ids, $2 subscription.
 UPDATE event_inbox
 SET attempts = 0,
     dead_lettered_at = NULL
 WHERE event_id = ANY($1)
+  AND subscription = $2
   AND processed_at IS NULL

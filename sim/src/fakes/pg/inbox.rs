@@ -1,7 +1,8 @@
 //! The fake PostgreSQL's `event_inbox` table and the simulated handler's
 //! domain table, as the subscriber relies on them (ADR-018 amendment #433).
 //!
-//! Modelled: an inserted row is invisible to other sessions until commit
+//! Rows are keyed by (subscription, event id), as the issue-11 migration
+//! keys `event_inbox`. Modelled: an inserted row is invisible to other sessions until commit
 //! and, like every row a transaction touched, locked until it ends; a
 //! second session's insert of the same event (or its failure record) waits
 //! for that lock, as `INSERT … ON CONFLICT` does, so deliveries of one event
@@ -29,6 +30,13 @@ fn refusal(entry: &WireInboxEntry) -> Option<Refusal> {
         .or_else(|| jsonb_refusal(&entry.payload))
 }
 
+/// An inbox row's key: (subscription, event id).
+type Key = (String, Uuid);
+
+fn key(subscription: &str, event_id: Uuid) -> Key {
+    (subscription.to_owned(), event_id)
+}
+
 /// Where an inbox request came from, for the trace.
 pub struct Caller<'a> {
     pub session: u64,
@@ -51,6 +59,10 @@ pub struct InboxRow {
 }
 
 impl InboxRow {
+    fn key(&self) -> Key {
+        key(&self.subscription, self.event_id)
+    }
+
     fn new(e: &WireInboxEntry, now: u64) -> Self {
         Self {
             event_id: e.event_id,
@@ -69,9 +81,9 @@ impl InboxRow {
 /// The committed inbox, its row locks and the handler's committed effects.
 #[derive(Debug, Default)]
 pub struct Inbox {
-    rows: BTreeMap<Uuid, InboxRow>,
+    rows: BTreeMap<Key, InboxRow>,
     /// Rows held by an open transaction, by session number.
-    locks: BTreeMap<Uuid, u64>,
+    locks: BTreeMap<Key, u64>,
     /// Committed handler effects per (subscription, event).
     effects: BTreeMap<(String, Uuid), u32>,
     /// Every event ever marked processed (the janitor deletes rows; the
@@ -83,12 +95,12 @@ pub struct Inbox {
 #[derive(Debug, Default)]
 pub struct InboxTx {
     inserts: Vec<InboxRow>,
-    processed: Vec<Uuid>,
+    processed: Vec<Key>,
     effects: Vec<(String, Uuid)>,
-    locked: Vec<Uuid>,
+    locked: Vec<Key>,
     /// Failed attempts recorded on rows this transaction locked (not
-    /// inserted): (event, attempts, error, dead-lettered).
-    failures: Vec<(Uuid, i32, String, bool)>,
+    /// inserted): (row, attempts, error, dead-lettered).
+    failures: Vec<(Key, i32, String, bool)>,
     /// The savepoint: how much handler work there was when it was set.
     savepoint: Option<Savepoint>,
 }
@@ -151,10 +163,13 @@ impl Inbox {
         self.processed_ever.contains(id)
     }
 
-    /// Moves a row's `processed_ms` `by_ms` into the past (conformance).
+    /// Moves the `processed_ms` of event `id`'s rows `by_ms` into the past
+    /// (conformance).
     pub fn backdate_processed(&mut self, id: Uuid, by_ms: u64) {
-        if let Some(p) = self.rows.get_mut(&id).and_then(|r| r.processed_ms.as_mut()) {
-            *p = p.saturating_sub(by_ms);
+        for r in self.rows.values_mut().filter(|r| r.event_id == id) {
+            if let Some(p) = r.processed_ms.as_mut() {
+                *p = p.saturating_sub(by_ms);
+            }
         }
     }
 
@@ -163,7 +178,7 @@ impl Inbox {
         match req {
             PgRequest::InboxTryInsert { entry } => self
                 .locks
-                .get(&entry.event_id)
+                .get(&key(&entry.subscription, entry.event_id))
                 .is_some_and(|s| *s != session),
             _ => false,
         }
@@ -213,7 +228,7 @@ impl Inbox {
                 };
                 self.list(filter, *limit)
             }
-            PgRequest::InboxReset { ids } => self.reset(ids, caller),
+            PgRequest::InboxReset { subscription, ids } => self.reset(subscription, ids, caller),
             PgRequest::InboxDeleteProcessed {
                 older_than_ms,
                 limit,
@@ -233,11 +248,15 @@ impl Inbox {
     ) -> PgReply {
         match req {
             PgRequest::InboxTryInsert { entry } => self.try_insert(entry, caller, tx, now),
-            PgRequest::InboxMarkProcessed { event_id } => {
-                if let Some(row) = tx.inserts.iter_mut().find(|r| r.event_id == *event_id) {
+            PgRequest::InboxMarkProcessed {
+                subscription,
+                event_id,
+            } => {
+                let k = key(subscription, *event_id);
+                if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
                     row.processed_ms = Some(now);
                 } else {
-                    tx.processed.push(*event_id);
+                    tx.processed.push(k);
                 }
                 PgReply::Ok
             }
@@ -257,6 +276,7 @@ impl Inbox {
                 PgReply::Ok
             }
             PgRequest::InboxRecordFailure {
+                subscription,
                 event_id,
                 error,
                 max_attempts,
@@ -267,7 +287,7 @@ impl Inbox {
                         "savepoint \"canopy_handler\" does not exist",
                     ));
                 }
-                self.record_failure(tx, *event_id, error, *max_attempts, now)
+                self.record_failure(tx, key(subscription, *event_id), error, *max_attempts, now)
             }
             other => unreachable!("{other:?} is no handler statement"),
         }
@@ -282,11 +302,11 @@ impl Inbox {
         tx: &mut InboxTx,
         now: u64,
     ) -> PgReply {
-        let id = entry.event_id;
-        if tx.inserts.iter().any(|r| r.event_id == id) {
+        let (id, k) = (entry.event_id, key(&entry.subscription, entry.event_id));
+        if tx.inserts.iter().any(|r| r.key() == k) {
             return PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts: 0 });
         }
-        let outcome = match self.rows.get(&id) {
+        let outcome = match self.rows.get(&k) {
             Some(row) if row.processed_ms.is_some() => {
                 caller.trace.now(Event::InboxDuplicate {
                     client: caller.client.to_owned(),
@@ -302,7 +322,7 @@ impl Inbox {
                 WireInsertOutcome::Inserted
             }
         };
-        self.lock(tx, id, caller.session);
+        self.lock(tx, k, caller.session);
         PgReply::Inbox(outcome)
     }
 
@@ -327,11 +347,12 @@ impl Inbox {
         )
     }
 
-    /// `inbox_reset_attempts.sql`: a fresh budget for unprocessed rows.
-    fn reset(&mut self, ids: &[Uuid], caller: &Caller<'_>) -> PgReply {
+    /// `inbox_reset_attempts.sql`: a fresh budget for unprocessed rows of
+    /// one subscription.
+    fn reset(&mut self, subscription: &str, ids: &[Uuid], caller: &Caller<'_>) -> PgReply {
         let mut reset = Vec::new();
         for id in ids {
-            if let Some(r) = self.rows.get_mut(id)
+            if let Some(r) = self.rows.get_mut(&key(subscription, *id))
                 && r.processed_ms.is_none()
             {
                 r.attempts = 0;
@@ -349,23 +370,19 @@ impl Inbox {
     /// `inbox_delete_processed.sql`: at most `limit` rows processed before
     /// `cutoff`, oldest first.
     fn delete_processed(&mut self, cutoff: u64, limit: u32, caller: &Caller<'_>) -> PgReply {
-        let mut expired: Vec<(u64, Uuid)> = self
+        let mut expired: Vec<(u64, Key)> = self
             .rows
             .values()
-            .filter_map(|r| {
-                r.processed_ms
-                    .filter(|p| *p < cutoff)
-                    .map(|p| (p, r.event_id))
-            })
+            .filter_map(|r| r.processed_ms.filter(|p| *p < cutoff).map(|p| (p, r.key())))
             .collect();
         expired.sort();
         expired.truncate(limit as usize);
-        for (_, id) in &expired {
-            self.rows.remove(id);
+        for (_, k) in &expired {
+            self.rows.remove(k);
         }
         if !expired.is_empty() {
             caller.trace.now(Event::InboxDeleted {
-                ids: expired.iter().map(|(_, id)| *id).collect(),
+                ids: expired.iter().map(|(_, (_, id))| *id).collect(),
             });
         }
         PgReply::Count(expired.len() as u64)
@@ -375,13 +392,13 @@ impl Inbox {
     fn record_failure(
         &self,
         tx: &mut InboxTx,
-        id: Uuid,
+        k: Key,
         error: &str,
         max_attempts: u32,
         now: u64,
     ) -> PgReply {
         let budget = |attempts: i32, already: bool| already || attempts >= max_attempts as i32;
-        if let Some(row) = tx.inserts.iter_mut().find(|r| r.event_id == id) {
+        if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
             row.attempts += 1;
             row.last_error = Some(error.to_owned());
             if budget(row.attempts, row.dead_lettered_ms.is_some()) {
@@ -392,32 +409,32 @@ impl Inbox {
                 dead_lettered: row.dead_lettered_ms.is_some(),
             };
         }
-        let Some(row) = self.rows.get(&id).filter(|_| tx.locked.contains(&id)) else {
+        let Some(row) = self.rows.get(&k).filter(|_| tx.locked.contains(&k)) else {
             return PgReply::Error(PgError::new(
                 "55000",
-                format!("inbox row {id} is not held by this transaction"),
+                format!("inbox row {} is not held by this transaction", k.1),
             ));
         };
         let (before, was_dead) = tx
             .failures
             .iter()
             .rev()
-            .find(|f| f.0 == id)
+            .find(|f| f.0 == k)
             .map_or((row.attempts, row.dead_lettered_ms.is_some()), |f| {
                 (f.1, f.3)
             });
         let attempts = before + 1;
         let dead = budget(attempts, was_dead);
-        tx.failures.push((id, attempts, error.to_owned(), dead));
+        tx.failures.push((k, attempts, error.to_owned(), dead));
         PgReply::Attempt {
             attempts,
             dead_lettered: dead,
         }
     }
 
-    fn lock(&mut self, tx: &mut InboxTx, id: Uuid, session: u64) {
-        if self.locks.insert(id, session).is_none() {
-            tx.locked.push(id);
+    fn lock(&mut self, tx: &mut InboxTx, k: Key, session: u64) {
+        if self.locks.insert(k.clone(), session).is_none() {
+            tx.locked.push(k);
         }
     }
 
@@ -433,39 +450,39 @@ impl Inbox {
                 out.failures
                     .push((row.event_id, row.attempts, row.dead_lettered_ms.is_some()));
             }
-            self.rows.insert(row.event_id, row);
+            self.rows.insert(row.key(), row);
         }
-        for (id, attempts, error, dead) in tx.failures {
-            if let Some(r) = self.rows.get_mut(&id) {
+        for (k, attempts, error, dead) in tx.failures {
+            if let Some(r) = self.rows.get_mut(&k) {
                 r.attempts = attempts;
                 r.last_error = Some(error);
                 if dead {
                     r.dead_lettered_ms.get_or_insert(now);
                 }
-                out.failures.push((id, attempts, dead));
+                out.failures.push((k.1, attempts, dead));
             }
         }
-        for id in tx.processed {
-            if let Some(r) = self.rows.get_mut(&id) {
+        for k in tx.processed {
+            if let Some(r) = self.rows.get_mut(&k) {
                 r.processed_ms = Some(now);
-                out.processed.push(id);
-                self.processed_ever.insert(id);
+                out.processed.push(k.1);
+                self.processed_ever.insert(k.1);
             }
         }
         for effect in tx.effects {
             *self.effects.entry(effect.clone()).or_insert(0) += 1;
             out.effects.push(effect);
         }
-        for id in tx.locked {
-            self.locks.remove(&id);
+        for k in tx.locked {
+            self.locks.remove(&k);
         }
         out
     }
 
     /// Discards a transaction's inbox work and releases its locks.
     pub fn rollback(&mut self, tx: InboxTx) {
-        for id in tx.locked {
-            self.locks.remove(&id);
+        for k in tx.locked {
+            self.locks.remove(&k);
         }
     }
 }
