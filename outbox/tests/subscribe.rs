@@ -447,6 +447,62 @@ async fn one_event_bound_to_two_queues_takes_effect_once_in_each(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_replay_cut_short_leaves_what_it_did_not_apply_dead_lettered(pool: PgPool) {
+    let r = start_with(
+        pool,
+        Options {
+            always_fail: true,
+            delay: Duration::from_millis(300),
+            ..Options::default()
+        },
+    )
+    .await;
+    let events: Vec<_> = (0..3)
+        .map(|i| EventEnvelope::new("orders.created", serde_json::json!({ "order": i })))
+        .collect();
+    for e in &events {
+        r.publish_envelope(e).await;
+    }
+    let c = r.counters.clone();
+    eventually(Duration::from_secs(30), || {
+        let s = c.snapshot();
+        async move { s.dead_lettered == 3 }
+    })
+    .await;
+    *r.always_fail.lock().unwrap() = false;
+    let filter = InboxFilter {
+        dead_lettered_only: true,
+        ..InboxFilter::default()
+    };
+    // The operator's request is dropped while the second row's handler runs.
+    let cut = tokio::time::timeout(Duration::from_millis(450), r.subscriber.replay(&filter)).await;
+    assert!(cut.is_err(), "the replay was cut short");
+    let mut applied = 0;
+    let mut still_dead = 0;
+    for e in &events {
+        match r.inbox(e.id).await {
+            Some((true, 0, false)) => applied += 1,
+            Some((false, 3, true)) => still_dead += 1,
+            other => panic!(
+                "{} is neither applied nor still dead-lettered: {other:?}",
+                e.id
+            ),
+        }
+    }
+    // Usually (1, 2); a slow machine may cut the first row already.
+    assert_eq!(applied + still_dead, 3);
+    assert!(still_dead >= 2, "{still_dead} still dead-lettered");
+    // The next replay finds the rest and applies each once.
+    let replayed = r.subscriber.replay(&filter).await.unwrap();
+    assert_eq!(replayed.len(), still_dead);
+    for e in &events {
+        assert_eq!(r.effects(e.id).await, 1);
+        assert_eq!(r.inbox(e.id).await, Some((true, 0, false)));
+    }
+    r.stop().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn an_undecodable_delivery_goes_to_the_dlq_at_once(pool: PgPool) {
     let r = start(pool, false, false).await;
     let id = Uuid::now_v7();

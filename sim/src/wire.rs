@@ -231,6 +231,8 @@ pub struct WireInboxEntry {
     pub routing_key: String,
     /// The encoded envelope.
     pub payload: String,
+    /// Replay's reset, in the transaction (see `InboxEntry::fresh_budget`).
+    pub fresh_budget: bool,
 }
 
 /// An inbox row on the wire (times in simulated milliseconds).

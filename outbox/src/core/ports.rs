@@ -248,6 +248,12 @@ pub struct InboxEntry<'a> {
     pub routing_key: &'a str,
     /// The encoded envelope (stored as `payload` for replay).
     pub payload: &'a [u8],
+    /// Replay: give an existing unprocessed row a fresh budget (attempts 0,
+    /// dead-letter mark cleared) in this transaction, before the savepoint,
+    /// so the reset takes effect only with the attempt's commit: a replay
+    /// cut short never leaves a row out of the dead-lettered set without
+    /// its effect.
+    pub fresh_budget: bool,
 }
 
 /// What `inbox_try_insert` found, holding the row's lock until the

@@ -381,6 +381,7 @@ where
                     subscription: queue,
                     routing_key: &envelope.routing_key,
                     payload: &delivery.body,
+                    fresh_budget: false,
                 };
                 self.attempt_until_decided(&entry, &envelope, shutdown)
                     .await
@@ -578,14 +579,12 @@ where
             let outcome = match EventEnvelope::decode_delivery(&row.payload) {
                 Err(reason) => ReplayOutcome::Undecodable { reason },
                 Ok(envelope) => {
-                    self.store
-                        .inbox_reset_attempts(&row.subscription, &[row.event_id])
-                        .await?;
                     let entry = InboxEntry {
                         event_id: row.event_id,
                         subscription: &row.subscription,
                         routing_key: &row.routing_key,
                         payload: &row.payload,
+                        fresh_budget: true,
                     };
                     // A budget of 1: a row whose handler fails again is in no
                     // queue any more, so it stays dead-lettered until the

@@ -95,6 +95,15 @@ impl InboxStore for PgInboxStore {
                     .map_err(map_err)?;
                 match row {
                     Some(r) if r.get::<bool, _>("processed") => InsertOutcome::AlreadyProcessed,
+                    Some(_) if entry.fresh_budget => {
+                        sqlx::query(sql::INBOX_RESET_ATTEMPTS)
+                            .bind([entry.event_id].as_slice())
+                            .bind(entry.subscription)
+                            .execute(&mut **tx)
+                            .await
+                            .map_err(map_err)?;
+                        InsertOutcome::InFlightRetry { attempts: 0 }
+                    }
                     Some(r) => InsertOutcome::InFlightRetry {
                         attempts: r.get("attempts"),
                     },

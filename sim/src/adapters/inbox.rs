@@ -110,6 +110,7 @@ fn wire_entry(e: &InboxEntry<'_>) -> Result<WireInboxEntry, StoreError> {
         subscription: e.subscription.to_owned(),
         routing_key: e.routing_key.to_owned(),
         payload: payload.to_owned(),
+        fresh_budget: e.fresh_budget,
     })
 }
 

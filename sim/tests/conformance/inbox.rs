@@ -181,22 +181,22 @@ fn entry_of<'a>(subscription: &'a str, e: &'a Event, key: &'a str) -> InboxEntry
         subscription,
         routing_key: key,
         payload: e.payload.as_bytes(),
+        fresh_budget: false,
     }
 }
 
 /// BEGIN, try_insert, effect, mark, COMMIT; returns the insert outcome.
 async fn apply<A: InboxArm>(arm: &A, store: &A::S, e: &Event) -> InsertOutcome {
+    apply_entry(arm, store, &entry(e, "k")).await
+}
+
+/// [`apply`] of an entry as given.
+async fn apply_entry<A: InboxArm>(arm: &A, store: &A::S, entry: &InboxEntry<'_>) -> InsertOutcome {
     let mut tx = store.inbox_begin().await.unwrap();
-    let outcome = store
-        .inbox_try_insert(&mut tx, &entry(e, "k"))
-        .await
-        .unwrap();
+    let outcome = store.inbox_try_insert(&mut tx, entry).await.unwrap();
     if outcome != InsertOutcome::AlreadyProcessed {
-        arm.effect(&mut tx, e.id).await;
-        store
-            .inbox_mark_processed(&mut tx, &entry(e, "k"))
-            .await
-            .unwrap();
+        arm.effect(&mut tx, entry.event_id).await;
+        store.inbox_mark_processed(&mut tx, entry).await.unwrap();
     }
     store.inbox_commit(tx).await.unwrap();
     outcome
@@ -226,6 +226,58 @@ async fn fail<A: InboxArm>(
 }
 
 // ---- bodies --------------------------------------------------------------
+
+async fn a_replays_fresh_budget_takes_effect_only_with_its_commit<A: InboxArm>(arm: A) {
+    let e = event("k");
+    let s = arm.store();
+    assert!(fail(&arm, s, &e, "k", 1).await.dead_lettered);
+    let replay = InboxEntry {
+        fresh_budget: true,
+        ..entry(&e, "k")
+    };
+    let dead = InboxFilter {
+        dead_lettered_only: true,
+        ..InboxFilter::default()
+    };
+    // A replay cut short (rolled back) leaves the row dead-lettered.
+    let mut tx = s.inbox_begin().await.unwrap();
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &replay).await.unwrap(),
+        InsertOutcome::InFlightRetry { attempts: 0 }
+    );
+    s.inbox_rollback(tx).await;
+    let rows = s.inbox_list_unprocessed(&dead).await.unwrap();
+    assert_eq!(
+        rows.iter()
+            .map(|r| (r.event_id, r.attempts))
+            .collect::<Vec<_>>(),
+        [(e.id, 1)]
+    );
+    // A replay whose handler fails again: a budget of one from zero.
+    let mut tx = s.inbox_begin().await.unwrap();
+    s.inbox_try_insert(&mut tx, &replay).await.unwrap();
+    arm.effect(&mut tx, e.id).await;
+    let r = s
+        .inbox_record_failure(&mut tx, &replay, "again", 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        r,
+        AttemptRecord {
+            attempts: 1,
+            dead_lettered: true
+        }
+    );
+    s.inbox_commit(tx).await.unwrap();
+    assert_eq!(s.inbox_list_unprocessed(&dead).await.unwrap().len(), 1);
+    // A replay that succeeds: processed, out of the dead-lettered set.
+    assert_eq!(
+        apply_entry(&arm, s, &replay).await,
+        InsertOutcome::InFlightRetry { attempts: 0 }
+    );
+    assert!(s.inbox_list_unprocessed(&dead).await.unwrap().is_empty());
+    assert_eq!(arm.effects(e.id).await, 1);
+}
 
 async fn two_subscriptions_each_take_an_events_effect<A: InboxArm>(arm: A) {
     // One event bound to two queues of one service: each subscription has
@@ -529,6 +581,7 @@ async fn the_inbox_refuses_what_postgresql_refuses<A: InboxArm>(arm: A) {
             subscription: "q",
             routing_key: key,
             payload: payload.as_bytes(),
+            fresh_budget: false,
         };
         let mut tx = s.inbox_begin().await.unwrap();
         let outcome = s.inbox_try_insert(&mut tx, &entry).await;
@@ -545,6 +598,7 @@ conformance!(postgres: with_real, fake: with_fake;
 
     a_committed_event_is_already_processed_the_second_time,
     two_subscriptions_each_take_an_events_effect,
+    a_replays_fresh_budget_takes_effect_only_with_its_commit,
     a_rolled_back_attempt_leaves_only_its_recorded_failure,
     a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome,
     replay_listing_filters_orders_and_resets_the_budget,

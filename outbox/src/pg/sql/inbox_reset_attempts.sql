@@ -1,4 +1,6 @@
--- Replay: a fresh budget for unprocessed rows of one subscription.
+-- Replay: a fresh budget for unprocessed rows of one subscription (run in
+-- the replayed attempt's transaction, right after its lock, by
+-- inbox_try_insert with fresh_budget).
 -- $1 ids, $2 subscription.
 UPDATE event_inbox
 SET attempts = 0,

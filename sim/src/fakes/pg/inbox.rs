@@ -101,6 +101,9 @@ pub struct InboxTx {
     /// Failed attempts recorded on rows this transaction locked (not
     /// inserted): (row, attempts, error, dead-lettered).
     failures: Vec<(Key, i32, String, bool)>,
+    /// Rows given a fresh budget by a replay's insert, applied first at
+    /// commit.
+    resets: Vec<Key>,
     /// The savepoint: how much handler work there was when it was set.
     savepoint: Option<Savepoint>,
 }
@@ -141,6 +144,8 @@ impl InboxTx {
 /// What a commit applied, for the trace.
 #[derive(Debug, Default)]
 pub struct Committed {
+    /// Rows given a fresh budget (replay).
+    pub reset: Vec<Uuid>,
     pub processed: Vec<Uuid>,
     pub effects: Vec<(String, Uuid)>,
     /// Failed attempts recorded: (event, attempts, dead-lettered).
@@ -314,6 +319,10 @@ impl Inbox {
                 });
                 WireInsertOutcome::AlreadyProcessed
             }
+            Some(_) if entry.fresh_budget => {
+                tx.resets.push(k.clone());
+                WireInsertOutcome::InFlightRetry { attempts: 0 }
+            }
             Some(row) => WireInsertOutcome::InFlightRetry {
                 attempts: row.attempts,
             },
@@ -415,14 +424,14 @@ impl Inbox {
                 format!("inbox row {} is not held by this transaction", k.1),
             ));
         };
-        let (before, was_dead) = tx
-            .failures
-            .iter()
-            .rev()
-            .find(|f| f.0 == k)
-            .map_or((row.attempts, row.dead_lettered_ms.is_some()), |f| {
-                (f.1, f.3)
-            });
+        let (before, was_dead) = tx.failures.iter().rev().find(|f| f.0 == k).map_or(
+            if tx.resets.contains(&k) {
+                (0, false)
+            } else {
+                (row.attempts, row.dead_lettered_ms.is_some())
+            },
+            |f| (f.1, f.3),
+        );
         let attempts = before + 1;
         let dead = budget(attempts, was_dead);
         tx.failures.push((k, attempts, error.to_owned(), dead));
@@ -441,6 +450,13 @@ impl Inbox {
     /// Applies a committed transaction's inbox work and releases its locks.
     pub fn commit(&mut self, tx: InboxTx, now: u64) -> Committed {
         let mut out = Committed::default();
+        for k in tx.resets {
+            if let Some(r) = self.rows.get_mut(&k).filter(|r| r.processed_ms.is_none()) {
+                r.attempts = 0;
+                r.dead_lettered_ms = None;
+                out.reset.push(k.1);
+            }
+        }
         for row in tx.inserts {
             if row.processed_ms.is_some() {
                 out.processed.push(row.event_id);

@@ -523,6 +523,9 @@ impl Session {
         if !tx.inbox.is_empty() {
             let done = db.inbox.commit(tx.inbox, now);
             self.state.unlocked.notify_waiters();
+            if !done.reset.is_empty() {
+                trace.now(Event::InboxReset { ids: done.reset });
+            }
             for (event_id, attempts, dead_lettered) in done.failures {
                 trace.now(Event::InboxFailure {
                     client: self.client.clone(),
