@@ -32,6 +32,83 @@ fn urls_are_redacted() {
     assert_eq!(redact_url("amqp://u:p@ss@h/v"), "amqp://u:***@h/v");
 }
 
+#[test]
+fn every_address_shape_sqlx_and_lapin_accept_is_redacted() {
+    let s = SECRET;
+    for (address, expected) in [
+        // No `//` after the scheme (lapin accepts it).
+        (
+            format!("amqp:svc:{s}@127.0.0.1"),
+            "amqp:svc:***@127.0.0.1".to_owned(),
+        ),
+        // Unencoded `/`, `#`, `?` and `@` in the password.
+        (
+            format!("amqp://svc:a/{s}@h:5672/%2f"),
+            "amqp://svc:***@h:5672/%2f".to_owned(),
+        ),
+        (
+            format!("amqp://svc:a#{s}@h/v"),
+            "amqp://svc:***@h/v".to_owned(),
+        ),
+        (
+            format!("amqp://svc:a?{s}@h/v"),
+            "amqp://svc:***@h/v".to_owned(),
+        ),
+        (
+            format!("amqps://svc:{s}@h/v?heartbeat=10"),
+            "amqps://svc:***@h/v?heartbeat=10".to_owned(),
+        ),
+        (
+            format!("postgresql://svc:{s}@[::1]:5432/db"),
+            "postgresql://svc:***@[::1]:5432/db".to_owned(),
+        ),
+        // Query keys, any case, `sslpassword` too.
+        (
+            format!("postgres://svc@db/x?sslpassword={s}&PASSWORD={s}&sslmode=verify-full"),
+            "postgres://svc@db/x?sslpassword=***&PASSWORD=***&sslmode=verify-full".to_owned(),
+        ),
+        // key=value connection strings, quoted or not.
+        (
+            format!("host=db user=svc password={s} dbname=x"),
+            "host=db user=svc password=*** dbname=x".to_owned(),
+        ),
+        (
+            format!("host=db password='{s} with spaces' sslpassword={s}"),
+            "host=db password=*** sslpassword=***".to_owned(),
+        ),
+        // A key that only ends in "password" is left alone.
+        (
+            "host=db mypassword=x".to_owned(),
+            "host=db mypassword=x".to_owned(),
+        ),
+    ] {
+        let redacted = redact_url(&address);
+        assert_eq!(redacted, expected, "{address}");
+        assert!(!redacted.contains(s), "{address} leaks: {redacted}");
+    }
+}
+
+#[tokio::test]
+async fn a_broker_address_without_slashes_does_not_leak_through_lapins_error() {
+    // lapin quotes the address it cannot parse in its error.
+    for url in [
+        format!("amqp:svc:{SECRET}@127.0.0.1:1"),
+        format!("amqp://svc:a/{SECRET}@127.0.0.1:1/%2f"),
+        format!("amqp://svc:{}@127.0.0.1:1/%2f", SECRET.replace('-', "%2D")),
+    ] {
+        let broker = LapinBroker::new(url.clone());
+        assert!(!format!("{broker:?}").contains(SECRET), "{url}");
+        assert!(!broker.redacted_url().contains(SECRET), "{url}");
+        let err = broker
+            .channel_open()
+            .await
+            .err()
+            .expect("nothing listens on port 1");
+        let shown = format!("{err} {err:?}");
+        assert!(!shown.contains(SECRET), "{url}: {shown}");
+    }
+}
+
 #[tokio::test]
 async fn a_failed_broker_connection_does_not_leak_the_password() {
     // Port 1 on loopback: nothing listens there, the connect fails at once.

@@ -84,7 +84,7 @@ impl LapinBroker {
                 tracing::info!(url = %self.redacted_url(), "connected to broker");
                 Ok(conn)
             }
-            Ok(Err(e)) => Err(BrokerError::Connection(e.to_string())),
+            Ok(Err(e)) => Err(BrokerError::Connection(scrub(&e.to_string(), &self.url))),
             Err(_) => Err(BrokerError::Connection(format!(
                 "no connection within {} s",
                 CONNECT_TIMEOUT.as_secs()
@@ -234,9 +234,13 @@ impl Future for LapinConfirm {
     }
 }
 
-/// Replaces the password of a `scheme://user:password@host/...` URL, and any
-/// `password=` query parameter, with `***`, for logs and errors. Works for
-/// AMQP and PostgreSQL URLs.
+/// Hides the secrets of a database or broker address, for logs and errors:
+/// the password of `scheme://user:password@host/...` (also without the
+/// `//`, and with `/`, `#`, `?` or `@` left unencoded in the password: all
+/// up to the last `@` is hidden), and the value of every `password=` and
+/// `sslpassword=` pair, in a URL query or a `key=value` connection string
+/// (quoted values included). When in doubt it hides too much, never too
+/// little.
 ///
 /// ```
 /// assert_eq!(
@@ -247,41 +251,139 @@ impl Future for LapinConfirm {
 ///     outbox::redact_url("postgres://app@db/orders?sslmode=require&password=secret"),
 ///     "postgres://app@db/orders?sslmode=require&password=***"
 /// );
+/// assert_eq!(
+///     outbox::redact_url("host=db user=app password='s e c' dbname=orders"),
+///     "host=db user=app password=*** dbname=orders"
+/// );
 /// ```
 pub fn redact_url(url: &str) -> String {
-    let mut out = redact_userinfo(url);
-    if let Some(q) = out.find('?') {
-        let (head, query) = out.split_at(q + 1);
-        let redacted: Vec<String> = query
-            .split('&')
-            .map(|pair| match pair.split_once('=') {
-                Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
-                _ => pair.to_owned(),
-            })
-            .collect();
-        out = format!("{head}{}", redacted.join("&"));
+    redact_pairs(&redact_userinfo(url))
+}
+
+/// Replaces each secret of `address` (as written and percent-decoded)
+/// wherever it appears in `text` (an error message that may quote the
+/// address), then redacts whatever address shapes remain.
+pub(crate) fn scrub(text: &str, address: &str) -> String {
+    let mut out = text.to_owned();
+    for secret in secrets_of(address) {
+        if !secret.is_empty() {
+            out = out.replace(&secret, "***");
+        }
     }
-    out
+    redact_url(&out)
+}
+
+/// The secrets an address holds, as written and percent-decoded, longest
+/// first.
+fn secrets_of(address: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    if let Some((colon, at)) = userinfo_bounds(address) {
+        found.push(address[colon + 1..at].to_owned());
+    }
+    for (from, to) in pair_values(address) {
+        found.push(address[from..to].trim_matches('\'').to_owned());
+    }
+    let decoded: Vec<String> = found.iter().map(|s| percent_decode(s)).collect();
+    found.extend(decoded);
+    found.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    found.dedup();
+    found
+}
+
+/// Where a password sits in `scheme://user:password@rest` or
+/// `scheme:user:password@rest`: (the colon before it, the last `@`).
+fn userinfo_bounds(url: &str) -> Option<(usize, usize)> {
+    let start = match url.find("://") {
+        Some(i) => i + 3,
+        None => {
+            let i = url.find(':')?;
+            let scheme = &url[..i];
+            let is_scheme = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
+            if !is_scheme {
+                return None;
+            }
+            i + 1
+        }
+    };
+    let at = start + url[start..].rfind('@')?;
+    let colon = start + url[start..at].find(':')?;
+    Some((colon, at))
 }
 
 fn redact_userinfo(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let Some(at) = authority.rfind('@') else {
-        return url.to_owned();
-    };
-    let userinfo = &authority[..at];
-    match userinfo.find(':') {
-        Some(colon) => format!(
-            "{}{}:***{}",
-            &url[..scheme_end],
-            &userinfo[..colon],
-            &rest[at..]
-        ),
+    match userinfo_bounds(url) {
+        Some((colon, at)) => format!("{}:***{}", &url[..colon], &url[at..]),
         None => url.to_owned(),
     }
+}
+
+/// The value spans of every `password=` / `sslpassword=` pair: the key
+/// after the start, `?`, `&`, `;` or whitespace; the value up to the next
+/// `&`, `;` or whitespace, or past the closing quote of a quoted value.
+fn pair_values(text: &str) -> Vec<(usize, usize)> {
+    let lower = text.to_ascii_lowercase();
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for key in ["sslpassword=", "password="] {
+        let mut from = 0;
+        while let Some(i) = lower[from..].find(key).map(|i| i + from) {
+            from = i + key.len();
+            let boundary = lower[..i]
+                .chars()
+                .next_back()
+                .is_none_or(|c| "?&;".contains(c) || c.is_whitespace());
+            if !boundary || spans.iter().any(|(a, _)| *a == from) {
+                continue;
+            }
+            let value = &text[from..];
+            let len = match value.strip_prefix('\'') {
+                Some(quoted) => quoted.find('\'').map_or(value.len(), |end| end + 2),
+                None => value
+                    .find(|c: char| "&;".contains(c) || c.is_whitespace())
+                    .unwrap_or(value.len()),
+            };
+            spans.push((from, from + len));
+        }
+    }
+    spans.sort();
+    spans
+}
+
+fn redact_pairs(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut last = 0;
+    for (from, to) in pair_values(text) {
+        if from < last {
+            continue;
+        }
+        out.push_str(&text[last..from]);
+        out.push_str("***");
+        last = to;
+    }
+    out.push_str(&text[last..]);
+    out
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let hex = |b: u8| (b as char).to_digit(16);
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let (Some(h), Some(l)) = (
+                bytes.get(i + 1).copied().and_then(hex),
+                bytes.get(i + 2).copied().and_then(hex),
+            )
+        {
+            out.push((h * 16 + l) as u8);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
