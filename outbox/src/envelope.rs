@@ -113,10 +113,7 @@ impl EventEnvelope {
                 });
             }
         }
-        // The cheap walk first; the path is only built for an error.
-        if has_nul(&self.payload)
-            && let Some(path) = find_nul(&self.payload, "payload")
-        {
+        if let Some(path) = nul_path(&self.payload, "payload") {
             return Err(PublishError::NulCharacter { location: path });
         }
         Ok(())
@@ -131,11 +128,15 @@ impl EventEnvelope {
     /// id, a valid routing key, no NUL characters (PostgreSQL refuses them).
     /// Size is not limited here: the broker already accepted the message.
     /// The error says why, for the dead-letter log line.
+    ///
+    /// The reason is at most [`REASON_MAX_CHARS`] characters, whatever the
+    /// body (it is logged).
     pub fn decode_delivery(body: &[u8]) -> Result<Self, String> {
-        let envelope = Self::decode(body).map_err(|e| format!("not an envelope: {e}"))?;
+        let bounded = |s: String| crate::core::truncate_chars(&s, REASON_MAX_CHARS);
+        let envelope = Self::decode(body).map_err(|e| bounded(format!("not an envelope: {e}")))?;
         envelope
             .check_contents()
-            .map_err(|e| format!("invalid envelope: {e}"))?;
+            .map_err(|e| bounded(format!("invalid envelope: {e}")))?;
         Ok(envelope)
     }
 }
@@ -175,32 +176,71 @@ impl Default for EnvelopeLimits {
     }
 }
 
-/// Whether a NUL appears in any string or key of `value`.
-fn has_nul(value: &serde_json::Value) -> bool {
-    match value {
-        serde_json::Value::String(s) => s.contains('\0'),
-        serde_json::Value::Array(items) => items.iter().any(has_nul),
-        serde_json::Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
-        _ => false,
-    }
+/// Longest reason [`EventEnvelope::decode_delivery`] gives.
+pub const REASON_MAX_CHARS: usize = 512;
+/// Longest path to a NUL that an error names (keys can be long).
+const NUL_PATH_MAX_CHARS: usize = 200;
+
+/// One step of the path to a NUL.
+enum Step<'a> {
+    Index(usize),
+    Key(&'a str),
 }
 
 /// PostgreSQL `jsonb` refuses `\u0000` inside strings, so a NUL anywhere would
-/// fail the caller's transaction at INSERT time with an obscure error. Finds
-/// the first one and names where it is.
-fn find_nul(value: &serde_json::Value, path: &str) -> Option<String> {
+/// fail the caller's transaction at INSERT time with an obscure error. Names
+/// where the first one is, under `root`, in at most [`NUL_PATH_MAX_CHARS`]
+/// characters (escaped: a key cannot forge a log line). The walk keeps only
+/// the steps of the path it returns, so a deep or wide payload costs no
+/// memory beyond its depth.
+fn nul_path(value: &serde_json::Value, root: &str) -> Option<String> {
+    let mut steps = Vec::new();
+    let in_key = find_nul(value, &mut steps)?;
+    let mut path = String::from(root);
+    let mut room = NUL_PATH_MAX_CHARS;
+    let mut push = |path: &mut String, text: &str| {
+        for c in text.chars().flat_map(char::escape_debug) {
+            if room == 0 {
+                return false;
+            }
+            path.push(c);
+            room -= 1;
+        }
+        true
+    };
+    for step in steps.iter().rev() {
+        let fits = match step {
+            Step::Index(i) => push(&mut path, &format!("[{i}]")),
+            Step::Key(k) => push(&mut path, ".") && push(&mut path, k),
+        };
+        if !fits {
+            path.push('…');
+            break;
+        }
+    }
+    if in_key {
+        path.push_str(" (a key)");
+    }
+    Some(path)
+}
+
+/// Whether `value` holds a NUL: `Some(true)` in a key, `Some(false)` in a
+/// string; `steps` gets the path to it, innermost first.
+fn find_nul<'a>(value: &'a serde_json::Value, steps: &mut Vec<Step<'a>>) -> Option<bool> {
     match value {
-        serde_json::Value::String(s) if s.contains('\0') => Some(path.to_owned()),
-        serde_json::Value::Array(items) => items
-            .iter()
-            .enumerate()
-            .find_map(|(i, v)| find_nul(v, &format!("{path}[{i}]"))),
+        serde_json::Value::String(s) => s.contains('\0').then_some(false),
+        serde_json::Value::Array(items) => items.iter().enumerate().find_map(|(i, v)| {
+            let in_key = find_nul(v, steps)?;
+            steps.push(Step::Index(i));
+            Some(in_key)
+        }),
         serde_json::Value::Object(map) => map.iter().find_map(|(k, v)| {
             if k.contains('\0') {
-                Some(format!("{path} (a key)"))
-            } else {
-                find_nul(v, &format!("{path}.{k}"))
+                return Some(true);
             }
+            let in_key = find_nul(v, steps)?;
+            steps.push(Step::Key(k));
+            Some(in_key)
         }),
         _ => None,
     }

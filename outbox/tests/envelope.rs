@@ -160,3 +160,51 @@ async fn publish_many_writes_every_envelope_in_one_statement(pool: PgPool) {
     let decoded: EventEnvelope = serde_json::from_value(stored).unwrap();
     assert_eq!(decoded, batch[7]);
 }
+
+#[test]
+fn a_nul_deep_under_long_keys_is_named_in_a_bounded_escaped_path() {
+    // A NUL under 50 levels of 10 kB keys, the last with a line break: the
+    // path is cut at 200 characters and escaped.
+    let key = "k".repeat(10_000);
+    let mut payload = serde_json::json!({ "x\ny": "a\u{0}b" });
+    for _ in 0..50 {
+        payload = serde_json::json!({ key.clone(): payload });
+    }
+    let e = EventEnvelope::new("k", payload);
+    match e.validate(&EnvelopeLimits {
+        max_envelope_bytes: 1 << 30,
+    }) {
+        Err(PublishError::NulCharacter { location }) => {
+            assert!(location.starts_with("payload.kkk"), "{location}");
+            assert!(location.ends_with('…'), "{location}");
+            assert!(location.chars().count() <= "payload".len() + 200 + 1);
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = EventEnvelope::new("k", serde_json::json!({ "a": { "x\ny": "a\u{0}b" } }));
+    match e.validate(&EnvelopeLimits::default()) {
+        Err(PublishError::NulCharacter { location }) => {
+            assert_eq!(location, "payload.a.x\\ny")
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = EventEnvelope::new("k", serde_json::json!({ "a": { "b\u{0}": 1 } }));
+    match e.validate(&EnvelopeLimits::default()) {
+        Err(PublishError::NulCharacter { location }) => assert_eq!(location, "payload.a (a key)"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_delivery_refused_for_a_huge_reason_gets_a_short_one() {
+    // serde_json quotes a value of the wrong type whole ("invalid type:
+    // string \"zzz…\", expected a map"); the reason stays short.
+    let body = format!(r#"{{"headers":"{}"}}"#, "z".repeat(100_000));
+    let reason = EventEnvelope::decode_delivery(body.as_bytes()).unwrap_err();
+    assert!(
+        reason.chars().count() <= outbox::envelope::REASON_MAX_CHARS,
+        "{}",
+        reason.len()
+    );
+    assert!(reason.starts_with("not an envelope"), "{reason}");
+}
