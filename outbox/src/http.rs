@@ -50,6 +50,7 @@ use crate::core::ports::{
 use crate::core::stats::{Readiness, gauges};
 use crate::core::subscriber::{Handler, ReplayOutcome, Subscriber, SubscriberStats};
 use crate::error::{ConfigError, StoreError};
+use crate::pg::inbox::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 
 /// Variable holding the admin bearer token.
 pub const ADMIN_TOKEN_VAR: &str = "CANOPY_MQ_ADMIN_TOKEN";
@@ -131,7 +132,9 @@ impl AdminAuth {
         let Some(given) = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|v| v.trim_start().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token)
         else {
             return false;
         };
@@ -240,13 +243,26 @@ impl AdminRouter {
             readiness: self.readiness,
             targets: Arc::new(self.targets),
         };
-        Router::new()
+        // The token is checked before a request's body is read or parsed.
+        let admin = Router::new()
             .route("/v1/admin/events/replay", post(replay))
             .route("/v1/admin/outbox/parked", get(list_parked))
             .route("/v1/admin/outbox/unpark", post(unpark))
+            .route_layer(axum::middleware::from_fn_with_state(
+                state.clone(),
+                require_token,
+            ));
+        Router::new()
+            .merge(admin)
             .route("/readyz", get(readyz))
             .route("/metrics", get(metrics))
             .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route") })
+            .method_not_allowed_fallback(|| async {
+                error(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method not allowed on this route",
+                )
+            })
             .with_state(state)
     }
 }
@@ -260,28 +276,39 @@ fn error(status: StatusCode, message: &str) -> Response {
     (status, Json(ErrorBody { error: message })).into_response()
 }
 
+/// A 503 that says what failed, not the database's own text (which is
+/// logged).
 fn store_error(e: &StoreError) -> Response {
     tracing::warn!(error = %e, "admin call failed on the database");
-    error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string())
+    let what = if e.is_unavailable() {
+        "the database is unavailable; retry later"
+    } else {
+        "the database refused the operation; see the service's log"
+    };
+    error(StatusCode::SERVICE_UNAVAILABLE, what)
 }
 
 fn json_rejection(r: &JsonRejection) -> Response {
-    let status = match r {
-        JsonRejection::MissingJsonContentType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+    let status = match r.status() {
+        s @ (StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE) => s,
         _ => StatusCode::BAD_REQUEST,
     };
     error(status, &r.body_text())
 }
 
-/// The 401 to answer with, unless the caller is authorized.
-fn unauthorized(state: &AppState, headers: &HeaderMap) -> Option<Response> {
-    if state.auth.allows(headers) {
-        return None;
+/// Answers 401 unless the caller is authorized, before the body is read.
+async fn require_token(
+    State(state): State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if state.auth.allows(request.headers()) {
+        return next.run(request).await;
     }
     let mut r = error(StatusCode::UNAUTHORIZED, "missing or invalid bearer token");
     r.headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    Some(r)
+    r
 }
 
 #[derive(Serialize)]
@@ -294,13 +321,9 @@ struct ReplayResult {
 
 async fn replay(
     State(state): State<AppState>,
-    headers: HeaderMap,
     body: Result<Json<InboxFilter>, JsonRejection>,
 ) -> Response {
-    if let Some(r) = unauthorized(&state, &headers) {
-        return r;
-    }
-    let filter = match body {
+    let mut filter = match body {
         Ok(Json(f)) => f,
         Err(r) => return json_rejection(&r),
     };
@@ -317,6 +340,23 @@ async fn replay(
     if filter.ids.as_ref().is_some_and(Vec::is_empty) {
         return error(StatusCode::BAD_REQUEST, "ids is empty");
     }
+    // Listed ids are all replayed (none cut silently at the default limit).
+    if let Some(ids) = &filter.ids {
+        if ids.len() > LIST_LIMIT_MAX as usize {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "ids lists {} events; at most {LIST_LIMIT_MAX} per call",
+                    ids.len()
+                ),
+            );
+        }
+        filter.limit = Some(filter.limit.unwrap_or(0).max(ids.len() as u32));
+    }
+    let limit = filter
+        .limit
+        .unwrap_or(LIST_LIMIT_DEFAULT)
+        .clamp(1, LIST_LIMIT_MAX);
     let targets: Vec<&Arc<dyn ReplayTarget>> = match &filter.subscription {
         Some(name) => match state.targets.get(name) {
             Some(t) => vec![t],
@@ -333,9 +373,11 @@ async fn replay(
         return error(StatusCode::NOT_FOUND, "no subscriber is mounted here");
     }
     let mut results = Vec::new();
+    let mut more = false;
     for target in targets {
         match target.replay(&filter).await {
             Ok(outcomes) => {
+                more |= outcomes.len() >= limit as usize;
                 results.extend(
                     outcomes
                         .into_iter()
@@ -346,11 +388,21 @@ async fn replay(
                         }),
                 )
             }
-            Err(e) => return store_error(&e),
+            Err(e) => {
+                // What was replayed before the failure is reported; what
+                // was not is still as it was (dead-lettered, findable).
+                tracing::warn!(error = %e, replayed = results.len(), "replay stopped on the database");
+                let body = serde_json::json!({
+                    "error": "the database failed part-way; the rows not listed are unchanged, run the same request again",
+                    "results": results,
+                });
+                return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+            }
         }
     }
     tracing::info!(replayed = results.len(), "inbox rows replayed by operator");
-    Json(serde_json::json!({ "results": results })).into_response()
+    // `more`: a subscription returned `limit` rows, so more may match.
+    Json(serde_json::json!({ "results": results, "limit": limit, "more": more })).into_response()
 }
 
 #[derive(Deserialize)]
@@ -361,12 +413,8 @@ struct ParkedQuery {
 
 async fn list_parked(
     State(state): State<AppState>,
-    headers: HeaderMap,
     query: Result<Query<ParkedQuery>, QueryRejection>,
 ) -> Response {
-    if let Some(r) = unauthorized(&state, &headers) {
-        return r;
-    }
     let Some(store) = &state.outbox else {
         return error(StatusCode::NOT_FOUND, "no outbox is mounted here");
     };
@@ -391,12 +439,8 @@ struct UnparkBody {
 
 async fn unpark(
     State(state): State<AppState>,
-    headers: HeaderMap,
     body: Result<Json<UnparkBody>, JsonRejection>,
 ) -> Response {
-    if let Some(r) = unauthorized(&state, &headers) {
-        return r;
-    }
     let Some(store) = &state.outbox else {
         return error(StatusCode::NOT_FOUND, "no outbox is mounted here");
     };
@@ -508,7 +552,10 @@ pub fn render_metrics(
                 "dead_lettered" => s.dead_lettered,
                 _ => s.undecodable,
             };
-            let queue = queue.replace('\\', "\\\\").replace('"', "\\\"");
+            let queue = queue
+                .replace('\\', "\\\\")
+                .replace('"', "\\\"")
+                .replace('\n', "\\n");
             let _ = writeln!(out, "{name}{{queue=\"{queue}\"}} {v}");
         }
     }

@@ -285,3 +285,150 @@ async fn readyz_and_metrics_report_the_outbox_and_need_no_token() {
     assert!(text.contains("canopy_mq_outbox_parked 3\n"), "{text}");
     assert!(text.contains("canopy_mq_outbox_ready 0\n"), "{text}");
 }
+
+/// A subscription that "replays" one row per listed id, and remembers the
+/// limit it was asked for.
+struct EchoTarget {
+    limit: std::sync::Mutex<Option<u32>>,
+}
+
+impl outbox::http::ReplayTarget for EchoTarget {
+    fn subscription(&self) -> &str {
+        "echo"
+    }
+
+    fn replay<'a>(
+        &'a self,
+        filter: &'a outbox::core::ports::InboxFilter,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<
+                        Vec<(uuid::Uuid, outbox::core::subscriber::ReplayOutcome)>,
+                        outbox::StoreError,
+                    >,
+                > + Send
+                + 'a,
+        >,
+    > {
+        *self.limit.lock().unwrap() = filter.limit;
+        let rows = filter
+            .ids
+            .iter()
+            .flatten()
+            .take(filter.limit.unwrap_or(100) as usize)
+            .map(|id| (*id, outbox::core::subscriber::ReplayOutcome::Applied))
+            .collect();
+        Box::pin(async move { Ok(rows) })
+    }
+
+    fn stats(&self) -> outbox::core::subscriber::SubscriberStats {
+        Default::default()
+    }
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn the_admin_surface_edges_answer_in_json_with_the_right_status(pool: PgPool) {
+    let echo = std::sync::Arc::new(EchoTarget {
+        limit: Default::default(),
+    });
+    let r = AdminRouter::new(AdminAuth::bearer(TOKEN).unwrap())
+        .outbox(PgOutboxStore::new(pool.clone()))
+        .subscriber(echo.clone())
+        .build();
+    // The token is checked before the body is read: a body that never ends
+    // still gets its 401 at once.
+    let endless = futures_lite::stream::pending::<Result<Vec<u8>, std::io::Error>>();
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/admin/outbox/unpark")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from_stream(endless))
+        .unwrap();
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(5), r.clone().oneshot(req))
+        .await
+        .expect("answered without reading the body")
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    // The scheme is case-insensitive (RFC 7235).
+    let req = Request::builder()
+        .uri("/v1/admin/outbox/parked")
+        .header(header::AUTHORIZATION, format!("bearer {TOKEN}"))
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        r.clone().oneshot(req).await.unwrap().status(),
+        StatusCode::OK
+    );
+    // A wrong method: 405 with a JSON error.
+    let (status, json, text) = call(&r, "GET", "/v1/admin/events/replay", Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "{text}");
+    assert!(json["error"].is_string(), "{text}");
+    // An over-limit body: 413, JSON.
+    let huge = format!(r#"{{"ids":["{}"]}}"#, "x".repeat(3 << 20));
+    let (status, json, text) = call(
+        &r,
+        "POST",
+        "/v1/admin/events/replay",
+        Some(TOKEN),
+        Some(&huge),
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "{}",
+        &text[..text.len().min(200)]
+    );
+    assert!(json["error"].is_string());
+    // 150 listed ids are all replayed, none cut at the default limit of 100.
+    let ids: Vec<String> = (0..150)
+        .map(|_| format!("\"{}\"", uuid::Uuid::now_v7()))
+        .collect();
+    let body = format!(r#"{{"ids":[{}]}}"#, ids.join(","));
+    let (status, json, text) = call(
+        &r,
+        "POST",
+        "/v1/admin/events/replay",
+        Some(TOKEN),
+        Some(&body),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(json["results"].as_array().unwrap().len(), 150);
+    assert_eq!(*echo.limit.lock().unwrap(), Some(150));
+    // A filter that meets its limit says more may match.
+    let (_, json, text) = call(
+        &r,
+        "POST",
+        "/v1/admin/events/replay",
+        Some(TOKEN),
+        Some(&format!(r#"{{"ids":[{}],"limit":2}}"#, ids[..2].join(","))),
+    )
+    .await;
+    assert_eq!(
+        (json["limit"].as_u64(), json["more"].as_bool()),
+        (Some(2), Some(true)),
+        "{text}"
+    );
+    // A database failure: 503 that names no database internals.
+    pool.close().await;
+    let (status, json, text) = call(&r, "GET", "/v1/admin/outbox/parked", Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    assert_eq!(json["error"], "the database is unavailable; retry later");
+}
+
+#[test]
+fn a_queue_name_cannot_break_the_metrics_text() {
+    let text =
+        outbox::http::render_metrics(None, &[("evil\"\n} 1\nfake_metric{", Default::default())]);
+    assert!(
+        text.lines()
+            .all(|l| l.starts_with('#') || l.starts_with("canopy_mq_subscriber_")),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"queue="evil\"\n} 1\nfake_metric{""#),
+        "{text}"
+    );
+}

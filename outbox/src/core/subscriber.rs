@@ -358,7 +358,8 @@ where
                 tracing::error!(
                     queue = %queue,
                     message_id = delivery.message_id.as_deref().unwrap_or("-"),
-                    routing_key = %delivery.routing_key,
+                    // Debug-escaped: a delivery's bytes cannot forge a log line.
+                    routing_key = ?delivery.routing_key,
                     outcome = ?rejected,
                     "delivery is not a valid event envelope; dead-lettering it"
                 );
@@ -374,6 +375,18 @@ where
                         message_id = mid,
                         event_id = %envelope.id,
                         "message_id differs from the envelope id; the envelope id is the inbox key"
+                    );
+                }
+                if envelope.routing_key != delivery.routing_key {
+                    // The envelope's key is the event's (it is what the
+                    // inbox stores and replay uses); a republish through
+                    // another exchange or a shovel may route it otherwise.
+                    tracing::debug!(
+                        queue = %queue,
+                        event_id = %envelope.id,
+                        envelope_routing_key = ?envelope.routing_key,
+                        delivery_routing_key = ?delivery.routing_key,
+                        "delivery routed by another key than its envelope's"
                     );
                 }
                 let entry = InboxEntry {
