@@ -14,7 +14,7 @@ use common::{delete_queue, eventually, unique};
 use lapin::options::BasicGetOptions;
 use outbox::core::ports::{Broker, InboxFilter, OutgoingMessage, PublishChannel, SubscriptionSpec};
 use outbox::core::subscriber::{
-    Handler, ReplayOutcome, Subscriber, SubscriberCounters, SubscriberSettings,
+    Handler, ReplayOutcome, Subscriber, SubscriberCounters, SubscriberSettings, SubscriberStats,
 };
 use outbox::pg::inbox::{PgInboxStore, PgTx};
 use outbox::{EventEnvelope, HandlerError, LapinBroker, TokioClock};
@@ -180,6 +180,16 @@ async fn start_with(pool: PgPool, o: Options) -> Running {
 }
 
 impl Running {
+    /// Waits up to `secs` seconds for the counters to satisfy `done`.
+    async fn until(&self, secs: u64, done: impl Fn(&SubscriberStats) -> bool) {
+        let c = self.counters.clone();
+        eventually(Duration::from_secs(secs), || {
+            let reached = done(&c.snapshot());
+            async move { reached }
+        })
+        .await;
+    }
+
     async fn publish(&self, routing_key: &str, message_id: Uuid, body: &[u8]) {
         let mut ch = self.publisher.channel_open().await.unwrap();
         ch.channel_confirm_select().await.unwrap();
@@ -264,12 +274,7 @@ async fn duplicates_published_on_purpose_take_effect_once(pool: PgPool) {
     r.publish_envelope(&e).await;
     let other = EventEnvelope::new("orders.paid", serde_json::json!({ "order": 1 }));
     r.publish_envelope(&other).await;
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(20), || {
-        let s = c.snapshot();
-        async move { s.processed + s.duplicates == 3 }
-    })
-    .await;
+    r.until(20, |s| s.processed + s.duplicates == 3).await;
     let s = r.counters.snapshot();
     assert_eq!((s.processed, s.duplicates), (2, 1), "{s:?}");
     assert_eq!(r.effects(e.id).await, 1);
@@ -287,12 +292,7 @@ async fn a_handler_failing_every_first_attempt_still_takes_effect_once(pool: PgP
     for e in &events {
         r.publish_envelope(e).await;
     }
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(20), || {
-        let s = c.snapshot();
-        async move { s.processed == 10 }
-    })
-    .await;
+    r.until(20, |s| s.processed == 10).await;
     assert_eq!(r.counters.snapshot().retried, 10);
     for e in &events {
         assert_eq!(r.effects(e.id).await, 1, "the failed attempt rolled back");
@@ -312,12 +312,7 @@ async fn a_permanently_failing_event_ends_in_the_dlq_after_max_attempts_and_repl
     let r = start(pool, false, true).await;
     let e = EventEnvelope::new("orders.created", serde_json::json!({ "order": 7 }));
     r.publish_envelope(&e).await;
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(20), || {
-        let s = c.snapshot();
-        async move { s.dead_lettered == 1 }
-    })
-    .await;
+    r.until(20, |s| s.dead_lettered == 1).await;
     assert_eq!(r.counters.snapshot().retried, 2);
     assert_eq!(r.effects(e.id).await, 0, "no failed attempt left an effect");
     assert_eq!(r.inbox(e.id).await, Some((false, 3, true)));
@@ -357,12 +352,8 @@ async fn a_panicking_or_stalled_handler_counts_attempts_and_the_subscriber_goes_
     for e in [&panics, &stalls, &good] {
         r.publish_envelope(e).await;
     }
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(30), || {
-        let s = c.snapshot();
-        async move { s.dead_lettered == 2 && s.processed == 1 }
-    })
-    .await;
+    r.until(30, |s| s.dead_lettered == 2 && s.processed == 1)
+        .await;
     assert_eq!(r.counters.snapshot().retried, 4, "two retries each");
     for e in [&panics, &stalls] {
         assert_eq!(r.effects(e.id).await, 0, "every attempt rolled back");
@@ -396,11 +387,7 @@ async fn a_panicking_or_stalled_handler_counts_attempts_and_the_subscriber_goes_
     // Still consuming.
     let after = EventEnvelope::new("orders.created", serde_json::json!({ "order": 4 }));
     r.publish_envelope(&after).await;
-    eventually(Duration::from_secs(20), || {
-        let s = c.snapshot();
-        async move { s.processed == 2 }
-    })
-    .await;
+    r.until(20, |s| s.processed == 2).await;
     r.stop().await;
 }
 
@@ -420,12 +407,9 @@ async fn one_event_bound_to_two_queues_takes_effect_once_in_each(pool: PgPool) {
     let e = EventEnvelope::new("orders.created", serde_json::json!({ "order": 1 }));
     first.publish_envelope(&e).await;
     first.publish_envelope(&e).await;
-    let (a, b) = (first.counters.clone(), second.counters.clone());
-    eventually(Duration::from_secs(20), || {
-        let (a, b) = (a.snapshot(), b.snapshot());
-        async move { a.processed + a.duplicates == 2 && b.processed + b.duplicates == 2 }
-    })
-    .await;
+    for r in [&first, &second] {
+        r.until(20, |s| s.processed + s.duplicates == 2).await;
+    }
     for r in [&first, &second] {
         let s = r.counters.snapshot();
         assert_eq!((s.processed, s.duplicates), (1, 1), "{}: {s:?}", r.queue);
@@ -463,12 +447,7 @@ async fn a_replay_cut_short_leaves_what_it_did_not_apply_dead_lettered(pool: PgP
     for e in &events {
         r.publish_envelope(e).await;
     }
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(30), || {
-        let s = c.snapshot();
-        async move { s.dead_lettered == 3 }
-    })
-    .await;
+    r.until(30, |s| s.dead_lettered == 3).await;
     *r.always_fail.lock().unwrap() = false;
     let filter = InboxFilter {
         dead_lettered_only: true,
@@ -514,12 +493,8 @@ async fn an_undecodable_delivery_goes_to_the_dlq_at_once(pool: PgPool) {
     r.publish("orders.created", nul.id, &body).await;
     let good = EventEnvelope::new("orders.created", serde_json::json!({ "order": 1 }));
     r.publish_envelope(&good).await;
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(20), || {
-        let s = c.snapshot();
-        async move { s.undecodable == 2 && s.processed == 1 }
-    })
-    .await;
+    r.until(20, |s| s.undecodable == 2 && s.processed == 1)
+        .await;
     assert_eq!(r.counters.snapshot().retried, 0, "never requeued");
     assert_eq!(r.dlq_bodies().await.len(), 2);
     assert_eq!(r.inbox(id).await, None);
@@ -592,12 +567,7 @@ async fn replay_through_the_http_route_applies_a_dead_lettered_event_once(pool: 
     let r = start(pool, false, true).await;
     let e = EventEnvelope::new("orders.created", serde_json::json!({ "order": 9 }));
     r.publish_envelope(&e).await;
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(20), || {
-        let s = c.snapshot();
-        async move { s.dead_lettered == 1 }
-    })
-    .await;
+    r.until(20, |s| s.dead_lettered == 1).await;
     *r.always_fail.lock().unwrap() = false;
     let token = "replay-token-long-enough";
     let router = AdminRouter::new(AdminAuth::bearer(token).unwrap())
@@ -673,24 +643,14 @@ async fn the_subscriber_resumes_after_its_broker_connection_is_cut(pool: PgPool)
         r.publish_envelope(&e).await;
         events.push(e);
     }
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(20), || {
-        let s = c.snapshot();
-        async move { s.processed == 5 }
-    })
-    .await;
+    r.until(20, |s| s.processed == 5).await;
     proxy.cut();
     for i in 5..10 {
         let e = EventEnvelope::new("orders.created", serde_json::json!({ "i": i }));
         r.publish_envelope(&e).await;
         events.push(e);
     }
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(30), || {
-        let s = c.snapshot();
-        async move { s.processed == 10 }
-    })
-    .await;
+    r.until(30, |s| s.processed == 10).await;
     for e in &events {
         assert_eq!(r.effects(e.id).await, 1);
     }
@@ -746,12 +706,7 @@ async fn a_republish_after_a_lost_mark_takes_effect_once(pool: PgPool) {
         .publish(&e)
         .await
         .unwrap();
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(20), || {
-        let s = c.snapshot();
-        async move { s.processed == 1 }
-    })
-    .await;
+    r.until(20, |s| s.processed == 1).await;
     // The drainer's mark is lost: the row looks unpublished again, so the
     // drainer publishes it a second time with the same message id.
     sqlx::query(
@@ -760,12 +715,7 @@ async fn a_republish_after_a_lost_mark_takes_effect_once(pool: PgPool) {
     .execute(&pool)
     .await
     .unwrap();
-    let c = r.counters.clone();
-    eventually(Duration::from_secs(20), || {
-        let s = c.snapshot();
-        async move { s.duplicates == 1 }
-    })
-    .await;
+    r.until(20, |s| s.duplicates == 1).await;
     assert_eq!(r.effects(e.id).await, 1);
     drainer.shutdown().await;
     r.stop().await;
