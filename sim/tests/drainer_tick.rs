@@ -185,7 +185,7 @@ fn reports_count_what_the_store_did() {
     // Batches of three over five good rows and two the broker nacks, with
     // two attempts before a row parks: a drain claims all seven in three
     // batches, marks five published and two failed; a tick then claims
-    // the two again and parks them.
+    // the two again and parks them; two drains do the same with two more.
     let trace = Trace::default();
     let (mut sim, state) = world(8, &trace, |mq| {
         mq.faults.lock().unwrap().nack_prefix = Some("poison.".into())
@@ -209,10 +209,18 @@ fn reports_count_what_the_store_did() {
         assert_eq!(counts(report), (7, 5, 2, 0, 0), "{report:?}");
         let report = drainer.tick().await.unwrap();
         assert_eq!(counts(report), (2, 0, 2, 2, 0), "{report:?}");
+        // The same through drains: a drain's report sums its batches'
+        // parked rows too.
+        commit_keyed(&writer, 7, 2, "poison.order").await;
+        commit(&writer, 9, 1).await;
+        let report = drainer.drain(&shutdown).await.unwrap();
+        assert_eq!(counts(report), (3, 1, 2, 0, 0), "{report:?}");
+        let report = drainer.drain(&shutdown).await.unwrap();
+        assert_eq!(counts(report), (2, 0, 2, 2, 0), "{report:?}");
         let db = state.lock();
         assert_eq!(
             db.outbox.rows().filter(|r| r.parked_ms.is_some()).count(),
-            2
+            4
         );
         Ok(())
     });
