@@ -50,8 +50,9 @@ pub fn subscriber_settings(s: &Scenario) -> SubscriberSettings {
     settings.concurrency = c.consumer_concurrency.unwrap_or(2);
     settings.max_attempts = c.consumer_max_attempts.unwrap_or(3);
     settings.max_body_bytes = c.consumer_max_body_bytes.unwrap_or(16 * 1024);
-    // Stalled handlers (see `SimHandler`) are cut off after two seconds.
-    settings.handler_timeout = std::time::Duration::from_secs(2);
+    // Stalled handlers (see `SimHandler`) are cut off after half a second,
+    // short enough that stalls do not starve a scenario's consumers.
+    settings.handler_timeout = std::time::Duration::from_millis(500);
     settings
         .validate()
         .unwrap_or_else(|e| panic!("scenario {} has invalid consumer settings: {e}", s.name));
