@@ -14,33 +14,33 @@ use sha2::{Digest, Sha384};
 pub const FILES: &[(&str, &str)] = &[
     (
         "20260506000000_create_event_outbox.sql",
-        include_str!("../../migrations/20260506000000_create_event_outbox.sql"),
+        include_str!("../migrations/20260506000000_create_event_outbox.sql"),
     ),
     (
         "20260516000000_create_event_inbox.sql",
-        include_str!("../../migrations/20260516000000_create_event_inbox.sql"),
+        include_str!("../migrations/20260516000000_create_event_inbox.sql"),
     ),
     (
         "20260518000000_add_event_outbox_lease.sql",
-        include_str!("../../migrations/20260518000000_add_event_outbox_lease.sql"),
+        include_str!("../migrations/20260518000000_add_event_outbox_lease.sql"),
     ),
     (
         "20260729000000_add_event_outbox_parking.sql",
-        include_str!("../../migrations/20260729000000_add_event_outbox_parking.sql"),
+        include_str!("../migrations/20260729000000_add_event_outbox_parking.sql"),
     ),
     (
         "20261201000000_key_event_inbox_by_subscription.sql",
-        include_str!("../../migrations/20261201000000_key_event_inbox_by_subscription.sql"),
+        include_str!("../migrations/20261201000000_key_event_inbox_by_subscription.sql"),
     ),
 ];
 
 /// The embedded sqlx migrator over `migrations/`.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 
 /// The embedded migrator, tolerant of a service's own migrations in the same
 /// database (it ignores applied versions it does not know).
 pub fn migrator() -> sqlx::migrate::Migrator {
-    let mut m = sqlx::migrate!("../migrations");
+    let mut m = sqlx::migrate!();
     m.set_ignore_missing(true);
     m
 }

@@ -19,7 +19,7 @@ CREATE INDEX event_outbox_unpublished_idx
 ";
 
 fn repo_migrations() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations")
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations")
 }
 
 #[test]
