@@ -8,9 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use outbox::core::ports::{
-    Broker, Confirm, InboxFilter, OutgoingMessage, PublishChannel, SubscriptionSpec,
-};
+use outbox::core::ports::{Broker, Confirm, InboxFilter, OutgoingMessage, PublishChannel};
 use outbox::core::subscriber::{ReplayOutcome, Subscriber, SubscriberSettings};
 use outbox::{EventEnvelope, TokioClock};
 use sim::adapters::{Hooks, SimBroker, SimInboxStore};
@@ -20,6 +18,17 @@ use sim::workload::handler::SimHandler;
 use sim::workload::numbered_envelope;
 
 const QUEUE: &str = "billing.orders";
+
+/// `QUEUE` bound to `bindings` on `canopy.events`: a budget of three,
+/// 64 KiB deliveries, the default handler deadline.
+fn settings(bindings: &[&str], prefetch: u16, concurrency: u32) -> SubscriberSettings {
+    let mut s = SubscriberSettings::new(QUEUE, bindings);
+    s.spec.prefetch = prefetch;
+    s.concurrency = concurrency;
+    s.max_attempts = 3;
+    s.max_body_bytes = 64 * 1024;
+    s
+}
 
 #[test]
 fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison() {
@@ -31,18 +40,7 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
     sim.client("consumer", async move {
         let handler = Arc::new(SimHandler::new(QUEUE, 4));
         handler.downstream_broken.store(true, Ordering::SeqCst);
-        let settings = SubscriberSettings {
-            spec: SubscriptionSpec {
-                queue: QUEUE.into(),
-                exchange: "canopy.events".into(),
-                bindings: vec!["orders.*".into(), "poison.*".into()],
-                prefetch: 8,
-            },
-            concurrency: 3,
-            max_attempts: 3,
-            max_body_bytes: 64 * 1024,
-            handler_timeout: Duration::from_secs(30),
-        };
+        let settings = settings(&["orders.*", "poison.*"], 8, 3);
         let subscriber = Arc::new(Subscriber::new(
             Arc::new(SimInboxStore::new("consumer-1", trace.clone())),
             Arc::new(SimBroker::new("consumer-1", trace.clone(), Hooks::new(3))),
@@ -194,18 +192,7 @@ fn database_trouble_is_retried_in_place_with_a_doubling_backoff_and_counts_no_at
     let mut sim = fakes::bare_world(33, &pg, &mq);
     let (pg_check, events) = (pg.clone(), trace.clone());
     sim.client("consumer", async move {
-        let settings = SubscriberSettings {
-            spec: SubscriptionSpec {
-                queue: QUEUE.into(),
-                exchange: "canopy.events".into(),
-                bindings: vec!["orders.*".into()],
-                prefetch: 1,
-            },
-            concurrency: 1,
-            max_attempts: 3,
-            max_body_bytes: 64 * 1024,
-            handler_timeout: Duration::from_secs(30),
-        };
+        let settings = settings(&["orders.*"], 1, 1);
         let subscriber = Arc::new(Subscriber::new(
             Arc::new(SimInboxStore::new("consumer-1", trace.clone())),
             Arc::new(SimBroker::new("consumer-1", trace.clone(), Hooks::new(3))),
