@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use outbox::{DrainError, Drainer, DrainerConfig, TokioClock};
 use sim::adapters::{Hooks, PgClient, SimBroker, SimStore};
-use sim::fakes::{self, mq::MqState, pg::PgState};
+use sim::fakes;
 use sim::trace::{Call, Event, Trace};
 use sim::wire::{NewRow, PgRequest};
 use sim::workload::numbered_envelope;
@@ -49,27 +49,10 @@ fn sim_drainer(trace: &Trace, config: DrainerConfig) -> SimDrainer {
     )
 }
 
-/// A world with the fake PostgreSQL and RabbitMQ (seeded `seed` and
-/// `seed + 1`, turmoil `seed + 2`), `faults` set on the broker before it
-/// serves.
-fn world(
-    seed: u64,
-    trace: &Trace,
-    faults: impl FnOnce(&MqState),
-) -> (turmoil::Sim<'static>, PgState) {
-    let (pg, mq) = (
-        PgState::new(seed, trace.clone()),
-        MqState::new(seed + 1, trace.clone()),
-    );
-    faults(&mq);
-    let sim = fakes::bare_world(seed + 2, &pg, &mq);
-    (sim, pg)
-}
-
 #[test]
 fn a_tick_publishes_and_marks_and_a_black_holed_tick_releases_in_time() {
     let trace = Trace::default();
-    let (mut sim, state) = world(1, &trace, |_| ());
+    let (mut sim, state, _) = fakes::bare_world(1, &trace);
     sim.client("drainer", async move {
         let config = DrainerConfig::builder()
             .replica_id("drainer-1")
@@ -151,7 +134,7 @@ fn ticks_keep_to_the_rate_bound() {
     // Ten rows at five rows a second, a batch of five: the second tick's
     // claim starts a second after the first's.
     let trace = Trace::default();
-    let (mut sim, _) = world(6, &trace, |_| ());
+    let (mut sim, _, _) = fakes::bare_world(6, &trace);
     sim.client("drainer", async move {
         let config = DrainerConfig::builder()
             .replica_id("drainer-1")
@@ -187,9 +170,8 @@ fn reports_count_what_the_store_did() {
     // batches, marks five published and two failed; a tick then claims
     // the two again and parks them; two drains do the same with two more.
     let trace = Trace::default();
-    let (mut sim, state) = world(8, &trace, |mq| {
-        mq.faults.lock().unwrap().nack_prefix = Some("poison.".into())
-    });
+    let (mut sim, state, mq) = fakes::bare_world(8, &trace);
+    mq.faults.lock().unwrap().nack_prefix = Some("poison.".into());
     sim.client("drainer", async move {
         let config = DrainerConfig::builder()
             .replica_id("drainer-1")

@@ -12,7 +12,7 @@ use outbox::core::ports::{Broker, Confirm, InboxFilter, OutgoingMessage, Publish
 use outbox::core::subscriber::{ReplayOutcome, Subscriber, SubscriberSettings};
 use outbox::{EventEnvelope, TokioClock};
 use sim::adapters::{Hooks, SimBroker, SimInboxStore};
-use sim::fakes::{self, mq::MqState, pg::PgState};
+use sim::fakes;
 use sim::trace::{Event, FaultKind, Trace};
 use sim::workload::handler::SimHandler;
 use sim::workload::numbered_envelope;
@@ -33,9 +33,7 @@ fn settings(bindings: &[&str], prefetch: u16, concurrency: u32) -> SubscriberSet
 #[test]
 fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison() {
     let trace = Trace::default();
-    let pg = PgState::new(21, trace.clone());
-    let mq = MqState::new(22, trace.clone());
-    let mut sim = fakes::bare_world(23, &pg, &mq);
+    let (mut sim, pg, mq) = fakes::bare_world(21, &trace);
     let (pg_check, mq_check) = (pg.clone(), mq.clone());
     sim.client("consumer", async move {
         let handler = Arc::new(SimHandler::new(QUEUE, 4));
@@ -187,9 +185,7 @@ fn database_trouble_is_retried_in_place_with_a_doubling_backoff_and_counts_no_at
     // loop. Then the database answers: the event takes effect once, with no
     // attempt recorded.
     let trace = Trace::default();
-    let pg = PgState::new(31, trace.clone());
-    let mq = MqState::new(32, trace.clone());
-    let mut sim = fakes::bare_world(33, &pg, &mq);
+    let (mut sim, pg, _) = fakes::bare_world(31, &trace);
     let (pg_check, events) = (pg.clone(), trace.clone());
     sim.client("consumer", async move {
         let settings = settings(&["orders.*"], 1, 1);

@@ -18,13 +18,21 @@ pub fn serve(sim: &mut turmoil::Sim<'_>, pg: &pg::PgState, mq: &mq::MqState) {
     sim.host("rabbit", move || mq::serve(mq.clone()));
 }
 
-/// A bare world for tests that drive the production core by hand: the two
-/// fakes served, turmoil seeded with `seed`, ten simulated minutes at most.
-pub fn bare_world(seed: u64, pg: &pg::PgState, mq: &mq::MqState) -> turmoil::Sim<'static> {
+/// A bare world for tests that drive the production core by hand: a fake
+/// PostgreSQL (seeded `seed`) and RabbitMQ (`seed + 1`) recording into
+/// `trace`, served; turmoil seeded `seed + 2`; ten simulated minutes at most.
+pub fn bare_world(
+    seed: u64,
+    trace: &crate::trace::Trace,
+) -> (turmoil::Sim<'static>, pg::PgState, mq::MqState) {
+    let (pg, mq) = (
+        pg::PgState::new(seed, trace.clone()),
+        mq::MqState::new(seed + 1, trace.clone()),
+    );
     let mut sim = turmoil::Builder::new()
-        .rng_seed(seed)
+        .rng_seed(seed + 2)
         .simulation_duration(Duration::from_secs(600))
         .build();
-    serve(&mut sim, pg, mq);
-    sim
+    serve(&mut sim, &pg, &mq);
+    (sim, pg, mq)
 }
