@@ -334,7 +334,7 @@ fn pair_values(text: &str) -> Vec<(usize, usize)> {
                 .chars()
                 .next_back()
                 .is_none_or(|c| "?&;".contains(c) || c.is_whitespace());
-            if !boundary || spans.iter().any(|(a, _)| *a == from) {
+            if !boundary {
                 continue;
             }
             let value = &text[from..];
