@@ -211,11 +211,6 @@ pub enum PgRequest {
         dead_lettered_only: bool,
         limit: u32,
     },
-    /// `inbox_reset_attempts`.
-    InboxReset {
-        subscription: String,
-        ids: Vec<Uuid>,
-    },
     /// `inbox_delete_processed`.
     InboxDeleteProcessed {
         older_than_ms: u64,

@@ -379,14 +379,6 @@ pub trait InboxStore: Send + Sync + 'static {
         filter: &InboxFilter,
     ) -> impl Future<Output = Result<Vec<InboxRow>, StoreError>> + Send;
 
-    /// Gives unprocessed rows of `subscription` a fresh budget for replay:
-    /// `attempts = 0`, dead-letter mark cleared. Returns how many it reset.
-    fn inbox_reset_attempts(
-        &self,
-        subscription: &str,
-        ids: &[Uuid],
-    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
-
     /// Deletes at most `limit` rows processed more than `older_than` ago;
     /// never an unprocessed row. Returns how many it deleted.
     fn inbox_delete_processed(

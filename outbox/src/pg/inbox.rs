@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use sqlx::{PgPool, Postgres, Row};
-use uuid::Uuid;
 
 use super::{bounded, delete_expired, map_err, sql};
 use crate::core::ports::{
@@ -214,23 +213,6 @@ impl InboxStore for PgInboxStore {
                     dead_lettered_at: r.get("dead_lettered_at"),
                 })
                 .collect())
-        })
-        .await
-    }
-
-    async fn inbox_reset_attempts(
-        &self,
-        subscription: &str,
-        ids: &[Uuid],
-    ) -> Result<u64, StoreError> {
-        bounded(async {
-            let done = sqlx::query(sql::INBOX_RESET_ATTEMPTS)
-                .bind(ids)
-                .bind(subscription)
-                .execute(&self.pool)
-                .await
-                .map_err(map_err)?;
-            Ok(done.rows_affected())
         })
         .await
     }

@@ -4,9 +4,9 @@
 //! Like the sqlx adapter: every handler transaction runs on a pooled
 //! connection of its own (the subscriber handles several deliveries at
 //! once), bounded by the same idle-in-transaction timeout, with a savepoint
-//! after the inbox insert and failure records inside it; listings, budget
-//! resets and sweeps run on another connection, outside any handler
-//! transaction.
+//! after the inbox insert (and a replay's budget reset before it) and
+//! failure records inside it; listings and sweeps run on another
+//! connection, outside any handler transaction.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -238,23 +238,6 @@ impl InboxStore for SimInboxStore {
                     dead_lettered_at: r.dead_lettered_ms.map(sim_time),
                 })
                 .collect()),
-            other => Err(unexpected(other)),
-        }
-    }
-
-    async fn inbox_reset_attempts(
-        &self,
-        subscription: &str,
-        ids: &[Uuid],
-    ) -> Result<u64, StoreError> {
-        match self
-            .side_call(PgRequest::InboxReset {
-                subscription: subscription.to_owned(),
-                ids: ids.to_vec(),
-            })
-            .await?
-        {
-            PgReply::Count(n) => Ok(n),
             other => Err(unexpected(other)),
         }
     }

@@ -202,6 +202,18 @@ async fn apply_entry<A: InboxArm>(arm: &A, store: &A::S, entry: &InboxEntry<'_>)
     outcome
 }
 
+/// Replay's reset alone: BEGIN, try_insert with a fresh budget, COMMIT.
+async fn reset<S: InboxStore>(store: &S, entry: &InboxEntry<'_>) -> InsertOutcome {
+    let replay = InboxEntry {
+        fresh_budget: true,
+        ..*entry
+    };
+    let mut tx = store.inbox_begin().await.unwrap();
+    let outcome = store.inbox_try_insert(&mut tx, &replay).await.unwrap();
+    store.inbox_commit(tx).await.unwrap();
+    outcome
+}
+
 /// One failed attempt: BEGIN, try_insert, the handler's effect, then the
 /// failure recorded against `max_attempts`, COMMIT.
 async fn fail<A: InboxArm>(
@@ -317,9 +329,11 @@ async fn two_subscriptions_each_take_an_events_effect<A: InboxArm>(arm: A) {
         InsertOutcome::AlreadyProcessed
     );
     s.inbox_commit(tx).await.unwrap();
-    // Replay's reset is scoped to its subscription.
-    assert_eq!(s.inbox_reset_attempts("q2", &[f.id]).await.unwrap(), 0);
-    assert_eq!(s.inbox_reset_attempts("q", &[f.id]).await.unwrap(), 1);
+    // Replay's reset is the subscription's own row's.
+    assert_eq!(
+        reset(s, &entry_of("q", &f, "k")).await,
+        InsertOutcome::InFlightRetry { attempts: 0 }
+    );
 }
 
 async fn a_committed_event_is_already_processed_the_second_time<A: InboxArm>(arm: A) {
@@ -469,7 +483,12 @@ async fn replay_listing_filters_orders_and_resets_the_budget<A: InboxArm>(arm: A
         .await
         .unwrap();
     assert_eq!(ids(by_id), vec![c.id]);
-    assert_eq!(s.inbox_reset_attempts("q", &[a.id, b.id]).await.unwrap(), 2);
+    for e in [&a, &b] {
+        assert_eq!(
+            reset(s, &entry(e, "k")).await,
+            InsertOutcome::InFlightRetry { attempts: 0 }
+        );
+    }
     let still_dead = s
         .inbox_list_unprocessed(&InboxFilter {
             dead_lettered_only: true,
@@ -478,12 +497,15 @@ async fn replay_listing_filters_orders_and_resets_the_budget<A: InboxArm>(arm: A
         .await
         .unwrap();
     assert_eq!(ids(still_dead), vec![c.id]);
-    // Processed rows are not listed, not reset.
+    // Processed rows are not reset.
     assert_eq!(
         apply(&arm, s, &a).await,
         InsertOutcome::InFlightRetry { attempts: 0 }
     );
-    assert_eq!(s.inbox_reset_attempts("q", &[a.id]).await.unwrap(), 0);
+    assert_eq!(
+        reset(s, &entry(&a, "k")).await,
+        InsertOutcome::AlreadyProcessed
+    );
 }
 
 async fn the_retention_sweep_deletes_only_old_processed_rows<A: InboxArm>(arm: A) {

@@ -233,7 +233,6 @@ impl Inbox {
                 };
                 self.list(filter, *limit)
             }
-            PgRequest::InboxReset { subscription, ids } => self.reset(subscription, ids, caller),
             PgRequest::InboxDeleteProcessed {
                 older_than_ms,
                 limit,
@@ -354,26 +353,6 @@ impl Inbox {
                 })
                 .collect(),
         )
-    }
-
-    /// `inbox_reset_attempts.sql`: a fresh budget for unprocessed rows of
-    /// one subscription.
-    fn reset(&mut self, subscription: &str, ids: &[Uuid], caller: &Caller<'_>) -> PgReply {
-        let mut reset = Vec::new();
-        for id in ids {
-            if let Some(r) = self.rows.get_mut(&key(subscription, *id))
-                && r.processed_ms.is_none()
-            {
-                r.attempts = 0;
-                r.dead_lettered_ms = None;
-                reset.push(*id);
-            }
-        }
-        let n = reset.len() as u64;
-        if !reset.is_empty() {
-            caller.trace.now(Event::InboxReset { ids: reset });
-        }
-        PgReply::Count(n)
     }
 
     /// `inbox_delete_processed.sql`: at most `limit` rows processed before

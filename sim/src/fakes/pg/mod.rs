@@ -610,7 +610,6 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::Listen => "listen",
         PgRequest::InboxRecordFailure { .. } => "inbox_record_failure",
         PgRequest::InboxList { .. } => "inbox_list",
-        PgRequest::InboxReset { .. } => "inbox_reset",
         PgRequest::InboxDeleteProcessed { .. } => "inbox_delete_processed",
     }
 }
