@@ -170,6 +170,7 @@ async fn prefill(broker: &LapinBroker, exchange: &str, args: &Args) -> Result<u6
                     routing_key: &e.routing_key,
                     message_id: e.id,
                     body: body.as_bytes(),
+                    trace: None,
                 })
                 .await
                 .map_err(|e| e.to_string())?;

@@ -17,6 +17,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::error::PublishError;
+use crate::trace_context::{TRACEPARENT, TRACESTATE, TraceContext};
 
 /// AMQP `shortstr` limit: routing keys and header names longer than this
 /// cannot be sent on the wire.
@@ -51,6 +52,23 @@ pub struct EventEnvelope {
     pub payload: serde_json::Value,
 }
 
+/// [`EventEnvelope`] borrowed, serialized exactly as it is (field order,
+/// formats and the empty-headers rule are the same).
+#[derive(Serialize)]
+struct EnvelopeView<'a> {
+    id: Uuid,
+    routing_key: &'a str,
+    #[serde(with = "time::serde::rfc3339")]
+    occurred_at: OffsetDateTime,
+    #[serde(skip_serializing_if = "no_headers")]
+    headers: &'a BTreeMap<String, String>,
+    payload: &'a serde_json::Value,
+}
+
+fn no_headers(headers: &&BTreeMap<String, String>) -> bool {
+    headers.is_empty()
+}
+
 impl EventEnvelope {
     /// A new envelope with a fresh UUID v7 and `occurred_at` = now (UTC).
     pub fn new(routing_key: impl Into<String>, payload: serde_json::Value) -> Self {
@@ -79,8 +97,45 @@ impl EventEnvelope {
     /// Validates and encodes the envelope as the JSON body that is stored and
     /// published.
     pub fn encode(&self, limits: &EnvelopeLimits) -> Result<String, PublishError> {
+        self.encode_traced(limits, None)
+    }
+
+    /// [`encode`](Self::encode), adding `trace` as the `traceparent` and
+    /// `tracestate` headers unless the envelope already has a
+    /// `traceparent` (the caller's context wins). A `traceparent` header
+    /// must be valid W3C trace context.
+    pub(crate) fn encode_traced(
+        &self,
+        limits: &EnvelopeLimits,
+        trace: Option<&TraceContext>,
+    ) -> Result<String, PublishError> {
         self.check_contents()?;
-        let body = serde_json::to_string(self).map_err(|e| PublishError::Encode(e.to_string()))?;
+        if let Some(tp) = self.headers.get(TRACEPARENT) {
+            TraceContext::parse(tp, self.headers.get(TRACESTATE).map(String::as_str))
+                .map_err(|reason| PublishError::InvalidTraceContext { reason })?;
+        }
+        let added;
+        let headers = match trace {
+            Some(tc) if !self.headers.contains_key(TRACEPARENT) => {
+                let mut h = self.headers.clone();
+                h.insert(TRACEPARENT.to_owned(), tc.traceparent().to_owned());
+                h.remove(TRACESTATE);
+                if let Some(ts) = tc.tracestate() {
+                    h.insert(TRACESTATE.to_owned(), ts.to_owned());
+                }
+                added = h;
+                &added
+            }
+            _ => &self.headers,
+        };
+        let view = EnvelopeView {
+            id: self.id,
+            routing_key: &self.routing_key,
+            occurred_at: self.occurred_at,
+            headers,
+            payload: &self.payload,
+        };
+        let body = serde_json::to_string(&view).map_err(|e| PublishError::Encode(e.to_string()))?;
         if body.len() > limits.max_envelope_bytes {
             return Err(PublishError::PayloadTooLarge {
                 bytes: body.len(),

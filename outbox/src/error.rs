@@ -52,6 +52,13 @@ pub enum PublishError {
         /// Configured limit ([`crate::EnvelopeLimits`]).
         limit: usize,
     },
+    /// The envelope's `traceparent` header (with its `tracestate`) is not
+    /// valid W3C trace context, so no consumer could continue the trace.
+    #[error("invalid trace context header: {reason}")]
+    InvalidTraceContext {
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The envelope could not be encoded as JSON.
     #[error("envelope could not be encoded: {0}")]
     Encode(String),
@@ -145,7 +152,7 @@ impl StoreError {
 }
 
 /// A failure of the broker. Always blameless for the rows involved (a
-/// per-message nack is not an error: it is [`crate::ports::Confirm::Nack`]).
+/// per-message nack is not an error: it is [`crate::core::ports::Confirm::Nack`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum BrokerError {

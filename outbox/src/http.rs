@@ -7,7 +7,7 @@
 //! | `GET /v1/admin/outbox/parked?limit=N` | list parked outbox rows |
 //! | `POST /v1/admin/outbox/unpark` | unpark `{"ids":[…]}` or `{"all":true}`, budget reset |
 //! | `GET /readyz` | the producer half's readiness (200 or 503, with reasons) |
-//! | `GET /metrics` | Prometheus text: outbox gauges, subscriber counters |
+//! | `GET /metrics` | Prometheus text from the exporter ([`AdminRouter::metrics`]): gauges, counters, histograms |
 //!
 //! `/v1/admin/*` requires `Authorization: Bearer <token>` (compared in
 //! constant time); the router refuses to build without a token unless told
@@ -38,16 +38,16 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+pub use metrics_exporter_prometheus::{BuildError, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
 use crate::PgOutboxStore;
 use crate::admin;
-use crate::core::ports::{
-    Clock, ConsumerBroker, InboxFilter, InboxStore, OutboxStats, UnparkSelector,
-};
-use crate::core::stats::{Readiness, gauges};
+use crate::core::ports::{Clock, ConsumerBroker, InboxFilter, InboxStore, UnparkSelector};
+use crate::core::stats::Readiness;
 use crate::core::subscriber::{Handler, ReplayOutcome, Subscriber, SubscriberStats};
 use crate::error::{ConfigError, StoreError};
 use crate::pg::inbox::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
@@ -193,6 +193,7 @@ pub struct AdminRouter {
     auth: AdminAuth,
     outbox: Option<PgOutboxStore>,
     readiness: Option<ReadinessProbe>,
+    metrics: Option<PrometheusHandle>,
     targets: BTreeMap<String, Arc<dyn ReplayTarget>>,
 }
 
@@ -201,6 +202,7 @@ struct AppState {
     auth: AdminAuth,
     outbox: Option<PgOutboxStore>,
     readiness: Option<ReadinessProbe>,
+    metrics: Option<PrometheusHandle>,
     targets: Arc<BTreeMap<String, Arc<dyn ReplayTarget>>>,
 }
 
@@ -211,8 +213,18 @@ impl AdminRouter {
             auth,
             outbox: None,
             readiness: None,
+            metrics: None,
             targets: BTreeMap::new(),
         }
+    }
+
+    /// Serves `/metrics` from this exporter (see
+    /// [`install_prometheus_recorder`]): the outbox gauges, the drainer's
+    /// and subscribers' counters and histograms
+    /// ([`crate::telemetry`] lists them). Without it `/metrics` is a 404.
+    pub fn metrics(mut self, handle: PrometheusHandle) -> Self {
+        self.metrics = Some(handle);
+        self
     }
 
     /// Serves parked-row listing and unpark on this outbox.
@@ -221,7 +233,7 @@ impl AdminRouter {
         self
     }
 
-    /// Serves `/readyz` and the outbox gauges from this probe (see
+    /// Serves `/readyz` from this probe (see
     /// [`crate::DrainerHandle::readiness_probe`]).
     pub fn readiness(mut self, probe: impl Fn() -> Readiness + Send + Sync + 'static) -> Self {
         self.readiness = Some(Arc::new(probe));
@@ -241,6 +253,7 @@ impl AdminRouter {
             auth: self.auth,
             outbox: self.outbox,
             readiness: self.readiness,
+            metrics: self.metrics,
             targets: Arc::new(self.targets),
         };
         // The token is checked before a request's body is read or parsed.
@@ -485,96 +498,45 @@ async fn readyz(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-/// Renders the gauges and counters in the Prometheus text format.
-pub fn render_metrics(
-    readiness: Option<&Readiness>,
-    subscribers: &[(&str, SubscriberStats)],
-) -> String {
-    use std::fmt::Write as _;
-    let mut out = String::new();
-    let mut gauge = |name: &str, help: &str, value: f64| {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
-        );
-    };
-    if let Some(r) = readiness {
-        if let Some(OutboxStats {
-            pending,
-            oldest_unpublished_age_secs,
-            parked,
-        }) = r.stats
-        {
-            gauge(
-                gauges::PENDING,
-                "Unpublished, unparked outbox rows.",
-                pending as f64,
-            );
-            gauge(
-                gauges::OLDEST_AGE,
-                "Age of the oldest unpublished, unparked outbox row.",
-                oldest_unpublished_age_secs,
-            );
-            gauge(gauges::PARKED, "Parked outbox rows.", parked as f64);
-        }
-        gauge(
-            "canopy_mq_outbox_ready",
-            "1 when the outbox keeps up (see /readyz).",
-            if r.ready { 1.0 } else { 0.0 },
-        );
-    }
-    for (field, help) in [
-        ("processed", "Deliveries whose effect committed."),
-        (
-            "duplicates",
-            "Deliveries absorbed by the inbox as duplicates.",
-        ),
-        ("retried", "Failed handler attempts requeued."),
-        (
-            "dead_lettered",
-            "Deliveries dead-lettered after the attempt budget.",
-        ),
-        (
-            "undecodable",
-            "Deliveries dead-lettered because they were not envelopes.",
-        ),
-    ] {
-        if subscribers.is_empty() {
-            break;
-        }
-        let name = format!("canopy_mq_subscriber_{field}_total");
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        for (queue, s) in subscribers {
-            let v = match field {
-                "processed" => s.processed,
-                "duplicates" => s.duplicates,
-                "retried" => s.retried,
-                "dead_lettered" => s.dead_lettered,
-                _ => s.undecodable,
-            };
-            let queue = queue
-                .replace('\\', "\\\\")
-                .replace('"', "\\\"")
-                .replace('\n', "\\n");
-            let _ = writeln!(out, "{name}{{queue=\"{queue}\"}} {v}");
-        }
-    }
-    out
+/// Buckets (seconds) of every `*_seconds` histogram the library records.
+pub const DURATION_BUCKETS: &[f64] = &[
+    0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 300.0,
+];
+
+/// Installs the Prometheus exporter as the process's `metrics` recorder
+/// (histograms ending in `_seconds` get [`DURATION_BUCKETS`]) and returns
+/// the handle [`AdminRouter::metrics`] renders. Call it once, at boot,
+/// before anything records; it fails if a recorder is installed already.
+///
+/// ```no_run
+/// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox::http::{AdminAuth, AdminRouter, install_prometheus_recorder};
+/// let metrics = install_prometheus_recorder()?;
+/// let router = AdminRouter::new(AdminAuth::from_env()?).metrics(metrics).build();
+/// # Ok(()) }
+/// ```
+pub fn install_prometheus_recorder() -> Result<PrometheusHandle, BuildError> {
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), DURATION_BUCKETS)?
+        .install_recorder()
 }
 
 async fn metrics(State(state): State<AppState>) -> Response {
-    let readiness = state.readiness.as_ref().map(|p| p());
-    let subscribers: Vec<(&str, SubscriberStats)> = state
-        .targets
-        .iter()
-        .map(|(q, t)| (q.as_str(), t.stats()))
-        .collect();
+    let Some(handle) = &state.metrics else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "no metrics recorder: see outbox::http::install_prometheus_recorder",
+        );
+    };
+    // Without the exporter's own upkeep task, histograms are drained here.
+    handle.run_upkeep();
     (
         [(
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/plain; version=0.0.4"),
         )],
-        render_metrics(readiness.as_ref(), &subscribers),
+        handle.render(),
     )
         .into_response()
 }

@@ -21,6 +21,21 @@
 //!   admin HTTP surface (axum `Router`: replay, parked rows, unpark, `/readyz`,
 //!   `/metrics`), behind the default `admin-http` feature.
 //! - [`error`]: every error type.
+//! - [`telemetry`]: span names and attributes, metric names;
+//!   [`trace_context`]: the W3C context carried with each event.
+//!
+//! Everything a service needs is re-exported here at the root; the modules
+//! hold the rest (the ports, for adapters of your own, and the pieces the
+//! simulation drives one by one).
+//!
+//! # Features
+//! - `admin-http` (default): [`http`], the admin router and `/metrics` via
+//!   the Prometheus exporter.
+//! - `otel`: OpenTelemetry trace context through the outbox (see
+//!   [`telemetry`]); without it nothing of OpenTelemetry is compiled in and a
+//!   context already in an envelope's headers is still carried.
+
+#![warn(missing_docs)]
 
 pub mod admin;
 pub mod amqp;
@@ -33,13 +48,20 @@ pub mod http;
 pub mod migrate;
 pub mod pg;
 pub mod runtime;
+pub mod telemetry;
+pub mod trace_context;
 
 pub use amqp::{LapinBroker, redact_url};
 pub use config::{DrainerConfig, DrainerConfigBuilder};
 pub use core::drainer::{Drainer, TickReport};
-pub use core::ports::{OutboxStats, ParkedRow, UnparkSelector};
+pub use core::janitor::InboxJanitorSettings;
+pub use core::ports::{
+    InboxFilter, InboxRow, OutboxStats, ParkedRow, SubscriptionSpec, UnparkSelector,
+};
 pub use core::stats::{OutboxHealth, Readiness, UnreadyReason};
-pub use core::subscriber::{Handler, Subscriber, SubscriberSettings};
+pub use core::subscriber::{
+    DeliveryOutcome, Handler, ReplayOutcome, Subscriber, SubscriberSettings, SubscriberStats,
+};
 pub use envelope::{EnvelopeLimits, EventEnvelope};
 pub use error::{
     BrokerError, ConfigError, DrainError, HandlerError, PublishError, StoreError, SubscribeError,
@@ -49,3 +71,4 @@ pub use pg::PgOutboxStore;
 pub use pg::inbox::{PgInboxStore, PgTx};
 pub use pg::publisher::Publisher;
 pub use runtime::{DrainerHandle, InboxDrainer, OsEntropy, SplitMix64, TokioClock};
+pub use trace_context::TraceContext;

@@ -246,9 +246,13 @@ async fn listen_for_commits(
 /// processed `event_inbox` rows past retention, hourly, in bounded batches;
 /// unprocessed rows stay for replay.
 ///
+/// The name is the ADR's: amendment #433 calls the inbox's retention task
+/// `InboxDrainer::spawn(pool)`, and services written against the ADR call
+/// it so. It drains nothing from a queue; it only sweeps the inbox.
+///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// use outbox::core::janitor::InboxJanitorSettings;
+/// use outbox::InboxJanitorSettings;
 /// let settings = InboxJanitorSettings::from_env()?; // CANOPY_MQ_INBOX_RETENTION_DAYS
 /// let janitor = outbox::InboxDrainer::spawn_with(pool, settings);
 /// // ...

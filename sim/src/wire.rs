@@ -269,6 +269,8 @@ pub struct WireRow {
     /// arrays of numbers).
     pub body: String,
     pub attempts: i32,
+    /// Simulated milliseconds since the row was written.
+    pub age_ms: u64,
 }
 
 /// A parked row on the wire (times in simulated milliseconds).
@@ -329,6 +331,8 @@ pub enum MqRequest {
         routing_key: String,
         message_id: Uuid,
         body: WireBody,
+        /// The `traceparent` and `tracestate` AMQP headers.
+        trace: Option<WireTrace>,
     },
     ChannelClose {
         channel: u32,
@@ -386,5 +390,9 @@ pub enum MqReply {
         routing_key: String,
         body: WireBody,
         redelivered: bool,
+        trace: Option<WireTrace>,
     },
 }
+
+/// The `traceparent` (and `tracestate`) AMQP headers of a message.
+pub type WireTrace = (String, Option<String>);

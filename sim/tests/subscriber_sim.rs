@@ -77,6 +77,7 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
                     routing_key: &e.routing_key,
                     message_id: e.id,
                     body: body.as_bytes(),
+                    trace: None,
                 })
                 .await
                 .unwrap();
@@ -215,6 +216,7 @@ fn database_trouble_is_retried_in_place_with_a_doubling_backoff_and_counts_no_at
                 routing_key: &e.routing_key,
                 message_id: e.id,
                 body: body.as_bytes(),
+                trace: None,
             })
             .await
             .unwrap();

@@ -166,6 +166,7 @@ impl DeliverySource for LapinConsumer {
                 routing_key: d.routing_key.to_string(),
                 body: d.data,
                 redelivered: d.redelivered,
+                trace: super::trace_from_headers(d.properties.headers().as_ref()),
             }),
             Some(Err(e)) => {
                 tracing::warn!(error = %channel_err(e), "consumer failed");

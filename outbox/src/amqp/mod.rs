@@ -13,13 +13,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
 use crate::core::ports::{Broker, Confirm, OutgoingMessage, PublishChannel};
 
 pub mod consumer;
 use crate::error::BrokerError;
+use crate::trace_context::{TRACEPARENT, TRACESTATE, TraceContext};
 
 /// Bound on establishing a connection (TCP + AMQP handshake).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -187,10 +188,13 @@ impl PublishChannel for LapinChannel {
         &mut self,
         message: OutgoingMessage<'_>,
     ) -> Result<LapinConfirm, BrokerError> {
-        let properties = BasicProperties::default()
+        let mut properties = BasicProperties::default()
             .with_message_id(message.message_id.to_string().into())
             .with_content_type("application/json".into())
             .with_delivery_mode(PERSISTENT);
+        if let Some(trace) = message.trace {
+            properties = properties.with_headers(trace_headers(trace));
+        }
         let confirm = self
             .channel
             .basic_publish(
@@ -210,6 +214,31 @@ impl PublishChannel for LapinChannel {
     async fn channel_close(self) {
         drop(self);
     }
+}
+
+/// The W3C trace context as AMQP headers (long strings, as every
+/// OpenTelemetry AMQP propagator reads them).
+fn trace_headers(trace: &TraceContext) -> FieldTable {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        TRACEPARENT.into(),
+        AMQPValue::LongString(trace.traceparent().into()),
+    );
+    if let Some(state) = trace.tracestate() {
+        headers.insert(TRACESTATE.into(), AMQPValue::LongString(state.into()));
+    }
+    headers
+}
+
+/// A valid trace context from a delivery's AMQP headers, if it has one.
+pub(crate) fn trace_from_headers(headers: Option<&FieldTable>) -> Option<TraceContext> {
+    let headers = headers?.inner();
+    let text = |name: &str| match headers.get(name)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str()),
+        _ => None,
+    };
+    TraceContext::parse(text(TRACEPARENT)?, text(TRACESTATE)).ok()
 }
 
 /// A publisher confirm, mapped to the port's [`Confirm`].

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc, watch};
+use tracing::{Instrument, Span, field::Empty};
 use uuid::Uuid;
 
 use super::marks::{Mark, Marks};
@@ -25,6 +26,7 @@ use super::{sleep_or_shutdown, truncate_chars, with_deadline};
 use crate::config::DrainerConfig;
 use crate::envelope::ROUTING_KEY_MAX_BYTES;
 use crate::error::{BrokerError, DrainError};
+use crate::telemetry::{drainer as metric, propagation};
 
 /// After this long without work or errors the drainer polls at the idle tick.
 pub const STEADY_AFTER: Duration = Duration::from_secs(60);
@@ -148,6 +150,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         }
         let permits = Semaphore::new(self.config.pipeline_depth as usize);
         let t1 = self.clock.now();
+        let span = claimed.span.clone();
         let phase2 = async {
             let sending = self.send(claimed, &permits).await?;
             self.settle(sending).await
@@ -156,7 +159,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         self.reconnect_if_due().await;
         let (rows, outcome) = phase2?;
         report.publish_time = self.clock.now().saturating_sub(t1);
-        self.mark(&rows, outcome, &mut report).await?;
+        self.mark(&rows, outcome, &mut report, &span).await?;
         Ok(report)
     }
 
@@ -258,6 +261,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             if stop.load(Ordering::Relaxed) {
                 // Another stage failed while this claim ran: hand it back.
                 self.marks.hit(Mark::ReleasedBesideFailure);
+                claimed.span.record("outbox.outcome", "released");
                 self.release_all(&claimed.rows).await;
                 break;
             }
@@ -282,6 +286,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         while let Some((claimed, hand)) = sends.recv().await {
             if stop.load(Ordering::Relaxed) {
                 self.marks.hit(Mark::ReleasedBesideFailure);
+                claimed.span.record("outbox.outcome", "released");
                 self.release_all(&claimed.rows).await;
                 continue;
             }
@@ -304,16 +309,17 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     async fn settle_stage<'p, 'h>(
         &self,
         mut settles: mpsc::UnboundedReceiver<(Sending<'p, B::Channel>, SemaphorePermit<'h>)>,
-        to_mark: mpsc::UnboundedSender<(Vec<ClaimedRow>, BatchOutcome, SemaphorePermit<'h>)>,
+        to_mark: mpsc::UnboundedSender<(Vec<ClaimedRow>, BatchOutcome, Span, SemaphorePermit<'h>)>,
         stop: &AtomicBool,
     ) -> Stage {
         let (mut report, mut errors) = (TickReport::default(), Vec::new());
         while let Some((sending, hand)) = settles.recv().await {
             let t = self.clock.now();
+            let span = sending.span.clone();
             match self.settle(sending).await {
                 Ok((rows, outcome)) => {
                     report.publish_time += self.clock.now().saturating_sub(t);
-                    let _ = to_mark.send((rows, outcome, hand));
+                    let _ = to_mark.send((rows, outcome, span, hand));
                 }
                 Err(e) => {
                     stop.store(true, Ordering::Relaxed);
@@ -327,12 +333,17 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// Marks each settled batch; its place in hand frees after the mark.
     async fn mark_stage(
         &self,
-        mut marks: mpsc::UnboundedReceiver<(Vec<ClaimedRow>, BatchOutcome, SemaphorePermit<'_>)>,
+        mut marks: mpsc::UnboundedReceiver<(
+            Vec<ClaimedRow>,
+            BatchOutcome,
+            Span,
+            SemaphorePermit<'_>,
+        )>,
         stop: &AtomicBool,
     ) -> Stage {
         let (mut report, mut errors) = (TickReport::default(), Vec::new());
-        while let Some((rows, outcome, hand)) = marks.recv().await {
-            if let Err(e) = self.mark(&rows, outcome, &mut report).await {
+        while let Some((rows, outcome, span, hand)) = marks.recv().await {
+            if let Err(e) = self.mark(&rows, outcome, &mut report, &span).await {
                 stop.store(true, Ordering::Relaxed);
                 errors.push(e);
             }
@@ -366,6 +377,17 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// of a second, counted from this claim's start (no burst allowance).
     async fn claim(&self, report: &mut TickReport) -> Result<Claimed, DrainError> {
         let cfg = &self.config;
+        let span = tracing::info_span!(
+            "outbox.batch",
+            outbox.replica = %cfg.replica_id,
+            messaging.system = "rabbitmq",
+            messaging.destination.name = %cfg.exchange,
+            messaging.batch.message_count = Empty,
+            outbox.outcome = Empty,
+            outbox.published = Empty,
+            outbox.nacked = Empty,
+            outbox.mark_lost = Empty,
+        );
         let t0 = self.clock.now();
         let rows = self
             .store
@@ -374,8 +396,17 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 batch_size: cfg.batch_size,
                 lease_ttl: cfg.lease_ttl,
             })
-            .await?;
+            .instrument(tracing::info_span!(parent: &span, "outbox.claim"))
+            .await;
         let at = self.clock.now();
+        metrics::histogram!(metric::CLAIM_DURATION).record(at.saturating_sub(t0).as_secs_f64());
+        let rows = rows.inspect_err(|_| {
+            span.record("outbox.outcome", "claim_failed");
+        })?;
+        span.record("messaging.batch.message_count", rows.len());
+        if rows.is_empty() {
+            span.record("outbox.outcome", "empty");
+        }
         debug_assert!(rows.len() <= cfg.batch_size as usize, "store over-claimed");
         if rows.len() >= cfg.batch_size as usize {
             self.marks.hit(Mark::ClaimFull);
@@ -388,7 +419,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         }
         report.claimed += rows.len();
         report.claim_time += at.saturating_sub(t0);
-        Ok(Claimed { rows, at })
+        Ok(Claimed { rows, at, span })
     }
 
     /// Phase 2, first part: opens the batch's channel and publishes every
@@ -403,18 +434,40 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let generation = self.broker.connection_generation();
         let deadline = claimed.at + self.config.confirm_timeout;
         let left = deadline.saturating_sub(self.clock.now());
-        let published =
-            with_deadline(&*self.clock, left, self.publish_all(&claimed.rows, permits)).await;
+        let exchange = &self.config.exchange;
+        let span = tracing::info_span!(
+            parent: &claimed.span,
+            "send",
+            otel.name = %format_args!("send {exchange}"),
+            otel.kind = "producer",
+            messaging.system = "rabbitmq",
+            messaging.operation.name = "publish",
+            messaging.operation.type = "send",
+            messaging.destination.name = %exchange,
+            messaging.batch.message_count = claimed.rows.len(),
+        );
+        if !span.is_disabled() {
+            for trace in claimed.rows.iter().filter_map(|r| r.trace.as_ref()) {
+                propagation::link(&span, trace);
+            }
+        }
+        let published = with_deadline(&*self.clock, left, self.publish_all(&claimed.rows, permits))
+            .instrument(span)
+            .await;
         match self.phase2_result(published, claimed.rows.len()) {
             Ok((channel, pending, outcome)) => Ok(Sending {
                 rows: claimed.rows,
                 channel,
                 pending,
                 outcome,
+                claimed_at: claimed.at,
                 deadline,
                 generation,
+                span: claimed.span,
             }),
-            Err(e) => Err(self.phase2_failed(&claimed.rows, generation, e).await),
+            Err(e) => Err(self
+                .phase2_failed(&claimed.rows, generation, e, &claimed.span)
+                .await),
         }
     }
 
@@ -429,8 +482,10 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             channel,
             mut pending,
             mut outcome,
+            claimed_at,
             deadline,
             generation,
+            span,
         } = sending;
         let left = deadline.saturating_sub(self.clock.now());
         let confirms = async {
@@ -442,11 +497,23 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             }
             Ok::<(), BrokerError>(())
         };
-        let settled = with_deadline(&*self.clock, left, confirms).await;
+        let settled = with_deadline(&*self.clock, left, confirms)
+            .instrument(tracing::info_span!(parent: &span, "outbox.settle"))
+            .await;
         channel.channel_close().await;
         match self.phase2_result(settled, rows.len()) {
-            Ok(()) => Ok((rows, outcome)),
-            Err(e) => Err(self.phase2_failed(&rows, generation, e).await),
+            Ok(()) => {
+                let since_claim = self.clock.now().saturating_sub(claimed_at);
+                metrics::histogram!(metric::PUBLISH_DURATION).record(since_claim.as_secs_f64());
+                let lag = metrics::histogram!(metric::COMMIT_TO_CONFIRM);
+                for row in &rows {
+                    if !outcome.failed.iter().any(|f| f.id == row.id) {
+                        lag.record((row.age + since_claim).as_secs_f64());
+                    }
+                }
+                Ok((rows, outcome))
+            }
+            Err(e) => Err(self.phase2_failed(&rows, generation, e, &span).await),
         }
     }
 
@@ -457,15 +524,38 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         rows: &[ClaimedRow],
         outcome: BatchOutcome,
         report: &mut TickReport,
+        span: &Span,
     ) -> Result<(), DrainError> {
         let t2 = self.clock.now();
         debug_assert_eq!(outcome.acked.len() + outcome.failed.len(), rows.len());
+        let before = *report;
         // Both statements are tried even if the first fails: rows whose
         // failure can be recorded must not wait for their lease.
-        let published = self.mark_published(&outcome.acked, report).await;
-        let failed = self.mark_failed(&outcome.failed, report).await;
-        report.mark_time += self.clock.now().saturating_sub(t2);
-        published.and(failed)
+        let (published, failed) = async {
+            let published = self.mark_published(&outcome.acked, report).await;
+            let failed = self.mark_failed(&outcome.failed, report).await;
+            (published, failed)
+        }
+        .instrument(tracing::info_span!(parent: span, "outbox.mark"))
+        .await;
+        let took = self.clock.now().saturating_sub(t2);
+        report.mark_time += took;
+        metrics::histogram!(metric::MARK_DURATION).record(took.as_secs_f64());
+        span.record("outbox.published", report.published - before.published);
+        span.record("outbox.nacked", report.failed - before.failed);
+        span.record("outbox.mark_lost", report.mark_lost - before.mark_lost);
+        let result = published.and(failed);
+        span.record(
+            "outbox.outcome",
+            if result.is_err() {
+                "mark_failed"
+            } else if outcome.failed.is_empty() {
+                "published"
+            } else {
+                "partly_nacked"
+            },
+        );
+        result
     }
 
     /// Phase 3 for the confirmed rows.
@@ -483,6 +573,10 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             let lost = acked.len() as u64 - published;
             report.published += published;
             report.mark_lost += lost;
+            metrics::counter!(metric::PUBLISHED).increment(published);
+            if lost > 0 {
+                metrics::counter!(metric::MARK_LOST).increment(lost);
+            }
             if lost > 0 {
                 self.marks.hit(Mark::LeaseLostBeforeMark);
                 tracing::warn!(
@@ -510,6 +604,10 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 .await?;
             report.failed += fail.recorded;
             report.parked += fail.parked;
+            metrics::counter!(metric::NACKED).increment(fail.recorded);
+            if fail.parked > 0 {
+                metrics::counter!(metric::PARKED).increment(fail.parked);
+            }
             if fail.parked > 0 {
                 self.marks.hit(Mark::RowParked);
                 tracing::warn!(
@@ -576,6 +674,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                         routing_key: &row.routing_key,
                         message_id: row.id,
                         body: &row.body,
+                        trace: row.trace.as_ref(),
                     })
                     .await?;
                 pending.push_back((row.id, confirm, permit));
@@ -624,7 +723,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         rows: &[ClaimedRow],
         generation: u64,
         error: DrainError,
+        span: &Span,
     ) -> DrainError {
+        span.record("outbox.outcome", "released");
         self.failing.store(true, Ordering::Relaxed);
         self.marks.hit(Mark::ReleasedAfterFailure);
         self.release_all(rows).await;
@@ -638,11 +739,14 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             return;
         }
         let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
-        if let Err(e) = self
+        let released = self
             .store
             .outbox_release(&self.config.replica_id, &ids)
-            .await
-        {
+            .await;
+        if let Ok(n) = released {
+            metrics::counter!(metric::RELEASED).increment(n);
+        }
+        if let Err(e) = released {
             self.marks.hit(Mark::ReleaseFailed);
             tracing::warn!(
                 replica = %self.config.replica_id,
@@ -659,7 +763,17 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let Some(generation) = due.checked_sub(1) else {
             return;
         };
-        if let Err(e) = self.broker.connection_reconnect(generation).await {
+        let span = tracing::info_span!(
+            "outbox.reconnect",
+            outbox.replica = %self.config.replica_id,
+            messaging.system = "rabbitmq",
+        );
+        let reconnected = self
+            .broker
+            .connection_reconnect(generation)
+            .instrument(span)
+            .await;
+        if let Err(e) = reconnected {
             self.marks.hit(Mark::ReconnectFailed);
             tracing::warn!(error = %e, "broker reconnect failed; retrying on the next tick");
         }
@@ -770,6 +884,8 @@ fn unpublishable(row: &ClaimedRow) -> Option<String> {
 struct Claimed {
     rows: Vec<ClaimedRow>,
     at: Duration,
+    /// The batch's span, parent of its phases' spans.
+    span: Span,
 }
 
 /// Unconfirmed publishes of one batch, oldest first, each holding a permit.
@@ -781,9 +897,13 @@ struct Sending<'p, Ch: PublishChannel> {
     channel: Ch,
     pending: Pending<'p, Ch>,
     outcome: BatchOutcome,
+    /// Clock time the claim returned.
+    claimed_at: Duration,
     /// Clock time by which the last confirm must be in.
     deadline: Duration,
     generation: u64,
+    /// The batch's span.
+    span: Span,
 }
 
 impl TickReport {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use super::marks::{Mark, Marks};
 use super::ports::{Clock, InboxStore, OutboxStore};
@@ -164,7 +165,17 @@ async fn run_every<C, F, Fut>(
         Table::Inbox => ("inbox", Mark::InboxSweepDeleted),
     };
     loop {
-        match sweep().await {
+        let span = tracing::info_span!(
+            "outbox.janitor",
+            outbox.table = name,
+            outbox.deleted = tracing::field::Empty,
+        );
+        let swept = sweep().instrument(span.clone()).await;
+        if let Ok(deleted) = swept {
+            span.record("outbox.deleted", deleted);
+        }
+        drop(span);
+        match swept {
             Ok(0) => {}
             Ok(deleted) => {
                 marks.hit(deleted_mark);

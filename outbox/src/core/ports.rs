@@ -14,6 +14,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::error::{BrokerError, StoreError};
+pub use crate::trace_context::TraceContext;
 
 /// Time as the core sees it.
 pub trait Clock: Send + Sync + 'static {
@@ -51,6 +52,12 @@ pub struct ClaimedRow {
     pub body: Vec<u8>,
     /// Row-culpable failures so far.
     pub attempts: i32,
+    /// The trace context the row was written under (its envelope's valid
+    /// `traceparent`/`tracestate` headers), set as AMQP headers on publish.
+    pub trace: Option<TraceContext>,
+    /// How long ago the row was written, as the store saw it at the claim
+    /// (the start of the commit-to-confirm lag).
+    pub age: Duration,
 }
 
 /// A row-culpable failure to record in Phase 3.
@@ -192,6 +199,8 @@ pub struct OutgoingMessage<'a> {
     pub message_id: Uuid,
     /// AMQP body (the encoded envelope).
     pub body: &'a [u8],
+    /// Sent as the `traceparent`/`tracestate` AMQP headers.
+    pub trace: Option<&'a TraceContext>,
 }
 
 /// The message broker, as the drainer uses it.
@@ -425,6 +434,9 @@ pub struct Delivery {
     /// The broker delivered it before (nacked with requeue, or its
     /// consumer's channel closed unacknowledged).
     pub redelivered: bool,
+    /// A valid trace context from its `traceparent`/`tracestate` AMQP
+    /// headers, if it carries one.
+    pub trace: Option<TraceContext>,
 }
 
 /// The message broker, as the subscriber uses it.

@@ -164,7 +164,13 @@ pub async fn sample<S: OutboxStore, C: Clock>(
     metrics::gauge!(gauges::OLDEST_AGE).set(stats.oldest_unpublished_age_secs);
     metrics::gauge!(gauges::PARKED).set(stats.parked as f64);
     health.record(stats, clock.now());
-    for reason in threshold_reasons(&stats, config) {
+    let reasons = threshold_reasons(&stats, config);
+    metrics::gauge!(crate::telemetry::drainer::READY).set(if reasons.is_empty() {
+        1.0
+    } else {
+        0.0
+    });
+    for reason in reasons {
         tracing::warn!(%reason, "outbox backlog over threshold: is the drainer publishing?");
     }
     if stats.parked > 0 {
@@ -187,6 +193,9 @@ pub async fn run<S: OutboxStore, C: Clock>(
     loop {
         if let Err(e) = sample(&*store, &*clock, &config, &health).await {
             tracing::warn!(error = %e, "outbox stats sample failed");
+            if !health.readiness(&config, clock.now()).ready {
+                metrics::gauge!(crate::telemetry::drainer::READY).set(0.0);
+            }
         }
         if sleep_or_shutdown(&*clock, config.stats_interval, &mut shutdown).await {
             return;

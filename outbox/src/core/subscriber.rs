@@ -32,6 +32,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tracing::{Instrument, Span, field::Empty};
 
 use super::drainer::LAST_ERROR_MAX_CHARS;
 use super::marks::{Mark, Marks};
@@ -42,6 +43,7 @@ use super::ports::{
 use super::{sleep_or_shutdown, truncate_chars, with_deadline};
 use crate::envelope::EventEnvelope;
 use crate::error::{BrokerError, HandlerError, StoreError, SubscribeError};
+use crate::telemetry::{propagation, subscriber as metric};
 
 /// Longest pause between retries of database or broker trouble.
 pub const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -121,6 +123,36 @@ pub enum DeliveryOutcome {
     },
     /// Shutdown came while the database was unavailable; requeued.
     Requeued,
+}
+
+impl DeliveryOutcome {
+    /// A short name, for the `outbox.inbox.outcome` span attribute.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Processed => "processed",
+            Self::Duplicate => "duplicate",
+            Self::Retrying { .. } => "retrying",
+            Self::DeadLettered { .. } => "dead_lettered",
+            Self::Undecodable { .. } => "undecodable",
+            Self::TooLarge { .. } => "too_large",
+            Self::Unstorable { .. } => "unstorable",
+            Self::Requeued => "requeued",
+        }
+    }
+
+    /// The counter it counts toward, if any.
+    fn metric(&self) -> Option<&'static str> {
+        Some(match self {
+            Self::Processed => metric::PROCESSED,
+            Self::Duplicate => metric::DUPLICATES,
+            Self::Retrying { .. } => metric::RETRIED,
+            Self::DeadLettered { .. } => metric::DEAD_LETTERED,
+            Self::Undecodable { .. } | Self::TooLarge { .. } | Self::Unstorable { .. } => {
+                metric::UNDECODABLE
+            }
+            Self::Requeued => return None,
+        })
+    }
 }
 
 /// What a replay of one inbox row did.
@@ -331,14 +363,18 @@ where
         JoinAll { futures: workers }.await;
     }
 
-    /// Handles one delivery to the end: ack or nack included.
+    /// Handles one delivery to the end: ack or nack included, in a
+    /// `process <queue>` span whose parent is the trace context the
+    /// delivery carries (its AMQP headers, else its envelope's).
     pub async fn deliver(
         &self,
         consumer: &B::Consumer,
         delivery: Delivery,
         shutdown: &watch::Receiver<bool>,
     ) -> DeliveryOutcome {
-        let queue = &self.settings.spec.queue;
+        let spec = &self.settings.spec;
+        let queue = &spec.queue;
+        metrics::counter!(metric::DELIVERED, metric::LABEL => queue.clone()).increment(1);
         let limit = self.settings.max_body_bytes;
         let decoded = if delivery.body.len() > limit as usize {
             Err(DeliveryOutcome::TooLarge {
@@ -349,6 +385,53 @@ where
             EventEnvelope::decode_delivery(&delivery.body)
                 .map_err(|reason| DeliveryOutcome::Undecodable { reason })
         };
+        let span = tracing::info_span!(
+            "process",
+            otel.name = %format_args!("process {queue}"),
+            otel.kind = "consumer",
+            messaging.system = "rabbitmq",
+            messaging.operation.name = "process",
+            messaging.operation.type = "process",
+            messaging.destination.name = %spec.exchange,
+            messaging.destination.subscription.name = %queue,
+            // Escaped: a delivery's bytes cannot forge a log line.
+            messaging.rabbitmq.destination.routing_key = %delivery.routing_key.escape_debug(),
+            messaging.rabbitmq.message.delivery_tag = delivery.tag,
+            messaging.message.id = Empty,
+            outbox.inbox.outcome = Empty,
+        );
+        if !span.is_disabled() {
+            let envelope = decoded.as_ref().ok();
+            if let Some(trace) = delivery.trace.clone().or_else(|| {
+                envelope.and_then(|e| crate::trace_context::TraceContext::from_headers(&e.headers))
+            }) {
+                propagation::set_parent(&span, &trace);
+            }
+            if let Some(envelope) = envelope {
+                span.record("messaging.message.id", envelope.id.to_string());
+            }
+        }
+        let outcome = self
+            .settle_delivery(consumer, delivery, decoded, shutdown)
+            .instrument(span.clone())
+            .await;
+        span.record("outbox.inbox.outcome", outcome.label());
+        self.counters.count(&outcome);
+        if let Some(name) = outcome.metric() {
+            metrics::counter!(name, metric::LABEL => queue.clone()).increment(1);
+        }
+        outcome
+    }
+
+    /// [`deliver`](Self::deliver) once the delivery is decoded.
+    async fn settle_delivery(
+        &self,
+        consumer: &B::Consumer,
+        delivery: Delivery,
+        decoded: Result<EventEnvelope, DeliveryOutcome>,
+        shutdown: &watch::Receiver<bool>,
+    ) -> DeliveryOutcome {
+        let queue = &self.settings.spec.queue;
         let outcome = match decoded {
             Err(rejected) => {
                 self.marks.hit(match rejected {
@@ -419,7 +502,6 @@ where
             // The broker will redeliver it; the inbox absorbs the repeat.
             tracing::debug!(queue = %queue, error = %e, "ack/nack lost with the channel");
         }
-        self.counters.count(&outcome);
         outcome
     }
 
@@ -558,7 +640,14 @@ where
     ) -> Result<(), HandlerError> {
         let limit = self.settings.handler_timeout;
         let guarded = CatchUnwind(Box::pin(self.handler.handle(tx, envelope)));
-        match with_deadline(&*self.clock, limit, guarded).await {
+        let started = self.clock.now();
+        let ran = with_deadline(&*self.clock, limit, guarded).await;
+        metrics::histogram!(
+            metric::HANDLER_DURATION,
+            metric::LABEL => self.settings.spec.queue.clone()
+        )
+        .record(self.clock.now().saturating_sub(started).as_secs_f64());
+        match ran {
             Some(Ok(result)) => result,
             Some(Err(panic)) => {
                 self.marks.hit(Mark::HandlerPanicked);
@@ -584,9 +673,23 @@ where
         &self,
         filter: &InboxFilter,
     ) -> Result<Vec<(uuid::Uuid, ReplayOutcome)>, StoreError> {
+        let queue = &self.settings.spec.queue;
+        let span = tracing::info_span!(
+            "outbox.replay",
+            messaging.destination.subscription.name = %queue,
+            outbox.rows = Empty,
+        );
+        self.replay_rows(filter).instrument(span).await
+    }
+
+    async fn replay_rows(
+        &self,
+        filter: &InboxFilter,
+    ) -> Result<Vec<(uuid::Uuid, ReplayOutcome)>, StoreError> {
         let mut filter = filter.clone();
         filter.subscription = Some(self.settings.spec.queue.clone());
         let rows = self.store.inbox_list_unprocessed(&filter).await?;
+        Span::current().record("outbox.rows", rows.len());
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
             let outcome = match EventEnvelope::decode_delivery(&row.payload) {
@@ -607,6 +710,11 @@ where
                         Attempt::Applied => {
                             self.marks.hit(Mark::ReplayApplied);
                             self.counters.processed.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!(
+                                metric::PROCESSED,
+                                metric::LABEL => self.settings.spec.queue.clone()
+                            )
+                            .increment(1);
                             ReplayOutcome::Applied
                         }
                         Attempt::AlreadyProcessed => {

@@ -1,6 +1,6 @@
-//! The PostgreSQL adapter: the only place (with [`crate::publisher`]) that
+//! The PostgreSQL adapter: the only place (with [`publisher`]) that
 //! runs SQL. One statement per `.sql` file under `sql/`, named after the port
-//! method it implements; [`map_err`] is the one place sqlx errors become
+//! method it implements; `map_err` is the one place sqlx errors become
 //! [`StoreError`]s.
 
 use std::time::Duration;
@@ -13,6 +13,7 @@ use crate::core::ports::{
     UnparkSelector,
 };
 use crate::error::StoreError;
+use crate::trace_context::TraceContext;
 
 pub mod inbox;
 pub mod publisher;
@@ -179,6 +180,17 @@ impl OutboxStore for PgOutboxStore {
                             .map_err(map_err)?
                             .into_bytes(),
                         attempts: r.try_get("attempts").map_err(map_err)?,
+                        trace: r
+                            .try_get::<Option<String>, _>("traceparent")
+                            .map_err(map_err)?
+                            .and_then(|tp| {
+                                let ts: Option<String> = r.try_get("tracestate").ok()?;
+                                TraceContext::parse(&tp, ts.as_deref()).ok()
+                            }),
+                        age: Duration::try_from_secs_f64(
+                            r.try_get::<f64, _>("age_secs").map_err(map_err)?,
+                        )
+                        .unwrap_or_default(),
                     })
                 })
                 .collect()

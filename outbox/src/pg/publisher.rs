@@ -7,9 +7,12 @@ use std::collections::BTreeSet;
 
 use sqlx::{PgPool, Postgres, Transaction};
 
+use tracing::Instrument;
+
 use super::sql;
 use crate::envelope::{EnvelopeLimits, EventEnvelope};
 use crate::error::PublishError;
+use crate::telemetry::propagation;
 
 /// Name of the outbox primary-key constraint (PostgreSQL's default name).
 const PKEY: &str = "event_outbox_pkey";
@@ -57,17 +60,34 @@ impl Publisher {
 
     /// Writes `envelope` into the caller's transaction. Validation errors are
     /// returned before anything is written.
+    ///
+    /// Runs in a `create outbox` span (a child of the caller's); with the
+    /// `otel` feature, that span's W3C context is stored in the envelope's
+    /// `traceparent`/`tracestate` headers (unless it has a `traceparent`
+    /// already), so the drainer and the consumer continue the trace.
     pub async fn publish_tx(
         &self,
         tx: &mut Transaction<'_, Postgres>,
         envelope: &EventEnvelope,
     ) -> Result<(), PublishError> {
-        let body = envelope.encode(&self.limits)?;
+        let span = tracing::info_span!(
+            "create",
+            otel.name = "create outbox",
+            otel.kind = "producer",
+            messaging.system = "rabbitmq",
+            messaging.operation.name = "create",
+            messaging.operation.type = "create",
+            messaging.message.id = %envelope.id,
+            messaging.rabbitmq.destination.routing_key = %envelope.routing_key,
+        );
+        let trace = propagation::capture(&span);
+        let body = envelope.encode_traced(&self.limits, trace.as_ref())?;
         sqlx::query(sql::INSERT)
             .bind(envelope.id)
             .bind(&envelope.routing_key)
             .bind(body)
             .execute(&mut **tx)
+            .instrument(span)
             .await
             .map_err(|e| map_insert_err(e, Some(envelope.id)))?;
         Ok(())
@@ -76,6 +96,9 @@ impl Publisher {
     /// Writes many envelopes into the caller's transaction in one round-trip.
     /// Every envelope is validated before anything is written; one invalid
     /// envelope refuses the whole call.
+    ///
+    /// One `create outbox` span for the call; with the `otel` feature its
+    /// context goes into each envelope that has no `traceparent` of its own.
     pub async fn publish_many_tx(
         &self,
         tx: &mut Transaction<'_, Postgres>,
@@ -84,6 +107,16 @@ impl Publisher {
         if envelopes.is_empty() {
             return Ok(());
         }
+        let span = tracing::info_span!(
+            "create",
+            otel.name = "create outbox",
+            otel.kind = "producer",
+            messaging.system = "rabbitmq",
+            messaging.operation.name = "create",
+            messaging.operation.type = "create",
+            messaging.batch.message_count = envelopes.len(),
+        );
+        let trace = propagation::capture(&span);
         let mut seen = BTreeSet::new();
         let mut ids = Vec::with_capacity(envelopes.len());
         let mut keys = Vec::with_capacity(envelopes.len());
@@ -92,7 +125,7 @@ impl Publisher {
             if !seen.insert(env.id) {
                 return Err(PublishError::DuplicateId { id: env.id });
             }
-            bodies.push(env.encode(&self.limits)?);
+            bodies.push(env.encode_traced(&self.limits, trace.as_ref())?);
             ids.push(env.id);
             keys.push(env.routing_key.as_str());
         }
@@ -101,6 +134,7 @@ impl Publisher {
             .bind(&keys)
             .bind(&bodies)
             .execute(&mut **tx)
+            .instrument(span)
             .await
             .map_err(|e| map_insert_err(e, None))?;
         Ok(())

@@ -52,6 +52,8 @@ pub struct Received {
     pub routing_key: String,
     pub body: Vec<u8>,
     pub persistent: bool,
+    /// Its AMQP headers, as text (long or short strings only).
+    pub headers: std::collections::BTreeMap<String, String>,
 }
 
 /// A consumer independent of the drainer: its own connection, an exclusive
@@ -112,6 +114,19 @@ impl PlainConsumer {
                     routing_key: d.routing_key.as_str().to_owned(),
                     body: d.data.clone(),
                     persistent: *props.delivery_mode() == Some(2),
+                    headers: props
+                        .headers()
+                        .iter()
+                        .flat_map(|t| t.inner().iter())
+                        .filter_map(|(k, v)| {
+                            let text = match v {
+                                AMQPValue::LongString(s) => s.to_string(),
+                                AMQPValue::ShortString(s) => s.as_str().to_owned(),
+                                _ => return None,
+                            };
+                            Some((k.as_str().to_owned(), text))
+                        })
+                        .collect(),
                 });
                 let _ = d.ack(BasicAckOptions::default()).await;
             }

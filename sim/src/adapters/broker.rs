@@ -78,6 +78,7 @@ impl Waiters {
                 routing_key,
                 body,
                 redelivered,
+                trace,
             } => {
                 if let Some(tx) = self.deliveries.get(&channel) {
                     let _ = tx.send(Delivery {
@@ -86,6 +87,9 @@ impl Waiters {
                         routing_key,
                         body: body.into_bytes(),
                         redelivered,
+                        trace: trace.and_then(|(tp, ts)| {
+                            outbox::trace_context::TraceContext::parse(&tp, ts.as_deref()).ok()
+                        }),
                     });
                 }
             }
@@ -301,6 +305,12 @@ impl PublishChannel for SimChannel {
                 routing_key: m.routing_key.to_owned(),
                 message_id: m.message_id,
                 body: WireBody::from_bytes(m.body),
+                trace: m.trace.map(|t| {
+                    (
+                        t.traceparent().to_owned(),
+                        t.tracestate().map(str::to_owned),
+                    )
+                }),
             })
             .await?;
         self.published += 1;

@@ -13,6 +13,7 @@ use outbox::core::ports::{
     ClaimParams, ClaimedRow, FailOutcome, OutboxStats, OutboxStore, ParkedRow, RowFailure,
     UnparkSelector,
 };
+use outbox::trace_context::TraceContext;
 use uuid::Uuid;
 
 use super::hooks::{Hooks, Point};
@@ -93,8 +94,10 @@ impl SimStore {
             .map(|r| ClaimedRow {
                 id: r.id,
                 routing_key: r.routing_key,
+                trace: trace_of(&r.body),
                 body: r.body.into_bytes(),
                 attempts: r.attempts,
+                age: Duration::from_millis(r.age_ms),
             })
             .collect())
     }
@@ -255,4 +258,19 @@ impl OutboxStore for SimStore {
             other => Err(unexpected(other)),
         }
     }
+}
+
+/// What PostgreSQL's `payload->'headers'->>'traceparent'` (and
+/// `tracestate`) give for a stored envelope, validated as the adapter does.
+fn trace_of(body: &str) -> Option<TraceContext> {
+    #[derive(serde::Deserialize)]
+    struct Headers {
+        #[serde(default)]
+        headers: std::collections::BTreeMap<String, String>,
+    }
+    if !body.contains(outbox::trace_context::TRACEPARENT) {
+        return None;
+    }
+    let h: Headers = serde_json::from_str(body).ok()?;
+    TraceContext::from_headers(&h.headers)
 }

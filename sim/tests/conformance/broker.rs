@@ -143,6 +143,7 @@ async fn publish_one_unbounded<B: Broker>(
             routing_key: key,
             message_id: Uuid::now_v7(),
             body: b"{}",
+            trace: None,
         })
         .await?;
     let r = confirm.await;

@@ -9,6 +9,7 @@ use outbox::core::ports::{
     Broker, Confirm, ConsumerBroker, Delivery, DeliverySource, OutgoingMessage, PublishChannel,
     SubscriptionSpec,
 };
+use outbox::trace_context::TraceContext;
 use outbox::{EventEnvelope, LapinBroker};
 use sim::adapters::{Hooks, SimBroker};
 use sim::fakes::mq::{self, MqState};
@@ -174,6 +175,7 @@ async fn publish<A: ConsumeArm>(arm: &A, exchange: &str, keys: &[&str]) -> Vec<E
                 routing_key: key,
                 message_id: e.id,
                 body: body.as_bytes(),
+                trace: None,
             })
             .await
             .unwrap();
@@ -202,6 +204,41 @@ fn id_of(d: &Delivery) -> uuid::Uuid {
 }
 
 // ---- bodies --------------------------------------------------------------
+
+async fn trace_context_headers_travel_with_the_message<A: ConsumeArm>(arm: A) {
+    let spec = arm.spec(10);
+    let c = arm.broker().subscription_open(&spec).await.unwrap();
+    let tc = TraceContext::parse(
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        Some("congo=t61rcWkgMzE"),
+    )
+    .unwrap();
+    let mut ch = arm.publisher().channel_open().await.unwrap();
+    ch.channel_confirm_select().await.unwrap();
+    for trace in [Some(&tc), None] {
+        let e = EventEnvelope::new("orders.t", serde_json::json!({}));
+        let body = e.encode(&Default::default()).unwrap();
+        let confirm = ch
+            .channel_publish(OutgoingMessage {
+                exchange: &spec.exchange,
+                routing_key: "orders.t",
+                message_id: e.id,
+                body: body.as_bytes(),
+                trace,
+            })
+            .await
+            .unwrap();
+        assert_eq!(confirm.await.unwrap(), Confirm::Ack);
+    }
+    ch.channel_close().await;
+    let first = next(&c).await;
+    assert_eq!(first.trace.as_ref(), Some(&tc));
+    let second = next(&c).await;
+    assert_eq!(second.trace, None);
+    c.delivery_ack(first.tag).await.unwrap();
+    c.delivery_ack(second.tag).await.unwrap();
+    c.consumer_close().await;
+}
 
 async fn deliveries_are_acked_requeued_and_dead_lettered<A: ConsumeArm>(arm: A) {
     let spec = arm.spec(10);
@@ -282,6 +319,7 @@ async fn the_prefetch_bounds_unacked_deliveries<A: ConsumeArm>(arm: A) {
 }
 
 conformance!(rabbitmq: with_real, fake: with_fake;
+    trace_context_headers_travel_with_the_message,
     deliveries_are_acked_requeued_and_dead_lettered,
     unacked_deliveries_come_back_after_the_connection_is_cut,
     the_prefetch_bounds_unacked_deliveries,

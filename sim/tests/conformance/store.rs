@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use outbox::core::janitor;
 use outbox::core::ports::{ClaimParams, OutboxStore, RowFailure, UnparkSelector};
+use outbox::trace_context::TraceContext;
 use outbox::{DrainerConfig, EventEnvelope, PgOutboxStore, Publisher};
 use sim::adapters::{Hooks, PgClient, SimStore};
 use sim::fakes::pg::{self, PgState};
@@ -30,7 +31,18 @@ trait StoreArm {
     type S: OutboxStore;
     fn store(&self) -> &Self::S;
     /// Commits one envelope per transaction, in order; returns their ids.
-    async fn insert(&self, n: usize, key: &str) -> Vec<Uuid>;
+    async fn insert(&self, n: usize, key: &str) -> Vec<Uuid> {
+        let mut ids = Vec::new();
+        for i in 0..n {
+            let e = EventEnvelope::new(key, serde_json::json!({ "i": i }));
+            self.insert_envelope(&e).await;
+            ids.push(e.id);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        ids
+    }
+    /// Commits `e` in a transaction of its own.
+    async fn insert_envelope(&self, e: &EventEnvelope);
     async fn row(&self, id: Uuid) -> Option<RowView>;
     /// Moves a row's `published_at` `secs` into the past.
     async fn backdate_published(&self, id: Uuid, secs: u64);
@@ -46,16 +58,8 @@ impl StoreArm for RealStore {
     fn store(&self) -> &PgOutboxStore {
         &self.store
     }
-    async fn insert(&self, n: usize, key: &str) -> Vec<Uuid> {
-        let p = Publisher::new(self.pool.clone());
-        let mut ids = Vec::new();
-        for i in 0..n {
-            let e = EventEnvelope::new(key, serde_json::json!({ "i": i }));
-            p.publish(&e).await.unwrap();
-            ids.push(e.id);
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        ids
+    async fn insert_envelope(&self, e: &EventEnvelope) {
+        Publisher::new(self.pool.clone()).publish(e).await.unwrap();
     }
     async fn row(&self, id: Uuid) -> Option<RowView> {
         sqlx::query_as::<_, (i32, bool, bool, Option<String>)>(
@@ -94,25 +98,18 @@ impl StoreArm for FakeStore {
     fn store(&self) -> &SimStore {
         &self.store
     }
-    async fn insert(&self, n: usize, key: &str) -> Vec<Uuid> {
-        let mut ids = Vec::new();
-        for i in 0..n {
-            let e = EventEnvelope::new(key, serde_json::json!({ "i": i }));
-            let body = e.encode(&Default::default()).unwrap();
-            self.client
-                .in_tx(vec![PgRequest::Insert {
-                    rows: vec![NewRow {
-                        id: e.id,
-                        routing_key: key.to_owned(),
-                        body,
-                    }],
-                }])
-                .await
-                .unwrap();
-            ids.push(e.id);
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        ids
+    async fn insert_envelope(&self, e: &EventEnvelope) {
+        let body = e.encode(&Default::default()).unwrap();
+        self.client
+            .in_tx(vec![PgRequest::Insert {
+                rows: vec![NewRow {
+                    id: e.id,
+                    routing_key: e.routing_key.clone(),
+                    body,
+                }],
+            }])
+            .await
+            .unwrap();
     }
     async fn row(&self, id: Uuid) -> Option<RowView> {
         let db = self.state.lock();
@@ -156,6 +153,35 @@ fn params(replica: &str, batch: u32, ttl_ms: u64) -> ClaimParams<'_> {
 }
 
 // ---- store bodies ------------------------------------------------------
+
+async fn the_claim_returns_the_trace_context_and_the_age<A: StoreArm>(arm: A) {
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let traced = EventEnvelope::new("k", serde_json::json!({}))
+        .with_header("traceparent", tp)
+        .with_header("tracestate", "congo=t61rcWkgMzE");
+    let bare = EventEnvelope::new("k", serde_json::json!({})).with_header("tenant", "ny");
+    arm.insert_envelope(&traced).await;
+    arm.insert_envelope(&bare).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rows = arm
+        .store()
+        .outbox_claim(params("a", 10, 60_000))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(
+        rows[0].trace,
+        Some(TraceContext::parse(tp, Some("congo=t61rcWkgMzE")).unwrap())
+    );
+    assert_eq!(rows[1].trace, None, "no traceparent header, no context");
+    for row in &rows {
+        assert!(
+            row.age >= Duration::from_millis(250) && row.age < Duration::from_secs(60),
+            "{:?}",
+            row.age
+        );
+    }
+}
 
 async fn claim_takes_oldest_first_stamps_the_lease_and_never_bumps<A: StoreArm>(arm: A) {
     let ids = arm.insert(5, "k").await;
@@ -401,6 +427,7 @@ where
 }
 
 conformance!(postgres: with_real, fake: with_fake_store;
+    the_claim_returns_the_trace_context_and_the_age,
     claim_takes_oldest_first_stamps_the_lease_and_never_bumps,
     an_expired_lease_is_reclaimed_without_a_bump,
     marks_and_releases_are_guarded_by_claimed_by,

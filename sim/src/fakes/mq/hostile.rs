@@ -106,6 +106,7 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
             routing_key,
             body,
             redelivered: false,
+            trace: None,
         },
         envelope_id,
     }

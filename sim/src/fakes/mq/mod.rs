@@ -242,6 +242,7 @@ struct Publish {
     routing_key: String,
     message_id: Uuid,
     body: crate::wire::WireBody,
+    trace: Option<crate::wire::WireTrace>,
 }
 
 async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
@@ -391,6 +392,7 @@ impl Conn {
                 routing_key,
                 message_id,
                 body,
+                trace,
             } => {
                 return self.publish(
                     Publish {
@@ -399,6 +401,7 @@ impl Conn {
                         routing_key,
                         message_id,
                         body,
+                        trace,
                     },
                     now,
                 );
@@ -449,6 +452,7 @@ impl Conn {
                 routing_key: p.routing_key.clone(),
                 body: p.body,
                 redelivered: false,
+                trace: p.trace,
             };
             state.with_queues(|q| q.route(&p.exchange, message));
         } else {

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use crate::trace::{Event, FaultKind, Settle, Trace};
-use crate::wire::{MqReply, WireBody};
+use crate::wire::{MqReply, WireBody, WireTrace};
 
 /// Where a connection's frames go: (not before, frame).
 pub type Outbox = tokio::sync::mpsc::UnboundedSender<(Duration, MqReply)>;
@@ -32,6 +32,8 @@ pub struct QueuedMessage {
     pub routing_key: String,
     pub body: WireBody,
     pub redelivered: bool,
+    /// Its `traceparent`/`tracestate` headers, as published.
+    pub trace: Option<WireTrace>,
 }
 
 /// A durable queue.
@@ -294,6 +296,7 @@ impl Queues {
                     routing_key: m.routing_key.clone(),
                     body: m.body.clone(),
                     redelivered: m.redelivered,
+                    trace: m.trace.clone(),
                 };
                 c.unacked.insert(tag, m);
                 let _ = c.out.send((now, frame));

@@ -202,6 +202,7 @@ impl OutboxTable {
                 routing_key: row.routing_key.clone(),
                 body: row.body.clone(),
                 attempts: row.attempts,
+                age_ms: now.saturating_sub(row.enqueued_ms),
             });
             self.locks.insert(id, session);
         }
