@@ -144,26 +144,7 @@ async fn start_with(pool: PgPool, o: Options) -> Running {
     let s = subscriber.clone();
     let task = tokio::spawn(async move { s.run(rx).await.unwrap() });
     // The queue exists once the subscriber has declared it.
-    let conn = common::connect().await;
-    let q = queue.clone();
-    eventually(Duration::from_secs(10), || {
-        let conn = &conn;
-        let q = q.clone();
-        async move {
-            let ch = conn.create_channel().await.unwrap();
-            ch.queue_declare(
-                q.as_str().into(),
-                lapin::options::QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                Default::default(),
-            )
-            .await
-            .is_ok()
-        }
-    })
-    .await;
+    common::wait_for_queue(&queue).await;
     Running {
         pool,
         queue,

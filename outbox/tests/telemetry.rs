@@ -97,6 +97,7 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
         let s = subscriber.clone();
         async move { s.run(rx).await.unwrap() }
     });
+    common::wait_for_queue(&queue).await;
 
     // Two requests, each writing one event in its own transaction.
     let publisher = Publisher::new(pool.clone());
@@ -320,4 +321,40 @@ async fn metrics_without_an_exporter_is_a_json_404() {
         .unwrap();
     let resp = router.oneshot(req).await.unwrap();
     assert_eq!(resp.status(), axum::http::StatusCode::NOT_FOUND);
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn an_idle_drainer_polls_without_batch_spans(pool: PgPool) {
+    let t = telemetry();
+    let replica = common::unique("idle");
+    let drainer = Drainer::new(
+        Arc::new(PgOutboxStore::new(pool.clone())),
+        Arc::new(LapinBroker::new(common::amqp_url())),
+        Arc::new(TokioClock::default()),
+        Arc::new(OsEntropy::default()),
+        DrainerConfig::builder()
+            .exchange(common::unique("idle.x"))
+            .replica_id(&replica)
+            .tick_ms(20)
+            .build()
+            .unwrap(),
+    );
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(drainer.run(rx));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let _ = stop.send(true);
+    task.await.unwrap();
+    t.provider.force_flush().unwrap();
+    let mine: Vec<String> = t
+        .spans
+        .get_finished_spans()
+        .unwrap()
+        .into_iter()
+        .filter(|s| attr(s, "outbox.replica").as_deref() == Some(replica.as_str()))
+        .map(|s| s.name.to_string())
+        .collect();
+    assert!(
+        mine.len() >= 5 && mine.iter().all(|n| n == "outbox.poll"),
+        "polls only, at DEBUG: {mine:?}"
+    );
 }

@@ -144,7 +144,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         if !wait.is_zero() {
             self.clock.sleep(wait).await;
         }
-        let claimed = self.claim(&mut report).await?;
+        let claimed = self.claim(&mut report, true).await?;
         if claimed.rows.is_empty() {
             return Ok(report);
         }
@@ -186,6 +186,18 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     ///
     /// The report sums the batches; its phase times overlap.
     pub async fn drain(&self, shutdown: &watch::Receiver<bool>) -> Result<TickReport, DrainError> {
+        self.drain_expecting(shutdown, true).await
+    }
+
+    /// [`drain`](Self::drain); `expect_rows` says whether the first claim
+    /// is expected to find work (a commit woke the drainer) or is a poll on
+    /// the tick, which gets a DEBUG `outbox.poll` span instead of a batch
+    /// span, so an idle drainer leaves no trace of spans behind.
+    async fn drain_expecting(
+        &self,
+        shutdown: &watch::Receiver<bool>,
+        expect_rows: bool,
+    ) -> Result<TickReport, DrainError> {
         let permits = Semaphore::new(self.config.pipeline_depth as usize);
         let hands = Semaphore::new(BATCHES_IN_HAND_MAX);
         self.failing.store(false, Ordering::Relaxed);
@@ -194,7 +206,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let (to_settle, settles) = mpsc::unbounded_channel();
         let (to_mark, marks) = mpsc::unbounded_channel();
         let stages = tokio::join!(
-            self.claim_stage(&hands, to_send, stop, shutdown),
+            self.claim_stage(&hands, to_send, stop, shutdown, expect_rows),
             self.send_stage(sends, to_settle, &permits, stop),
             self.settle_stage(settles, to_mark, stop),
             self.mark_stage(marks, stop),
@@ -231,6 +243,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         to_send: mpsc::Sender<(Claimed, SemaphorePermit<'h>)>,
         stop: &AtomicBool,
         shutdown: &watch::Receiver<bool>,
+        mut expect_rows: bool,
     ) -> Stage {
         let mut report = TickReport::default();
         let stopped = || stop.load(Ordering::Relaxed) || *shutdown.borrow();
@@ -247,7 +260,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             if stopped() || !self.pace(shutdown).await || stopped() {
                 break;
             }
-            let claimed = match self.claim(&mut report).await {
+            let claimed = match self.claim(&mut report, expect_rows).await {
                 Ok(claimed) => claimed,
                 Err(e) => {
                     stop.store(true, Ordering::Relaxed);
@@ -269,6 +282,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             if !full {
                 break;
             }
+            expect_rows = true;
         }
         (report, Vec::new())
     }
@@ -375,19 +389,23 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// Phase 1: one claim of up to a batch. With `max_rows_per_sec`, the
     /// claimed rows push the next claim's earliest start back by their share
     /// of a second, counted from this claim's start (no burst allowance).
-    async fn claim(&self, report: &mut TickReport) -> Result<Claimed, DrainError> {
+    async fn claim(
+        &self,
+        report: &mut TickReport,
+        expect_rows: bool,
+    ) -> Result<Claimed, DrainError> {
         let cfg = &self.config;
-        let span = tracing::info_span!(
-            "outbox.batch",
-            outbox.replica = %cfg.replica_id,
-            messaging.system = "rabbitmq",
-            messaging.destination.name = %cfg.exchange,
-            messaging.batch.message_count = Empty,
-            outbox.outcome = Empty,
-            outbox.published = Empty,
-            outbox.nacked = Empty,
-            outbox.mark_lost = Empty,
-        );
+        // A claim expected to find work is the first child of its batch's
+        // span; a poll gets a DEBUG span of its own, and a batch span only
+        // once it found rows.
+        let (batch, claim_span) = if expect_rows {
+            let batch = self.batch_span();
+            let claim = tracing::info_span!(parent: &batch, "outbox.claim");
+            (Some(batch), claim)
+        } else {
+            let poll = tracing::debug_span!("outbox.poll", outbox.replica = %cfg.replica_id);
+            (None, poll)
+        };
         let t0 = self.clock.now();
         let rows = self
             .store
@@ -396,13 +414,24 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 batch_size: cfg.batch_size,
                 lease_ttl: cfg.lease_ttl,
             })
-            .instrument(tracing::info_span!(parent: &span, "outbox.claim"))
+            .instrument(claim_span.clone())
             .await;
         let at = self.clock.now();
         metrics::histogram!(metric::CLAIM_DURATION).record(at.saturating_sub(t0).as_secs_f64());
         let rows = rows.inspect_err(|_| {
-            span.record("outbox.outcome", "claim_failed");
+            if let Some(batch) = &batch {
+                batch.record("outbox.outcome", "claim_failed");
+            }
         })?;
+        let span = match batch {
+            Some(batch) => batch,
+            None if rows.is_empty() => Span::none(),
+            None => {
+                let batch = self.batch_span();
+                batch.follows_from(&claim_span);
+                batch
+            }
+        };
         span.record("messaging.batch.message_count", rows.len());
         if rows.is_empty() {
             span.record("outbox.outcome", "empty");
@@ -420,6 +449,22 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         report.claimed += rows.len();
         report.claim_time += at.saturating_sub(t0);
         Ok(Claimed { rows, at, span })
+    }
+
+    /// The span of one batch: parent of its phases' spans.
+    fn batch_span(&self) -> Span {
+        let cfg = &self.config;
+        tracing::info_span!(
+            "outbox.batch",
+            outbox.replica = %cfg.replica_id,
+            messaging.system = "rabbitmq",
+            messaging.destination.name = %cfg.exchange,
+            messaging.batch.message_count = Empty,
+            outbox.outcome = Empty,
+            outbox.published = Empty,
+            outbox.nacked = Empty,
+            outbox.mark_lost = Empty,
+        )
     }
 
     /// Phase 2, first part: opens the batch's channel and publishes every
@@ -789,6 +834,8 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let mut last_busy: Option<Duration> = None;
         let mut consecutive_errors: u32 = 0;
         let mut idle = false;
+        // A commit woke the drainer: its first claim expects rows.
+        let mut woken = false;
         tracing::info!(replica = %cfg.replica_id, exchange = %cfg.exchange, "outbox drainer started");
         loop {
             if *shutdown.borrow() {
@@ -797,7 +844,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             let mut wakeable = true;
             // `drain` returns once a claim comes back short of a full batch:
             // the backlog is drained, so the next claim waits a tick.
-            let delay = match self.drain(&shutdown).await {
+            let delay = match self.drain_expecting(&shutdown, woken).await {
                 Ok(report) => {
                     consecutive_errors = 0;
                     if report.claimed > 0 {
@@ -826,6 +873,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                     self.backoff(consecutive_errors)
                 }
             };
+            woken = false;
             let stop = match self.wakeup.as_ref().filter(|_| wakeable) {
                 Some(wakeup) if !delay.is_zero() => {
                     tokio::select! {
@@ -833,6 +881,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                         stop = sleep_or_shutdown(&*self.clock, delay, &mut shutdown) => stop,
                         () = wakeup.notified() => {
                             self.marks.hit(Mark::WokenByCommit);
+                            woken = true;
                             false
                         }
                     }

@@ -333,3 +333,27 @@ async fn pump(
         }
     }
 }
+
+/// Waits (bounded) until `queue` exists on the broker: a subscriber
+/// declares its queue asynchronously, and a message published before that
+/// is routed nowhere.
+pub async fn wait_for_queue(queue: &str) {
+    let conn = connect().await;
+    eventually(Duration::from_secs(10), || {
+        let conn = &conn;
+        async move {
+            let ch = conn.create_channel().await.unwrap();
+            ch.queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .is_ok()
+        }
+    })
+    .await;
+}

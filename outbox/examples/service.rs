@@ -1,0 +1,268 @@
+//! A small service built on the outbox, end to end in one process:
+//!
+//! - `POST /orders` `{"item": "…"}` writes an order and its `orders.created`
+//!   event in one transaction (`publish_tx`) and answers `201` with both ids;
+//! - the drainer publishes the event to RabbitMQ (`canopy.events`);
+//! - a subscriber (`service.example.shipments`, bound to `orders.#`) applies
+//!   it once: one row in `shipments` per order, whatever the duplicates;
+//! - the admin router is mounted: `/readyz`, `/metrics` (Prometheus), and
+//!   `/v1/admin/*` (open here; a real service sets `CANOPY_MQ_ADMIN_TOKEN`);
+//! - `GET /orders/{id}` says whether the order's shipment exists yet.
+//!
+//! Every span is printed to stdout when it ends, with its trace and parent
+//! ids, so one order can be followed from `POST /orders` through `create
+//! outbox`, the drainer's `send canopy.events` (linked) to `process
+//! service.example.shipments` (a child, in the same trace).
+//!
+//! ```sh
+//! cargo run --release -p outbox --example service
+//! curl -s -XPOST localhost:8080/orders -H 'content-type: application/json' -d '{"item":"tea"}'
+//! curl -s localhost:8080/orders/1
+//! curl -s localhost:8080/metrics | grep canopy_mq_
+//! curl -si localhost:8080/readyz
+//! ```
+//!
+//! `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/outbox_service_example`,
+//! created if missing), `AMQP_URL` (default the local broker) and
+//! `SERVICE_ADDR` (default `127.0.0.1:8080`) override the defaults; every
+//! `CANOPY_MQ_*` variable applies as in any service.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
+use outbox::http::{AdminAuth, AdminRouter, install_prometheus_recorder};
+use outbox::{
+    DrainerConfig, DrainerHandle, EventEnvelope, Handler, HandlerError, InboxDrainer, LapinBroker,
+    PgInboxStore, PgTx, Publisher, Subscriber, SubscriberSettings, TokioClock,
+};
+use sqlx::PgPool;
+use sqlx::migrate::MigrateDatabase;
+use tracing::Instrument;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+
+const QUEUE: &str = "service.example.shipments";
+
+#[derive(Clone)]
+struct App {
+    pool: PgPool,
+    publisher: Publisher,
+}
+
+#[derive(serde::Deserialize)]
+struct NewOrder {
+    item: String,
+}
+
+async fn create_order(State(app): State<App>, Json(order): Json<NewOrder>) -> Response {
+    let span = tracing::info_span!("POST /orders", otel.kind = "server");
+    async move {
+        let result: Result<_, Box<dyn std::error::Error>> = async {
+            let mut tx = app.pool.begin().await?;
+            let id: i64 = sqlx::query_scalar("INSERT INTO orders (item) VALUES ($1) RETURNING id")
+                .bind(&order.item)
+                .fetch_one(&mut *tx)
+                .await?;
+            let event = EventEnvelope::new(
+                "orders.created",
+                serde_json::json!({ "id": id, "item": order.item }),
+            );
+            app.publisher.publish_tx(&mut tx, &event).await?;
+            tx.commit().await?;
+            Ok((id, event.id))
+        }
+        .await;
+        match result {
+            Ok((id, event_id)) => (
+                StatusCode::CREATED,
+                Json(serde_json::json!({ "id": id, "event_id": event_id })),
+            )
+                .into_response(),
+            Err(e) => {
+                tracing::warn!(error = %e, "order not written");
+                (
+                    StatusCode::BAD_REQUEST,
+                    Json(serde_json::json!({ "error": e.to_string() })),
+                )
+                    .into_response()
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+async fn get_order(State(app): State<App>, Path(id): Path<i64>) -> Response {
+    let row: Result<Option<(String, bool)>, _> = sqlx::query_as(
+        "SELECT o.item, EXISTS (SELECT 1 FROM shipments s WHERE s.order_id = o.id)
+         FROM orders o WHERE o.id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&app.pool)
+    .await;
+    match row {
+        Ok(Some((item, shipped))) => {
+            Json(serde_json::json!({ "id": id, "item": item, "shipped": shipped })).into_response()
+        }
+        Ok(None) => (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({ "error": "no such order" })),
+        )
+            .into_response(),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({ "error": "the database is unavailable" })),
+        )
+            .into_response(),
+    }
+}
+
+/// Applies `orders.created`: one shipment per order, in the inbox's
+/// transaction.
+struct Ship;
+
+impl Handler<PgTx> for Ship {
+    async fn handle(&self, tx: &mut PgTx, event: &EventEnvelope) -> Result<(), HandlerError> {
+        let Some(order_id) = event.payload["id"].as_i64() else {
+            return Err(HandlerError::msg("orders.created without an id"));
+        };
+        sqlx::query("INSERT INTO shipments (order_id, event_id) VALUES ($1, $2)")
+            .bind(order_id)
+            .bind(event.id)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Prints each finished span on one line: name, trace id, span id, parent
+/// id, links and attributes.
+#[derive(Debug)]
+struct StdoutSpans;
+
+impl SpanExporter for StdoutSpans {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        for s in batch {
+            let attrs: Vec<String> = s
+                .attributes
+                .iter()
+                .map(|kv| format!("{}={}", kv.key, kv.value))
+                .collect();
+            let links: Vec<String> = s
+                .links
+                .iter()
+                .map(|l| l.span_context.span_id().to_string())
+                .collect();
+            println!(
+                "span {:?} trace={} span={} parent={} kind={:?}{} {}",
+                s.name,
+                s.span_context.trace_id(),
+                s.span_context.span_id(),
+                s.parent_span_id,
+                s.span_kind,
+                if links.is_empty() {
+                    String::new()
+                } else {
+                    format!(" links=[{}]", links.join(","))
+                },
+                attrs.join(" ")
+            );
+        }
+        Ok(())
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let provider = SdkTracerProvider::builder()
+        .with_simple_exporter(StdoutSpans)
+        .build();
+    tracing_subscriber::registry()
+        .with(tracing_subscriber::EnvFilter::new(
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info,sqlx=warn".into()),
+        ))
+        .with(tracing_subscriber::fmt::layer())
+        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("service-example")))
+        .init();
+    let metrics = install_prometheus_recorder()?;
+
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/outbox_service_example".into());
+    let amqp_url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let addr = std::env::var("SERVICE_ADDR").unwrap_or_else(|_| "127.0.0.1:8080".into());
+
+    if !sqlx::Postgres::database_exists(&database_url).await? {
+        sqlx::Postgres::create_database(&database_url).await?;
+    }
+    let pool = PgPool::connect(&database_url).await?;
+    outbox::migrator().run(&pool).await?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL);
+         CREATE TABLE IF NOT EXISTS shipments (order_id BIGINT NOT NULL, event_id UUID NOT NULL);",
+    )
+    .execute(&pool)
+    .await?;
+
+    // The producer half: the drainer (with its janitor and stats task).
+    let config = DrainerConfig::from_env()?;
+    let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::new(amqp_url.clone()), config);
+
+    // The consumer half, in the same process.
+    let settings = SubscriberSettings::from_env(QUEUE, &["orders.#"])?;
+    let subscriber = Arc::new(Subscriber::new(
+        Arc::new(PgInboxStore::new(pool.clone())),
+        Arc::new(LapinBroker::new(amqp_url)),
+        Arc::new(TokioClock::default()),
+        Arc::new(Ship),
+        settings,
+    ));
+    let inbox_janitor = InboxDrainer::spawn(pool.clone());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let consuming = tokio::spawn({
+        let subscriber = subscriber.clone();
+        async move { subscriber.run(stopped).await }
+    });
+
+    let auth = match AdminAuth::from_env() {
+        Ok(auth) => auth,
+        Err(_) => AdminAuth::open_insecure(),
+    };
+    let admin = AdminRouter::new(auth)
+        .outbox(outbox::PgOutboxStore::new(pool.clone()))
+        .readiness(drainer.readiness_probe())
+        .subscriber(subscriber.clone())
+        .metrics(metrics)
+        .build();
+    let app = App {
+        publisher: Publisher::new(pool.clone()),
+        pool,
+    };
+    let router = Router::new()
+        .route("/orders", post(create_order))
+        .route("/orders/{id}", get(get_order))
+        .with_state(app)
+        .merge(admin);
+
+    let listener = tokio::net::TcpListener::bind(&addr).await?;
+    tracing::info!(%addr, "service example listening; Ctrl-C stops it");
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+
+    let _ = stop.send(true);
+    consuming.await??;
+    inbox_janitor.shutdown().await;
+    drainer.shutdown().await;
+    provider.shutdown()?;
+    Ok(())
+}
