@@ -14,8 +14,9 @@
 //! | span (`otel.name`) | kind | where | attributes beyond the above |
 //! |---|---|---|---|
 //! | `create <exchange or "outbox">` | producer | `publish_tx`, `publish_many_tx` | message id (one envelope) or batch count |
-//! | `outbox.batch` | internal | one per drainer claim | `outbox.replica`, rows, `outbox.outcome`, published, nacked, mark-lost |
+//! | `outbox.batch` | internal | one per claim that found rows (or was expected to: a commit woke the drainer, or the last claim was full) | `outbox.replica`, rows, `outbox.outcome`, published, nacked, mark-lost |
 //! | `outbox.claim` | internal | child of the batch | |
+//! | `outbox.poll` | internal, DEBUG | a claim on the tick; its batch, if it finds rows, follows from it | `outbox.replica` |
 //! | `send <exchange>` | producer | child of the batch: the publishes | batch count; one link per row to the context it was written under |
 //! | `outbox.settle` | internal | child of the batch: the last confirms | |
 //! | `outbox.mark` | internal | child of the batch | |

@@ -416,3 +416,47 @@ fn percent_decode(s: &str) -> String {
     }
     String::from_utf8_lossy(&out).into_owned()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn trace_headers_round_trip() {
+        let tc = TraceContext::parse(TP, Some("congo=t61rcWkgMzE")).unwrap();
+        let headers = trace_headers(&tc);
+        assert_eq!(trace_from_headers(Some(&headers)), Some(tc));
+    }
+
+    #[test]
+    fn whatever_a_broker_delivers_as_trace_headers_is_ignored_unless_valid() {
+        let table = |value: AMQPValue| {
+            let mut t = FieldTable::default();
+            t.insert(TRACEPARENT.into(), value);
+            t
+        };
+        for hostile in [
+            table(AMQPValue::Boolean(true)),
+            table(AMQPValue::LongString("garbage".into())),
+            table(AMQPValue::LongString(vec![0xff, 0xfe, 0x00].into())),
+            table(AMQPValue::LongString(
+                format!("{TP}{}", "x".repeat(1 << 16)).into(),
+            )),
+            table(AMQPValue::FieldTable(FieldTable::default())),
+            FieldTable::default(),
+        ] {
+            assert_eq!(trace_from_headers(Some(&hostile)), None, "{hostile:?}");
+        }
+        assert_eq!(trace_from_headers(None), None);
+        // A valid parent with a tracestate that is not text: the parent
+        // still counts, the state is dropped.
+        let mut t = table(AMQPValue::LongString(TP.into()));
+        t.insert(TRACESTATE.into(), AMQPValue::LongLongInt(7));
+        assert_eq!(
+            trace_from_headers(Some(&t)).map(|c| c.tracestate().map(str::to_owned)),
+            Some(None)
+        );
+    }
+}
