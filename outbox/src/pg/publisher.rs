@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use sqlx::{PgPool, Postgres, Transaction};
 
-use tracing::Instrument;
+use tracing::{Instrument, Span, field};
 
 use super::sql;
 use crate::envelope::{EnvelopeLimits, EventEnvelope};
@@ -70,15 +70,11 @@ impl Publisher {
         tx: &mut Transaction<'_, Postgres>,
         envelope: &EventEnvelope,
     ) -> Result<(), PublishError> {
-        let span = tracing::info_span!(
-            "create",
-            otel.name = "create outbox",
-            otel.kind = "producer",
-            messaging.system = "rabbitmq",
-            messaging.operation.name = "create",
-            messaging.operation.type = "create",
-            messaging.message.id = %envelope.id,
-            messaging.rabbitmq.destination.routing_key = %envelope.routing_key,
+        let span = create_span();
+        span.record("messaging.message.id", field::display(envelope.id));
+        span.record(
+            "messaging.rabbitmq.destination.routing_key",
+            envelope.routing_key.as_str(),
         );
         let trace = propagation::capture(&span);
         let body = envelope.encode_traced(&self.limits, trace.as_ref())?;
@@ -107,15 +103,8 @@ impl Publisher {
         if envelopes.is_empty() {
             return Ok(());
         }
-        let span = tracing::info_span!(
-            "create",
-            otel.name = "create outbox",
-            otel.kind = "producer",
-            messaging.system = "rabbitmq",
-            messaging.operation.name = "create",
-            messaging.operation.type = "create",
-            messaging.batch.message_count = envelopes.len(),
-        );
+        let span = create_span();
+        span.record("messaging.batch.message_count", envelopes.len());
         let trace = propagation::capture(&span);
         let mut seen = BTreeSet::new();
         let mut ids = Vec::with_capacity(envelopes.len());
@@ -158,6 +147,22 @@ impl Publisher {
             .map_err(PublishError::Database)?;
         Ok(n.max(0) as u64)
     }
+}
+
+/// The `create outbox` span of one `publish_tx` or `publish_many_tx` call
+/// (the message's creation context, in the semantic conventions' terms).
+fn create_span() -> Span {
+    tracing::info_span!(
+        "create",
+        otel.name = "create outbox",
+        otel.kind = "producer",
+        messaging.system = "rabbitmq",
+        messaging.operation.name = "create",
+        messaging.operation.type = "create",
+        messaging.message.id = field::Empty,
+        messaging.rabbitmq.destination.routing_key = field::Empty,
+        messaging.batch.message_count = field::Empty,
+    )
 }
 
 fn map_insert_err(e: sqlx::Error, id: Option<uuid::Uuid>) -> PublishError {
