@@ -201,14 +201,38 @@ async fn ceiling(conn: &Connection, n: usize) -> Result<f64, Box<dyn std::error:
     Ok(n as f64 / started.elapsed().as_secs_f64())
 }
 
+/// The WAL position now.
+async fn wal_lsn(pool: &PgPool) -> Result<String, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(pool)
+        .await
+}
+
+/// WAL bytes written since `from` (the whole cluster's: run on a quiet
+/// database).
+async fn wal_since(pool: &PgPool, from: &str) -> Result<f64, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::float8")
+        .bind(from)
+        .fetch_one(pool)
+        .await
+}
+
+/// What one drain of a backlog measured.
+struct DrainRun {
+    rows_per_sec: f64,
+    /// WAL bytes written from the drainers' start to the last mark, per row.
+    wal_bytes_per_row: f64,
+}
+
 /// The production drainer, default configuration, `replicas` of them.
 async fn drain(
     pool: &PgPool,
     amqp_url: &str,
     n: usize,
     replicas: usize,
-) -> Result<f64, Box<dyn std::error::Error>> {
+) -> Result<DrainRun, Box<dyn std::error::Error>> {
     let publisher = Publisher::new(pool.clone());
+    let wal_from = wal_lsn(pool).await?;
     let started = Instant::now();
     let handles: Vec<DrainerHandle> = (0..replicas)
         .map(|r| {
@@ -232,11 +256,15 @@ async fn drain(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let elapsed = started.elapsed();
+    let wal = wal_since(pool, &wal_from).await?;
     for h in handles {
         h.shutdown().await;
     }
     pool.execute("TRUNCATE event_outbox").await?;
-    Ok(n as f64 / elapsed.as_secs_f64())
+    Ok(DrainRun {
+        rows_per_sec: n as f64 / elapsed.as_secs_f64(),
+        wal_bytes_per_row: wal / n as f64,
+    })
 }
 
 /// Where one replica's time goes: `Drainer::tick` driven back to back (as
@@ -690,7 +718,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         for replicas in [1, 2] {
             eprintln!("P1: prefilling {n} rows, draining with {replicas} replica(s) ...");
             prefill(&pool, n).await?;
-            let rate = drain(&pool, &args.amqp_url, n, replicas).await?;
+            let run = drain(&pool, &args.amqp_url, n, replicas).await?;
+            let rate = run.rows_per_sec;
             purge(&conn).await?;
             table.push(format!(
                 "| P1 drain rate, {n} rows, {replicas} replica(s), defaults | {rate:.0} rows/s | {:.2}× ceiling | ≥ 0.9× (1 replica) |",
@@ -698,9 +727,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             ));
             if replicas == 1 {
                 p1_rate = Some(rate);
+                json.insert("p1_ratio".into(), (rate / ceiling).into());
+                json.insert(
+                    "p8_wal_bytes_per_event".into(),
+                    run.wal_bytes_per_row.into(),
+                );
+                table.push(format!(
+                    "| P8 drainer WAL per event drained (1 replica, defaults) | {:.0} bytes | — | ≤ ½ of the first measurement |",
+                    run.wal_bytes_per_row
+                ));
             }
             p1.push(serde_json::json!({
-                "replicas": replicas, "rows_per_sec": rate, "ratio_to_ceiling": rate / ceiling
+                "replicas": replicas, "rows_per_sec": rate, "ratio_to_ceiling": rate / ceiling,
+                "wal_bytes_per_row": run.wal_bytes_per_row
             }));
         }
         json.insert("p1".into(), p1.into());
@@ -814,6 +853,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             );
         }
         json.insert("p3".into(), p3.into());
+        if let Some((_, f)) = runs.iter().find(|(name, _)| name.ends_with("(defaults)")) {
+            let p99 = percentile(&f.latencies, 0.99);
+            json.insert(
+                "p3_ratio".into(),
+                (p99.as_secs_f64() / idle_p99.as_secs_f64()).into(),
+            );
+        }
     }
 
     if want("p4") {
