@@ -32,6 +32,10 @@ pub const FILES: &[(&str, &str)] = &[
         "20261201000000_key_event_inbox_by_subscription.sql",
         include_str!("../migrations/20261201000000_key_event_inbox_by_subscription.sql"),
     ),
+    (
+        "20261202000000_make_the_claim_hot.sql",
+        include_str!("../migrations/20261202000000_make_the_claim_hot.sql"),
+    ),
 ];
 
 /// The embedded sqlx migrator over `migrations/`.

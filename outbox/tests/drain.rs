@@ -633,3 +633,57 @@ async fn a_commit_wakes_an_idle_drainer_long_before_its_tick(pool: PgPool) {
         .expect("shutdown is bounded");
     assert_eq!(consumer.snapshot().await.len(), 3);
 }
+
+/// The claim is a HOT update: no index names a column it writes, so the
+/// row's claimed version stays on its page (where there is room) and no
+/// index gains an entry.
+/// Checked as a rule over every index on the table (an index on
+/// `claimed_at` or `claimed_by`, added by anyone, fails it), then on the
+/// claim statement itself, in a transaction of the test's own.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn the_claim_rewrites_no_index(pool: PgPool) {
+    let defs: Vec<String> = sqlx::query_scalar(
+        "SELECT pg_get_indexdef(indexrelid) FROM pg_index
+         WHERE indrelid = 'event_outbox'::regclass",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(defs.len() >= 4, "{defs:?}");
+    for def in &defs {
+        assert!(
+            !def.contains("claimed_"),
+            "an index the claim must update: {def}"
+        );
+    }
+    write_events(&pool, "hot.event", 50).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::raw_sql(include_str!("../src/pg/sql/outbox_claim_plan.sql"))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let claimed = sqlx::query(include_str!("../src/pg/sql/outbox_claim.sql"))
+        .bind("hot")
+        .bind(60.0_f64)
+        .bind(100_i64)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 50);
+    let (updated, hot): (i64, i64) = sqlx::query_as(
+        "SELECT pg_stat_get_xact_tuples_updated('event_outbox'::regclass),
+                pg_stat_get_xact_tuples_hot_updated('event_outbox'::regclass)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(updated, 50);
+    // A page holds its rows at half its size, so nearly every claimed
+    // version fits beside its row (the rest go to another page, which is
+    // not HOT); with an index on a claimed column none would be.
+    assert!(
+        hot * 10 >= updated * 8,
+        "{hot} of {updated} claimed rows HOT"
+    );
+}
