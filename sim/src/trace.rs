@@ -114,6 +114,10 @@ pub enum HostileKind {
     /// A valid envelope exactly at the subscriber's size limit: it must be
     /// taken and applied once.
     AtTheLimit,
+    /// A valid envelope whose `traceparent`/`tracestate` (AMQP headers and
+    /// envelope headers) are not W3C trace context: it is a real event and
+    /// takes effect once; its context is ignored.
+    ForeignTraceContext,
 }
 
 impl HostileKind {
@@ -128,6 +132,7 @@ impl HostileKind {
         HostileKind::NumberOutOfRange,
         HostileKind::Oversized,
         HostileKind::AtTheLimit,
+        HostileKind::ForeignTraceContext,
     ];
 
     /// Whether the subscriber must apply it (once) rather than dead-letter
@@ -135,7 +140,9 @@ impl HostileKind {
     pub fn applies(self) -> bool {
         matches!(
             self,
-            HostileKind::ForeignMessageId | HostileKind::AtTheLimit
+            HostileKind::ForeignMessageId
+                | HostileKind::AtTheLimit
+                | HostileKind::ForeignTraceContext
         )
     }
 }

@@ -19,6 +19,10 @@
 //! - a valid envelope whose AMQP **`message_id` is foreign** (another UUID, a
 //!   string that is no UUID, or none): it is a real event and takes effect
 //!   exactly once, keyed by the envelope id, never by the `message_id`.
+//! - a valid envelope with a **foreign trace context**: `traceparent` and
+//!   `tracestate`, as AMQP headers and envelope headers, that are not W3C
+//!   trace context (`publish_tx` would refuse them; another client need
+//!   not): it takes effect once, and the context is ignored.
 
 use rand::Rng;
 use rand::rngs::SmallRng;
@@ -70,6 +74,28 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
                 _ => None,
             };
             (WireBody::Text(encode(&e)), message_id, Some(e.id))
+        }
+        HostileKind::ForeignTraceContext => {
+            let garbage = match rng.random_range(0..3) {
+                0 => "00-00000000000000000000000000000000-00f067aa0ba902b7-01".to_owned(),
+                1 => format!("not-w3c-{}", rng.random::<u32>()),
+                _ => "f".repeat(300),
+            };
+            let e = envelope(rng, &routing_key, 0)
+                .with_header("traceparent", garbage.clone())
+                .with_header("tracestate", "a=\u{1}b");
+            let body = serde_json::to_string(&e).expect("envelopes encode");
+            return Hostile {
+                kind,
+                message: QueuedMessage {
+                    message_id: Some(e.id.to_string()),
+                    routing_key,
+                    body: WireBody::Text(body),
+                    redelivered: false,
+                    trace: Some((garbage, Some("a=\n".to_owned()))),
+                },
+                envelope_id: Some(e.id),
+            };
         }
         HostileKind::NulEscape | HostileKind::LoneSurrogate | HostileKind::NumberOutOfRange => {
             let e = envelope(rng, &routing_key, 0);
@@ -189,6 +215,13 @@ mod tests {
                 HostileKind::AtTheLimit => {
                     assert!(decoded.is_ok());
                     assert_eq!(bytes.len(), 2048);
+                }
+                HostileKind::ForeignTraceContext => {
+                    let e = decoded.expect("valid");
+                    assert_eq!(Some(e.id), h.envelope_id);
+                    assert_eq!(outbox::TraceContext::from_headers(&e.headers), None);
+                    let (tp, ts) = h.message.trace.clone().expect("trace headers");
+                    assert!(outbox::TraceContext::parse(&tp, ts.as_deref()).is_err());
                 }
             }
         }
