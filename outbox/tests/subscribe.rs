@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{delete_queue, eventually, unique};
+use common::{eventually, unique};
 use lapin::options::BasicGetOptions;
 use outbox::core::ports::{Broker, InboxFilter, OutgoingMessage, PublishChannel, SubscriptionSpec};
 use outbox::core::subscriber::{
@@ -234,13 +234,7 @@ impl Running {
             .await
             .expect("the subscriber stops within 15 s")
             .unwrap();
-        let conn = common::connect().await;
-        delete_queue(&conn, &self.queue).await;
-        delete_queue(&conn, &format!("{}.dlq", self.queue)).await;
-        let ch = conn.create_channel().await.unwrap();
-        ch.exchange_delete(self.exchange.as_str().into(), Default::default())
-            .await
-            .unwrap();
+        common::delete_subscription(&common::connect().await, &self.queue, &self.exchange).await;
         self.broker.close().await;
         self.publisher.close().await;
     }
@@ -753,11 +747,6 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
         }
         other => panic!("expected a setup error, got {other:?}"),
     }
-    delete_queue(&conn, &queue).await;
-    delete_queue(&conn, &format!("{queue}.dlq")).await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_delete(exchange.as_str().into(), Default::default())
-        .await
-        .unwrap();
+    common::delete_subscription(&conn, &queue, &exchange).await;
     broker.close().await;
 }

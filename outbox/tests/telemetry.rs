@@ -162,13 +162,7 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
     let _ = stop.send(true);
     task.await.unwrap();
     t.provider.force_flush().unwrap();
-    let conn = common::connect().await;
-    common::delete_queue(&conn, &queue).await;
-    common::delete_queue(&conn, &format!("{queue}.dlq")).await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_delete(exchange.as_str().into(), Default::default())
-        .await
-        .unwrap();
+    common::delete_subscription(&common::connect().await, &queue, &exchange).await;
 
     let spans = t.spans.get_finished_spans().unwrap();
     let named = |name: String| spans.iter().filter(move |s| s.name == name.as_str());

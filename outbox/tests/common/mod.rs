@@ -210,6 +210,17 @@ pub async fn delete_queue(conn: &Connection, queue: &str) {
         .unwrap();
 }
 
+/// Deletes what a subscription declared: its queue, `<queue>.dlq`, and the
+/// exchange it was bound to (the test's own).
+pub async fn delete_subscription(conn: &Connection, queue: &str, exchange: &str) {
+    delete_queue(conn, queue).await;
+    delete_queue(conn, &format!("{queue}.dlq")).await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_delete(exchange.into(), Default::default())
+        .await
+        .unwrap();
+}
+
 /// Polls `cond` every 20 ms until it holds; panics after `limit`.
 pub async fn eventually<F, Fut>(limit: Duration, mut cond: F)
 where

@@ -135,13 +135,7 @@ where
         admin,
     };
     body(arm).await;
-    let conn = common::connect().await;
-    common::delete_queue(&conn, &queue).await;
-    common::delete_queue(&conn, &format!("{queue}.dlq")).await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.exchange_delete(exchange.as_str().into(), Default::default())
-        .await
-        .unwrap();
+    common::delete_subscription(&common::connect().await, &queue, &exchange).await;
 }
 
 fn with_fake<F, Fut>(body: F)
