@@ -45,6 +45,8 @@ pub struct Hostile {
 /// `max_body_bytes`.
 pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
     let routing_key = format!("hostile.{kind:?}").to_lowercase();
+    // The AMQP trace headers: none, but for a foreign trace context.
+    let mut trace = None;
     let (body, message_id, envelope_id) = match kind {
         HostileKind::NotJson => (
             WireBody::Text(format!("hostile {} {{ not json", rng.random::<u32>())),
@@ -85,17 +87,8 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
                 .with_header("traceparent", garbage.clone())
                 .with_header("tracestate", "a=\u{1}b");
             let body = serde_json::to_string(&e).expect("envelopes encode");
-            return Hostile {
-                kind,
-                message: QueuedMessage {
-                    message_id: Some(e.id.to_string()),
-                    routing_key,
-                    body: WireBody::Text(body),
-                    redelivered: false,
-                    trace: Some((garbage, Some("a=\n".to_owned()))),
-                },
-                envelope_id: Some(e.id),
-            };
+            trace = Some((garbage, Some("a=\n".to_owned())));
+            (WireBody::Text(body), Some(e.id.to_string()), Some(e.id))
         }
         HostileKind::NulEscape | HostileKind::LoneSurrogate | HostileKind::NumberOutOfRange => {
             let e = envelope(rng, &routing_key, 0);
@@ -132,7 +125,7 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
             routing_key,
             body,
             redelivered: false,
-            trace: None,
+            trace,
         },
         envelope_id,
     }
