@@ -48,7 +48,7 @@ use crate::PgOutboxStore;
 use crate::admin;
 use crate::core::ports::{Clock, ConsumerBroker, InboxFilter, InboxStore, UnparkSelector};
 use crate::core::stats::Readiness;
-use crate::core::subscriber::{Handler, ReplayOutcome, Subscriber, SubscriberStats};
+use crate::core::subscriber::{Handler, ReplayOutcome, Subscriber};
 use crate::error::{ConfigError, StoreError};
 use crate::pg::inbox::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 
@@ -150,7 +150,8 @@ impl AdminAuth {
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// A subscriber as the admin surface sees it: replay and counters.
+/// A subscriber as the admin surface sees it: replay. (Its counters reach
+/// `/metrics` through the `metrics` facade.)
 pub trait ReplayTarget: Send + Sync + 'static {
     /// The subscription (queue) name.
     fn subscription(&self) -> &str;
@@ -159,8 +160,6 @@ pub trait ReplayTarget: Send + Sync + 'static {
         &'a self,
         filter: &'a InboxFilter,
     ) -> BoxFuture<'a, Result<Vec<(Uuid, ReplayOutcome)>, StoreError>>;
-    /// Counters since start.
-    fn stats(&self) -> SubscriberStats;
 }
 
 impl<S, B, C, H> ReplayTarget for Subscriber<S, B, C, H>
@@ -179,10 +178,6 @@ where
         filter: &'a InboxFilter,
     ) -> BoxFuture<'a, Result<Vec<(Uuid, ReplayOutcome)>, StoreError>> {
         Box::pin(Subscriber::replay(self, filter))
-    }
-
-    fn stats(&self) -> SubscriberStats {
-        self.counters().snapshot()
     }
 }
 

@@ -309,10 +309,6 @@ impl outbox::http::ReplayTarget for EchoTarget {
             .collect();
         Box::pin(async move { Ok(rows) })
     }
-
-    fn stats(&self) -> outbox::core::subscriber::SubscriberStats {
-        Default::default()
-    }
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]

@@ -621,8 +621,6 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             metrics::counter!(metric::PUBLISHED).increment(published);
             if lost > 0 {
                 metrics::counter!(metric::MARK_LOST).increment(lost);
-            }
-            if lost > 0 {
                 self.marks.hit(Mark::LeaseLostBeforeMark);
                 tracing::warn!(
                     replica = %cfg.replica_id,
@@ -652,8 +650,6 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             metrics::counter!(metric::NACKED).increment(fail.recorded);
             if fail.parked > 0 {
                 metrics::counter!(metric::PARKED).increment(fail.parked);
-            }
-            if fail.parked > 0 {
                 self.marks.hit(Mark::RowParked);
                 tracing::warn!(
                     replica = %cfg.replica_id,
@@ -784,21 +780,21 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             return;
         }
         let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
-        let released = self
+        match self
             .store
             .outbox_release(&self.config.replica_id, &ids)
-            .await;
-        if let Ok(n) = released {
-            metrics::counter!(metric::RELEASED).increment(n);
-        }
-        if let Err(e) = released {
-            self.marks.hit(Mark::ReleaseFailed);
-            tracing::warn!(
-                replica = %self.config.replica_id,
-                rows = ids.len(),
-                error = %e,
-                "could not release claims; they will be reclaimed when the lease expires"
-            );
+            .await
+        {
+            Ok(n) => metrics::counter!(metric::RELEASED).increment(n),
+            Err(e) => {
+                self.marks.hit(Mark::ReleaseFailed);
+                tracing::warn!(
+                    replica = %self.config.replica_id,
+                    rows = ids.len(),
+                    error = %e,
+                    "could not release claims; they will be reclaimed when the lease expires"
+                );
+            }
         }
     }
 

@@ -139,20 +139,6 @@ impl DeliveryOutcome {
             Self::Requeued => "requeued",
         }
     }
-
-    /// The counter it counts toward, if any.
-    fn metric(&self) -> Option<&'static str> {
-        Some(match self {
-            Self::Processed => metric::PROCESSED,
-            Self::Duplicate => metric::DUPLICATES,
-            Self::Retrying { .. } => metric::RETRIED,
-            Self::DeadLettered { .. } => metric::DEAD_LETTERED,
-            Self::Undecodable { .. } | Self::TooLarge { .. } | Self::Unstorable { .. } => {
-                metric::UNDECODABLE
-            }
-            Self::Requeued => return None,
-        })
-    }
 }
 
 /// What a replay of one inbox row did.
@@ -219,18 +205,21 @@ impl SubscriberCounters {
         }
     }
 
-    fn count(&self, outcome: &DeliveryOutcome) {
-        let counter = match outcome {
-            DeliveryOutcome::Processed => &self.processed,
-            DeliveryOutcome::Duplicate => &self.duplicates,
-            DeliveryOutcome::Retrying { .. } => &self.retried,
-            DeliveryOutcome::DeadLettered { .. } => &self.dead_lettered,
+    /// Counts `outcome` here and in its `metrics` counter, labelled with
+    /// `subscription`.
+    fn count(&self, outcome: &DeliveryOutcome, subscription: &str) {
+        let (counter, name) = match outcome {
+            DeliveryOutcome::Processed => (&self.processed, metric::PROCESSED),
+            DeliveryOutcome::Duplicate => (&self.duplicates, metric::DUPLICATES),
+            DeliveryOutcome::Retrying { .. } => (&self.retried, metric::RETRIED),
+            DeliveryOutcome::DeadLettered { .. } => (&self.dead_lettered, metric::DEAD_LETTERED),
             DeliveryOutcome::Undecodable { .. }
             | DeliveryOutcome::TooLarge { .. }
-            | DeliveryOutcome::Unstorable { .. } => &self.undecodable,
+            | DeliveryOutcome::Unstorable { .. } => (&self.undecodable, metric::UNDECODABLE),
             DeliveryOutcome::Requeued => return,
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(name, metric::LABEL => subscription.to_owned()).increment(1);
     }
 }
 
@@ -416,10 +405,7 @@ where
             .instrument(span.clone())
             .await;
         span.record("outbox.inbox.outcome", outcome.label());
-        self.counters.count(&outcome);
-        if let Some(name) = outcome.metric() {
-            metrics::counter!(name, metric::LABEL => queue.clone()).increment(1);
-        }
+        self.counters.count(&outcome, queue);
         outcome
     }
 
@@ -709,12 +695,8 @@ where
                     match self.attempt(&entry, &envelope, 1).await? {
                         Attempt::Applied => {
                             self.marks.hit(Mark::ReplayApplied);
-                            self.counters.processed.fetch_add(1, Ordering::Relaxed);
-                            metrics::counter!(
-                                metric::PROCESSED,
-                                metric::LABEL => self.settings.spec.queue.clone()
-                            )
-                            .increment(1);
+                            self.counters
+                                .count(&DeliveryOutcome::Processed, &self.settings.spec.queue);
                             ReplayOutcome::Applied
                         }
                         Attempt::AlreadyProcessed => {
