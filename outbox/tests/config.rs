@@ -279,18 +279,36 @@ fn subscriber_variables_are_read_and_checked_naming_them() {
     let defaults = read(&[]).unwrap();
     assert_eq!(defaults.max_body_bytes, 1024 * 1024);
     assert_eq!(defaults.handler_timeout, Duration::from_secs(30));
+    assert_eq!(
+        (defaults.batch_max, defaults.batch_linger),
+        (
+            outbox::config::SUBSCRIBER_BATCH_MAX_DEFAULT,
+            outbox::config::SUBSCRIBER_BATCH_LINGER_DEFAULT
+        )
+    );
     let s = read(&[
         ("CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES", "2048"),
         ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "5"),
+        ("CANOPY_MQ_SUBSCRIBER_BATCH_MAX", "1"),
+        ("CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS", "0"),
     ])
     .unwrap();
     assert_eq!(
-        (s.max_body_bytes, s.handler_timeout),
-        (2048, Duration::from_secs(5))
+        (
+            s.max_body_bytes,
+            s.handler_timeout,
+            s.batch_max,
+            s.batch_linger
+        ),
+        (2048, Duration::from_secs(5), 1, Duration::ZERO)
     );
     for (var, value, rule) in [
         ("CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES", "1023", ">= 1024"),
         ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "0", "> 0"),
+        ("CANOPY_MQ_SUBSCRIBER_BATCH_MAX", "0", "> 0"),
+        ("CANOPY_MQ_SUBSCRIBER_BATCH_MAX", "65", "<= 64"),
+        ("CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS", "1001", "<= 1000"),
+        ("CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS", "-1", "whole number"),
         (
             "CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS",
             "3601",

@@ -131,6 +131,8 @@ async fn start_with(pool: PgPool, o: Options) -> Running {
         max_attempts: 3,
         max_body_bytes: 64 * 1024,
         handler_timeout: o.handler_timeout.unwrap_or(Duration::from_secs(30)),
+        batch_max: 4,
+        batch_linger: Duration::from_millis(5),
     };
     let subscriber = Arc::new(Subscriber::new(
         Arc::new(PgInboxStore::new(pool.clone())),
@@ -731,6 +733,8 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
             max_attempts: 3,
             max_body_bytes: 64 * 1024,
             handler_timeout: Duration::from_secs(30),
+            batch_max: 4,
+            batch_linger: Duration::from_millis(5),
         },
     );
     let (_stop, rx) = watch::channel(false);

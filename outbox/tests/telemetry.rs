@@ -89,6 +89,8 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
             max_attempts: 3,
             max_body_bytes: 64 * 1024,
             handler_timeout: Duration::from_secs(30),
+            batch_max: 4,
+            batch_linger: Duration::from_millis(5),
         },
     ));
     let counters = subscriber.counters();

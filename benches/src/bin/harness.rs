@@ -50,7 +50,7 @@ struct Args {
     json: String,
     /// Drain-rate bounds (rows/s) P3 also measures the drainer at.
     p3_bounds: Vec<u32>,
-    /// Sections to run (`p1,phases,antipattern,p2,p3,p4,p5`); all if empty.
+    /// Sections to run (`p1,p7,phases,antipattern,p2,p3,p4,p5`); all if empty.
     /// The ceiling always runs: every ratio needs it.
     only: Vec<String>,
     database_url: String,
@@ -100,7 +100,7 @@ fn parse_args() -> Result<Args, String> {
             "--amqp-url" => a.amqp_url = value()?,
             "-h" | "--help" => {
                 return Err("usage: harness [--rows N] [--p2-rows N] [--p3-bounds R,R] \
-                     [--only p1,beside,phases,antipattern,p2,p3,p4,p5] \
+                     [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5] \
                      [--json FILE] [--database-url URL] [--amqp-url URL]"
                     .into());
             }
@@ -681,6 +681,216 @@ async fn end_to_end(
     ))
 }
 
+/// P7's exchange and queue (the subscriber declares the queue, its
+/// dead-letter queue and bindings itself).
+const P7_EXCHANGE: &str = "harness.p7.events";
+const P7_QUEUE: &str = "harness.p7";
+
+/// P7's handler: one domain row per event, in the subscriber's transaction.
+struct Applies;
+
+impl outbox::core::subscriber::Handler<outbox::PgTx> for Applies {
+    async fn handle(
+        &self,
+        tx: &mut outbox::PgTx,
+        event: &EventEnvelope,
+    ) -> Result<(), outbox::HandlerError> {
+        sqlx::query("INSERT INTO p7_applied (event_id, routing_key) VALUES ($1, $2)")
+            .bind(event.id)
+            .bind(&event.routing_key)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// The subscription P7 measures: defaults, with `batch_max` if given.
+fn p7_settings(batch_max: Option<u32>) -> outbox::SubscriberSettings {
+    let mut s = outbox::SubscriberSettings::new(P7_QUEUE, &["#"]);
+    s.spec.exchange = P7_EXCHANGE.into();
+    if let Some(b) = batch_max {
+        s.batch_max = b;
+    }
+    s
+}
+
+/// Publishes `envelopes` to P7's exchange, persistent, confirmed at depth
+/// `DEPTH`, and waits until the queue holds them all.
+async fn p7_fill(
+    conn: &Connection,
+    envelopes: &[EventEnvelope],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let mut pending = std::collections::VecDeque::with_capacity(DEPTH);
+    for e in envelopes {
+        if pending.len() == DEPTH {
+            let c: lapin::PublisherConfirm = pending.pop_front().expect("non-empty");
+            c.await?;
+        }
+        let body = e.encode(&Default::default())?;
+        let props = BasicProperties::default()
+            .with_message_id(e.id.to_string().into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        pending.push_back(
+            ch.basic_publish(
+                P7_EXCHANGE.into(),
+                e.routing_key.as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                props,
+            )
+            .await?,
+        );
+    }
+    for c in pending {
+        c.await?;
+    }
+    let _ = ch.close(200, "OK".into()).await;
+    Ok(())
+}
+
+/// Raw lapin consume of `n` messages from P7's queue with manual acks at
+/// the subscriber's prefetch: the consume ceiling.
+async fn p7_consume_ceiling(
+    conn: &Connection,
+    n: usize,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(p7_settings(None).spec.prefetch, BasicQosOptions::default())
+        .await?;
+    let mut consumer = ch
+        .basic_consume(
+            P7_QUEUE.into(),
+            "harness-p7-ceiling".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let started = Instant::now();
+    let mut got = 0;
+    while got < n {
+        let next = tokio::time::timeout(
+            Duration::from_secs(30),
+            std::future::poll_fn(|cx| {
+                futures_core::Stream::poll_next(std::pin::Pin::new(&mut consumer), cx)
+            }),
+        )
+        .await
+        .map_err(|_| format!("the consume ceiling stalled after {got} of {n}"))?;
+        let d = next.ok_or("the consumer ended")??;
+        d.ack(BasicAckOptions::default()).await?;
+        got += 1;
+    }
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let _ = ch.close(200, "OK".into()).await;
+    Ok(rate)
+}
+
+/// The production subscriber (`batch_max` as given, else defaults) working
+/// off P7's queue of `n` deliveries. Returns (deliveries/s, WAL bytes per
+/// delivery).
+async fn p7_subscribe(
+    pool: &PgPool,
+    amqp_url: &str,
+    n: u64,
+    batch_max: Option<u32>,
+) -> Result<(f64, f64), Box<dyn std::error::Error>> {
+    let subscriber = std::sync::Arc::new(outbox::Subscriber::new(
+        std::sync::Arc::new(outbox::PgInboxStore::new(pool.clone())),
+        std::sync::Arc::new(LapinBroker::new(amqp_url)),
+        std::sync::Arc::new(outbox::TokioClock::default()),
+        std::sync::Arc::new(Applies),
+        p7_settings(batch_max),
+    ));
+    let counters = subscriber.counters();
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let wal_from = wal_lsn(pool).await?;
+    let started = Instant::now();
+    let running = {
+        let s = subscriber.clone();
+        tokio::spawn(async move { s.run(rx).await })
+    };
+    loop {
+        let c = counters.snapshot();
+        if c.processed + c.duplicates >= n {
+            break;
+        }
+        if started.elapsed() > DRAIN_LIMIT || running.is_finished() {
+            return Err(format!("the subscriber did not take {n} deliveries: {c:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    let wal = wal_since(pool, &wal_from).await?;
+    let _ = stop.send(true);
+    running.await??;
+    Ok((n as f64 / elapsed.as_secs_f64(), wal / n as f64))
+}
+
+/// The subscriber's queue: declared as the subscriber declares it, and
+/// deleted with its dead-letter queue and exchange.
+async fn p7_topology(amqp_url: &str, up: bool) -> Result<(), Box<dyn std::error::Error>> {
+    use outbox::core::ports::{ConsumerBroker, DeliverySource};
+    if up {
+        let broker = LapinBroker::new(amqp_url);
+        let consumer = broker.subscription_open(&p7_settings(None).spec).await?;
+        consumer.consumer_close().await;
+        return Ok(());
+    }
+    let conn = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    for q in [P7_QUEUE.to_owned(), format!("{P7_QUEUE}.dlq")] {
+        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await?;
+    }
+    ch.exchange_delete(P7_EXCHANGE.into(), Default::default())
+        .await?;
+    let _ = conn.close(200, "OK".into()).await;
+    Ok(())
+}
+
+/// P7: the consume ceiling, then the subscriber at defaults (fresh
+/// events), with 25 % duplicates (of events already applied), and with
+/// batches of one (the ADR's one transaction per delivery) for contrast.
+/// Returns (ceiling, defaults, duplicates, batch of one, inbox WAL per
+/// event applied).
+async fn p7(
+    conn: &Connection,
+    pool: &PgPool,
+    amqp_url: &str,
+    n: usize,
+) -> Result<[f64; 5], Box<dyn std::error::Error>> {
+    pool.execute("CREATE TABLE IF NOT EXISTS p7_applied (event_id uuid PRIMARY KEY, routing_key text NOT NULL)")
+        .await?;
+    p7_topology(amqp_url, true).await?;
+    let fresh = |n: usize| -> Vec<EventEnvelope> { (0..n).map(envelope).collect() };
+    p7_fill(conn, &fresh(n)).await?;
+    let ceiling = p7_consume_ceiling(conn, n).await?;
+    let applied = fresh(n);
+    p7_fill(conn, &applied).await?;
+    let (defaults, wal) = p7_subscribe(pool, amqp_url, n as u64, None).await?;
+    // One delivery in four repeats an event the inbox holds as processed.
+    let mixed: Vec<EventEnvelope> = (0..n)
+        .map(|i| {
+            if i % 4 == 3 {
+                applied[i].clone()
+            } else {
+                envelope(i)
+            }
+        })
+        .collect();
+    p7_fill(conn, &mixed).await?;
+    let (duplicates, _) = p7_subscribe(pool, amqp_url, n as u64, None).await?;
+    p7_fill(conn, &fresh(n)).await?;
+    let (single, _) = p7_subscribe(pool, amqp_url, n as u64, Some(1)).await?;
+    p7_topology(amqp_url, false).await?;
+    pool.execute("TRUNCATE event_inbox, p7_applied").await?;
+    Ok([ceiling, defaults, duplicates, single, wal])
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = match parse_args() {
@@ -743,6 +953,51 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }));
         }
         json.insert("p1".into(), p1.into());
+    }
+
+    if want("p7") {
+        eprintln!("P7: consume ceiling and the subscriber over {n} deliveries (4 runs) ...");
+        let [ceiling7, defaults, duplicates, single, wal] =
+            p7(&conn, &pool, &args.amqp_url, n).await?;
+        table.push(format!(
+            "| P7 consume ceiling: raw lapin consume + ack, prefetch as the subscriber's | {ceiling7:.0} msg/s | 1.00 | — |"
+        ));
+        let vs_p1 = p1_rate.map(|r| defaults / r);
+        table.push(format!(
+            "| P7 subscriber, defaults, {n} fresh events | {defaults:.0} events/s | {:.2}× consume ceiling{} | ≥ 0.6× ceiling, ≥ 1.0× one drainer |",
+            defaults / ceiling7,
+            vs_p1.map_or(String::new(), |r| format!(", {r:.2}× one drainer"))
+        ));
+        table.push(format!(
+            "| P7 subscriber, defaults, 25 % duplicates | {duplicates:.0} deliveries/s | {:.2}× defaults | ≥ 0.9× defaults |",
+            duplicates / defaults
+        ));
+        table.push(format!(
+            "| P7 subscriber, batches of one (one transaction per delivery) | {single:.0} events/s | {:.2}× defaults | contrast |",
+            single / defaults
+        ));
+        table.push(format!(
+            "| P8 inbox WAL per event applied (defaults) | {wal:.0} bytes | — | — |"
+        ));
+        json.insert("p7_consume_ceiling_msgs_per_sec".into(), ceiling7.into());
+        json.insert("p7_subscriber_events_per_sec".into(), defaults.into());
+        json.insert(
+            "p7_subscriber_events_per_sec_25pct_duplicates".into(),
+            duplicates.into(),
+        );
+        json.insert(
+            "p7_subscriber_batch_of_one_events_per_sec".into(),
+            single.into(),
+        );
+        json.insert("p7_vs_ceiling".into(), (defaults / ceiling7).into());
+        if let Some(r) = vs_p1 {
+            json.insert("p7_vs_p1".into(), r.into());
+        }
+        json.insert(
+            "p7_duplicates_vs_defaults".into(),
+            (duplicates / defaults).into(),
+        );
+        json.insert("p8_inbox_wal_bytes_per_event".into(), wal.into());
     }
 
     if want("beside") {

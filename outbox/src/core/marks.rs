@@ -134,6 +134,11 @@ marks! {
     HandlerPanicked = "handler_panicked",
     /// The handler ran past its deadline: an attempt counts.
     HandlerTimedOut = "handler_timed_out",
+    /// One transaction applied several deliveries (a batch) and committed.
+    BatchCommitted = "batch_committed",
+    /// The inbox refused one delivery of a batch: the batch rolled back and
+    /// ran again without it.
+    BatchRerunWithoutRefused = "batch_rerun_without_refused",
     /// The inbox was unavailable: the delivery is retried in place.
     InboxRetriedInPlace = "inbox_retried_in_place",
     /// A delivery was dead-lettered at its attempt budget.

@@ -347,6 +347,13 @@ pub trait InboxStore: Send + Sync + 'static {
     /// waiting for a concurrent transaction that holds it; then sets the
     /// savepoint [`inbox_record_failure`](Self::inbox_record_failure) rolls
     /// a failed handler's work back to.
+    ///
+    /// One transaction may hold several deliveries (a batch): each call
+    /// sets a savepoint of its own, and a rollback reaches the latest. A
+    /// row this transaction already inserted or locked is reported as the
+    /// transaction left it (processed by an earlier delivery of the same
+    /// event: `AlreadyProcessed`). After an error the transaction may be
+    /// aborted: the caller rolls it back.
     fn inbox_try_insert(
         &self,
         tx: &mut Self::Tx,

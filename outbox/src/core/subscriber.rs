@@ -1,17 +1,25 @@
 //! The subscriber: the consumer half of ADR-018 (amendment #433), exactly
 //! once in effect over an at-least-once broker.
 //!
-//! Per delivery:
-//! 1. BEGIN; `inbox_try_insert` → [`InsertOutcome`].
-//! 2. `AlreadyProcessed`: commit, ack; the handler does not run.
-//! 3. Otherwise the handler runs with the transaction. Ok: mark processed,
-//!    commit, ack. Err: roll back to the savepoint taken after the inbox
-//!    insert (the handler's work goes, the row and its lock stay), record
-//!    the attempt in the same transaction and commit (so the count survives
-//!    the handler's rollback, as the ADR's separate connection meant it to,
-//!    and a retry after a lost reply cannot count one failure twice), then
-//!    nack with requeue while attempts < budget, else nack without requeue:
-//!    the broker moves it to `<queue>.dlq`.
+//! A worker takes a delivery and whatever else arrives within
+//! `batch_linger` (up to `batch_max`), then applies them in one transaction:
+//! 1. BEGIN; per delivery, in event-id order (so two batches never wait on
+//!    each other's inbox rows in a cycle): `inbox_try_insert` →
+//!    [`InsertOutcome`] (it also sets the delivery's savepoint).
+//! 2. `AlreadyProcessed`: the handler does not run; the delivery is acked
+//!    after the commit.
+//! 3. Otherwise the handler runs with the transaction. Ok: mark processed.
+//!    Err: roll back to the delivery's savepoint (its handler's work goes,
+//!    the row, its lock and the other deliveries' work stay) and record the
+//!    attempt in the same transaction (so the count survives the handler's
+//!    rollback, as the ADR's separate connection meant it to, and a retry
+//!    after a lost reply cannot count one failure twice).
+//! 4. COMMIT; only then each delivery is acked, or nacked with requeue
+//!    while attempts < budget, else nacked without requeue: the broker
+//!    moves it to `<queue>.dlq`.
+//!
+//! A batch of one is the ADR's sequence exactly; a batch shares one commit
+//! (one fsync) among its deliveries.
 //!
 //! A delivery that is over the size limit, is not a valid envelope, or holds
 //! data the inbox refuses to store (a `\u0000` or a lone surrogate in a
@@ -19,7 +27,9 @@
 //! queue at once and is never retried in place. Database trouble is nobody's
 //! fault, whether the inbox or the handler's own statements meet it: the
 //! delivery is retried in place with a backoff (no attempt is counted) until
-//! the database answers or the subscriber shuts down (then it is requeued).
+//! the database answers or the subscriber shuts down (then it is requeued);
+//! the whole batch rolls back and is retried, and a delivery whose data the
+//! inbox refused leaves the batch, which runs again without it.
 //! Broker trouble ends the consumer; the subscriber reopens it with a
 //! backoff, and the broker redelivers whatever was unacknowledged; the inbox
 //! absorbs the duplicates.
@@ -73,7 +83,7 @@ pub trait Handler<Tx>: Send + Sync + 'static {
 pub struct SubscriberSettings {
     /// Queue, exchange, bindings, prefetch.
     pub spec: SubscriptionSpec,
-    /// Deliveries handled at once (each in its own transaction).
+    /// Workers, each applying one batch of deliveries at a time.
     pub concurrency: u32,
     /// Failed attempts after which a delivery is dead-lettered.
     pub max_attempts: u32,
@@ -83,6 +93,12 @@ pub struct SubscriberSettings {
     /// Longest the handler may run on one delivery: past it the handler's
     /// work is rolled back and the attempt counts as failed.
     pub handler_timeout: Duration,
+    /// Deliveries a worker applies in one transaction (one commit, one
+    /// fsync), each after a savepoint of its own.
+    pub batch_max: u32,
+    /// Longest a batch's first delivery waits for more to arrive; zero
+    /// takes only those already waiting.
+    pub batch_linger: Duration,
 }
 
 /// What happened to one delivery.
@@ -328,7 +344,9 @@ where
     }
 
     /// Runs `concurrency` workers over one consumer until it ends or
-    /// shutdown.
+    /// shutdown. Each worker takes a delivery, then whatever else arrives
+    /// within `batch_linger` of it (up to `batch_max` in all), and applies
+    /// them in one transaction.
     async fn consume(&self, consumer: &B::Consumer, shutdown: &watch::Receiver<bool>) {
         let workers = (0..self.settings.concurrency.max(1))
             .map(|_| {
@@ -343,8 +361,12 @@ where
                             _ = shutdown.changed() => return,
                             next = consumer.delivery_next() => next,
                         };
-                        let Some(delivery) = next else { return };
-                        self.deliver(consumer, delivery, &shutdown).await;
+                        let Some(first) = next else { return };
+                        let (batch, ended) = self.gather(consumer, first, &mut shutdown).await;
+                        self.deliver_batch(consumer, batch, &shutdown).await;
+                        if ended {
+                            return;
+                        }
                     }
                 }) as Pin<Box<dyn Future<Output = ()> + Send + '_>>
             })
@@ -352,15 +374,115 @@ where
         JoinAll { futures: workers }.await;
     }
 
-    /// Handles one delivery to the end: ack or nack included, in a
-    /// `process <queue>` span whose parent is the trace context the
-    /// delivery carries (its AMQP headers, else its envelope's).
+    /// `first` and the deliveries that arrive within the linger after it,
+    /// up to `batch_max` in all (those already waiting are taken even with
+    /// no linger); true if the consumer ended meanwhile.
+    async fn gather(
+        &self,
+        consumer: &B::Consumer,
+        first: Delivery,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> (Vec<Delivery>, bool) {
+        let max = self.settings.batch_max.max(1) as usize;
+        let mut batch = Vec::with_capacity(max);
+        batch.push(first);
+        if max == 1 {
+            return (batch, false);
+        }
+        let linger = self.clock.sleep(self.settings.batch_linger);
+        tokio::pin!(linger);
+        while batch.len() < max {
+            // `delivery_next` is cancel-safe: one dropped while waiting
+            // loses nothing.
+            tokio::select! {
+                biased;
+                next = consumer.delivery_next() => match next {
+                    Some(d) => batch.push(d),
+                    None => return (batch, true),
+                },
+                () = &mut linger => break,
+                _ = shutdown.changed() => break,
+            }
+        }
+        (batch, false)
+    }
+
+    /// Handles one delivery to the end: a batch of one (see
+    /// [`deliver_batch`](Self::deliver_batch)).
     pub async fn deliver(
         &self,
         consumer: &B::Consumer,
         delivery: Delivery,
         shutdown: &watch::Receiver<bool>,
     ) -> DeliveryOutcome {
+        self.deliver_batch(consumer, vec![delivery], shutdown)
+            .await
+            .pop()
+            .expect("one outcome per delivery")
+    }
+
+    /// Handles deliveries to the end, acks and nacks included, returning
+    /// their outcomes in order. Those that decode are applied in one
+    /// transaction, each after a savepoint of its own (a failed handler
+    /// rolls back only its own work); they are acked or nacked only once
+    /// that transaction committed. Each delivery has its own
+    /// `process <queue>` span, whose parent is the trace context it carries
+    /// (its AMQP headers, else its envelope's).
+    pub async fn deliver_batch(
+        &self,
+        consumer: &B::Consumer,
+        deliveries: Vec<Delivery>,
+        shutdown: &watch::Receiver<bool>,
+    ) -> Vec<DeliveryOutcome> {
+        let queue = &self.settings.spec.queue;
+        let prepared: Vec<Prepared> = deliveries.into_iter().map(|d| self.prepare(d)).collect();
+        let mut outcomes: Vec<Option<DeliveryOutcome>> = prepared
+            .iter()
+            .map(|p| p.decoded.as_ref().err().cloned())
+            .collect();
+        let mut items: Vec<Item<'_>> = prepared
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, p)| {
+                let envelope = p.decoded.as_ref().ok()?;
+                Some(Item {
+                    slot,
+                    entry: InboxEntry {
+                        event_id: envelope.id,
+                        subscription: queue,
+                        routing_key: &envelope.routing_key,
+                        payload: &p.delivery.body,
+                        fresh_budget: false,
+                    },
+                    envelope,
+                    span: p.span.clone(),
+                })
+            })
+            .collect();
+        // Event-id order (UUID v7: creation order): every batch takes its
+        // inbox row locks in the same order, so two batches holding the
+        // same events (a redelivery storm) never wait on each other in a
+        // cycle. Found by the simulation (producer_and_consumer_swarm,
+        // seed 0: two workers' batches deadlocked on two duplicated events).
+        items.sort_by_key(|i| i.entry.event_id);
+        self.apply_until_decided(&items, &mut outcomes, shutdown)
+            .await;
+        drop(items);
+        let mut settled = Vec::with_capacity(prepared.len());
+        for (p, outcome) in prepared.into_iter().zip(outcomes) {
+            let outcome = outcome.unwrap_or(DeliveryOutcome::Requeued);
+            self.settle(consumer, p.delivery.tag, &outcome)
+                .instrument(p.span.clone())
+                .await;
+            p.span.record("outbox.inbox.outcome", outcome.label());
+            self.counters.count(&outcome, queue);
+            settled.push(outcome);
+        }
+        settled
+    }
+
+    /// Decodes a delivery, opens its span and logs what is wrong with it.
+    fn prepare(&self, delivery: Delivery) -> Prepared {
         let spec = &self.settings.spec;
         let queue = &spec.queue;
         metrics::counter!(metric::DELIVERED, metric::LABEL => queue.clone()).increment(1);
@@ -400,25 +522,8 @@ where
                 span.record("messaging.message.id", envelope.id.to_string());
             }
         }
-        let outcome = self
-            .settle_delivery(consumer, delivery, decoded, shutdown)
-            .instrument(span.clone())
-            .await;
-        span.record("outbox.inbox.outcome", outcome.label());
-        self.counters.count(&outcome, queue);
-        outcome
-    }
-
-    /// [`deliver`](Self::deliver) once the delivery is decoded.
-    async fn settle_delivery(
-        &self,
-        consumer: &B::Consumer,
-        delivery: Delivery,
-        decoded: Result<EventEnvelope, DeliveryOutcome>,
-        shutdown: &watch::Receiver<bool>,
-    ) -> DeliveryOutcome {
-        let queue = &self.settings.spec.queue;
-        let outcome = match decoded {
+        let _entered = span.enter();
+        match &decoded {
             Err(rejected) => {
                 self.marks.hit(match rejected {
                     DeliveryOutcome::TooLarge { .. } => Mark::TooLarge,
@@ -432,7 +537,6 @@ where
                     outcome = ?rejected,
                     "delivery is not a valid event envelope; dead-lettering it"
                 );
-                rejected
             }
             Ok(envelope) => {
                 if let Some(mid) = delivery.message_id.as_deref()
@@ -458,159 +562,208 @@ where
                         "delivery routed by another key than its envelope's"
                     );
                 }
-                let entry = InboxEntry {
-                    event_id: envelope.id,
-                    subscription: queue,
-                    routing_key: &envelope.routing_key,
-                    payload: &delivery.body,
-                    fresh_budget: false,
-                };
-                self.attempt_until_decided(&entry, &envelope, shutdown)
-                    .await
             }
-        };
-        let settle = match &outcome {
+        }
+        drop(_entered);
+        Prepared {
+            delivery,
+            span,
+            decoded,
+        }
+    }
+
+    /// Acks or nacks a delivery as its outcome says.
+    async fn settle(&self, consumer: &B::Consumer, tag: u64, outcome: &DeliveryOutcome) {
+        let settled = match outcome {
             DeliveryOutcome::Processed | DeliveryOutcome::Duplicate => {
-                consumer.delivery_ack(delivery.tag).await
+                consumer.delivery_ack(tag).await
             }
             DeliveryOutcome::Retrying { .. } | DeliveryOutcome::Requeued => {
-                consumer.delivery_nack(delivery.tag, true).await
+                consumer.delivery_nack(tag, true).await
             }
             DeliveryOutcome::DeadLettered { .. }
             | DeliveryOutcome::Undecodable { .. }
             | DeliveryOutcome::TooLarge { .. }
-            | DeliveryOutcome::Unstorable { .. } => {
-                consumer.delivery_nack(delivery.tag, false).await
-            }
+            | DeliveryOutcome::Unstorable { .. } => consumer.delivery_nack(tag, false).await,
         };
-        if let Err(e) = settle {
+        if let Err(e) = settled {
             self.marks.hit(Mark::SettleLost);
             // The broker will redeliver it; the inbox absorbs the repeat.
-            tracing::debug!(queue = %queue, error = %e, "ack/nack lost with the channel");
+            tracing::debug!(queue = %self.settings.spec.queue, error = %e, "ack/nack lost with the channel");
         }
-        outcome
     }
 
-    /// One attempt, repeated in place while the database is unavailable.
-    async fn attempt_until_decided(
+    /// Applies `items` in one transaction, repeated while the database is
+    /// unavailable; fills in the outcome of each. A delivery whose data the
+    /// inbox refuses is decided (dead-lettered) and the rest run again
+    /// without it; at shutdown, what is undecided is requeued.
+    async fn apply_until_decided(
         &self,
-        entry: &InboxEntry<'_>,
-        envelope: &EventEnvelope,
+        items: &[Item<'_>],
+        outcomes: &mut [Option<DeliveryOutcome>],
         shutdown: &watch::Receiver<bool>,
-    ) -> DeliveryOutcome {
+    ) {
+        let queue = &self.settings.spec.queue;
         let mut backoff = RETRY_BACKOFF_MIN;
         let mut shutdown = shutdown.clone();
         loop {
-            let error = match self
-                .attempt(entry, envelope, self.settings.max_attempts)
-                .await
-            {
-                Ok(Attempt::Applied) => return DeliveryOutcome::Processed,
-                Ok(Attempt::AlreadyProcessed) => return DeliveryOutcome::Duplicate,
-                Ok(Attempt::Failed(record, _)) if record.dead_lettered => {
-                    self.marks.hit(Mark::DeadLetteredAtBudget);
-                    tracing::warn!(
-                        queue = %entry.subscription,
-                        event_id = %entry.event_id,
-                        attempts = record.attempts,
-                        "handler failed for the last time; dead-lettering"
-                    );
-                    return DeliveryOutcome::DeadLettered {
-                        attempts: record.attempts,
-                    };
+            let live: Vec<&Item<'_>> = items
+                .iter()
+                .filter(|i| outcomes[i.slot].is_none())
+                .collect();
+            if live.is_empty() {
+                return;
+            }
+            let error = match self.apply(&live, self.settings.max_attempts).await {
+                Ok(applied) => {
+                    for (item, applied) in live.into_iter().zip(applied) {
+                        outcomes[item.slot] = Some(self.outcome_of(item, applied));
+                    }
+                    return;
                 }
-                Ok(Attempt::Failed(record, _)) => {
-                    return DeliveryOutcome::Retrying {
-                        attempts: record.attempts,
-                    };
-                }
-                Err(StoreError::Refused(reason)) => {
+                Err(BatchFailure::Refused { index, reason }) => {
+                    let item = live[index];
                     self.marks.hit(Mark::Unstorable);
+                    if live.len() > 1 {
+                        self.marks.hit(Mark::BatchRerunWithoutRefused);
+                    }
+                    let _entered = item.span.enter();
                     tracing::error!(
-                        queue = %entry.subscription,
-                        event_id = %entry.event_id,
+                        queue = %queue,
+                        event_id = %item.entry.event_id,
                         error = %reason,
                         "the inbox refuses this delivery's data; dead-lettering it"
                     );
-                    return DeliveryOutcome::Unstorable { reason };
+                    outcomes[item.slot] = Some(DeliveryOutcome::Unstorable { reason });
+                    continue;
                 }
-                Err(e) => e,
+                Err(BatchFailure::Store(e)) => e,
             };
             self.marks.hit(Mark::InboxRetriedInPlace);
             tracing::warn!(
-                queue = %entry.subscription,
-                event_id = %entry.event_id,
+                queue = %queue,
+                deliveries = live.len(),
                 error = %error,
-                "inbox unavailable; retrying the delivery in place"
+                "inbox unavailable; retrying the deliveries in place"
             );
             if sleep_or_shutdown(&*self.clock, backoff, &mut shutdown).await {
                 self.marks.hit(Mark::RequeuedAtShutdown);
-                return DeliveryOutcome::Requeued;
+                for item in live {
+                    outcomes[item.slot] = Some(DeliveryOutcome::Requeued);
+                }
+                return;
             }
             backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
         }
     }
 
-    /// BEGIN, try_insert, the handler; then mark processed, or (the handler
-    /// failed) roll back to the savepoint and record the attempt against
-    /// `max_attempts`; COMMIT. Either way the outcome takes effect with the
-    /// commit: a commit whose outcome is unknown is retried like any store
-    /// error, and the next attempt finds what did commit.
-    async fn attempt(
-        &self,
-        entry: &InboxEntry<'_>,
-        envelope: &EventEnvelope,
-        max_attempts: u32,
-    ) -> Result<Attempt, StoreError> {
-        let mut tx = self.store.inbox_begin().await?;
-        let inserted = match self.store.inbox_try_insert(&mut tx, entry).await {
-            Ok(outcome) => outcome,
-            Err(e) => {
-                self.store.inbox_rollback(tx).await;
-                return Err(e);
+    /// The outcome of one applied delivery.
+    fn outcome_of(&self, item: &Item<'_>, applied: Applied) -> DeliveryOutcome {
+        match applied {
+            Applied::Processed => DeliveryOutcome::Processed,
+            Applied::Duplicate => DeliveryOutcome::Duplicate,
+            Applied::Failed(record, _) if record.dead_lettered => {
+                self.marks.hit(Mark::DeadLetteredAtBudget);
+                let _entered = item.span.enter();
+                tracing::warn!(
+                    queue = %item.entry.subscription,
+                    event_id = %item.entry.event_id,
+                    attempts = record.attempts,
+                    "handler failed for the last time; dead-lettering"
+                );
+                DeliveryOutcome::DeadLettered {
+                    attempts: record.attempts,
+                }
             }
-        };
+            Applied::Failed(record, _) => DeliveryOutcome::Retrying {
+                attempts: record.attempts,
+            },
+        }
+    }
+
+    /// BEGIN; per item, in its span: try_insert (which sets the item's
+    /// savepoint), the handler, then mark processed, or (the handler
+    /// failed) roll back to the savepoint and record the attempt against
+    /// `max_attempts`; COMMIT. Every outcome takes effect with the commit:
+    /// a commit whose outcome is unknown is retried like any store error,
+    /// and the next attempt finds what did commit. Any failure rolls the
+    /// whole transaction back.
+    async fn apply(
+        &self,
+        items: &[&Item<'_>],
+        max_attempts: u32,
+    ) -> Result<Vec<Applied>, BatchFailure> {
+        let mut tx = self
+            .store
+            .inbox_begin()
+            .await
+            .map_err(BatchFailure::Store)?;
+        let mut applied = Vec::with_capacity(items.len());
+        for (index, item) in items.iter().enumerate() {
+            let one = self
+                .apply_one(&mut tx, item, max_attempts)
+                .instrument(item.span.clone())
+                .await;
+            match one {
+                Ok(a) => applied.push(a),
+                Err(e) => {
+                    self.store.inbox_rollback(tx).await;
+                    return Err(match e {
+                        StoreError::Refused(reason) => BatchFailure::Refused { index, reason },
+                        e => BatchFailure::Store(e),
+                    });
+                }
+            }
+        }
+        self.store
+            .inbox_commit(tx)
+            .await
+            .map_err(BatchFailure::Store)?;
+        if items.len() > 1 {
+            self.marks.hit(Mark::BatchCommitted);
+        }
+        Ok(applied)
+    }
+
+    /// One item of [`apply`](Self::apply), in its transaction.
+    async fn apply_one(
+        &self,
+        tx: &mut S::Tx,
+        item: &Item<'_>,
+        max_attempts: u32,
+    ) -> Result<Applied, StoreError> {
+        let entry = &item.entry;
+        let inserted = self.store.inbox_try_insert(tx, entry).await?;
         self.marks.hit(match inserted {
             InsertOutcome::Inserted => Mark::InboxInserted,
             InsertOutcome::InFlightRetry { .. } => Mark::InFlightRetry,
             InsertOutcome::AlreadyProcessed => Mark::AlreadyProcessed,
         });
         if inserted == InsertOutcome::AlreadyProcessed {
-            self.store.inbox_commit(tx).await?;
-            return Ok(Attempt::AlreadyProcessed);
+            return Ok(Applied::Duplicate);
         }
-        let (recorded, attempt) = match self.run_handler(&mut tx, envelope).await {
-            Ok(()) => (self.store.inbox_mark_processed(&mut tx, entry).await, None),
+        match self.run_handler(tx, item.envelope).await {
+            Ok(()) => {
+                self.store.inbox_mark_processed(tx, entry).await?;
+                Ok(Applied::Processed)
+            }
             Err(error) if error.is_unavailable() => {
                 // The handler's database is unavailable: nobody's fault, no
                 // attempt counts; retried in place like the inbox's own.
                 self.marks.hit(Mark::HandlerUnavailable);
-                self.store.inbox_rollback(tx).await;
-                return Err(StoreError::Unavailable(error.message().to_owned()));
+                Err(StoreError::Unavailable(error.message().to_owned()))
             }
             Err(error) => {
                 self.marks.hit(Mark::HandlerFailed);
                 tracing::debug!(event_id = %entry.event_id, error = %error, "handler failed");
                 let text = truncate_chars(error.message(), LAST_ERROR_MAX_CHARS);
-                match self
+                let record = self
                     .store
-                    .inbox_record_failure(&mut tx, entry, &text, max_attempts)
-                    .await
-                {
-                    Ok(record) => (Ok(()), Some((record, text))),
-                    Err(e) => (Err(e), None),
-                }
+                    .inbox_record_failure(tx, entry, &text, max_attempts)
+                    .await?;
+                Ok(Applied::Failed(record, text))
             }
-        };
-        if let Err(e) = recorded {
-            self.store.inbox_rollback(tx).await;
-            return Err(e);
         }
-        self.store.inbox_commit(tx).await?;
-        Ok(match attempt {
-            Some((record, text)) => Attempt::Failed(record, text),
-            None => Attempt::Applied,
-        })
     }
 
     /// Runs the handler under its deadline with a panic caught: a handler
@@ -692,18 +845,28 @@ where
                     // queue any more, so it stays dead-lettered until the
                     // next replay, or nothing would ever run it again. Found
                     // by the simulation (producer_and_consumer_swarm, seed 43).
-                    match self.attempt(&entry, &envelope, 1).await? {
-                        Attempt::Applied => {
+                    let item = Item {
+                        slot: 0,
+                        entry,
+                        envelope: &envelope,
+                        span: Span::current(),
+                    };
+                    let applied = self.apply(&[&item], 1).await.map_err(|e| match e {
+                        BatchFailure::Refused { reason, .. } => StoreError::Refused(reason),
+                        BatchFailure::Store(e) => e,
+                    })?;
+                    match applied.into_iter().next().expect("one item, one outcome") {
+                        Applied::Processed => {
                             self.marks.hit(Mark::ReplayApplied);
                             self.counters
                                 .count(&DeliveryOutcome::Processed, &self.settings.spec.queue);
                             ReplayOutcome::Applied
                         }
-                        Attempt::AlreadyProcessed => {
+                        Applied::Duplicate => {
                             self.marks.hit(Mark::ReplayAlreadyProcessed);
                             ReplayOutcome::AlreadyProcessed
                         }
-                        Attempt::Failed(_, error) => {
+                        Applied::Failed(_, error) => {
                             self.marks.hit(Mark::ReplayFailedAgain);
                             ReplayOutcome::Failed { error }
                         }
@@ -716,11 +879,36 @@ where
     }
 }
 
-enum Attempt {
-    Applied,
-    AlreadyProcessed,
+/// What one delivery of a transaction came to (with its commit).
+enum Applied {
+    Processed,
+    Duplicate,
     /// The handler failed with this error; its attempt is recorded.
     Failed(AttemptRecord, String),
+}
+
+/// Why a transaction of deliveries rolled back.
+enum BatchFailure {
+    /// The inbox refused the data of the delivery at this index.
+    Refused { index: usize, reason: String },
+    /// Database trouble: nobody's fault.
+    Store(StoreError),
+}
+
+/// A delivery decoded (or not), with its span.
+struct Prepared {
+    delivery: Delivery,
+    span: Span,
+    decoded: Result<EventEnvelope, DeliveryOutcome>,
+}
+
+/// A decoded delivery of a batch: `slot` is its place among the batch's
+/// deliveries.
+struct Item<'a> {
+    slot: usize,
+    entry: InboxEntry<'a>,
+    envelope: &'a EventEnvelope,
+    span: Span,
 }
 
 /// Polls a future, turning a panic inside it into `Err` with the panic's

@@ -24,6 +24,9 @@
 //!   inbox is asked to store it at most once per delivery.
 //! - **keyed by envelope id**: nothing is ever keyed by a foreign AMQP
 //!   `message_id`.
+//! - **ack after commit**: a delivery is acked only once its event's
+//!   processed mark has committed (the ADR's step 4: commit, then ack;
+//!   with batches, after the batch's commit).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -41,6 +44,7 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     replay(ctx, out);
     rejected(ctx, out);
     keyed(ctx, out);
+    acked_after_commit(ctx, out);
     let expected = ctx.model.expected_effects();
     for id in &expected {
         let n = fin.effects.get(id).copied().unwrap_or(0);
@@ -369,6 +373,37 @@ fn rejected(ctx: &Context<'_>, out: &mut Findings) {
                 None,
                 format!("rejected delivery {id} ({kind:?}) has an inbox row"),
             );
+        }
+    }
+}
+
+/// Each ack the broker receives names an event whose processed mark had
+/// committed by then. A delivery whose envelope cannot be named (a hostile
+/// one with no usable id) is not judged here: `rejected` holds those to
+/// never being acked at all.
+fn acked_after_commit(ctx: &Context<'_>, out: &mut Findings) {
+    let mut processed: BTreeSet<Uuid> = BTreeSet::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::InboxCommitted { processed: ids, .. } => processed.extend(ids.iter().copied()),
+            Event::Settled {
+                client,
+                message_id: Some(mid),
+                settle: Settle::Ack,
+            } => {
+                let event = match ctx.model.hostile.get(mid) {
+                    Some((_, envelope)) => *envelope,
+                    None => Uuid::parse_str(mid).ok(),
+                };
+                if let Some(id) = event.filter(|id| !processed.contains(id)) {
+                    out.add(
+                        Invariant::AckAfterCommit,
+                        Some(*at),
+                        format!("{client} acked {id} before its processed mark committed"),
+                    );
+                }
+            }
+            _ => {}
         }
     }
 }

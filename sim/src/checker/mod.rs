@@ -142,6 +142,8 @@ invariants! {
     RejectedAtOnce = "rejected_at_once",
     /// A delivery is keyed by its envelope id, never by its AMQP `message_id`.
     KeyedByEnvelopeId = "keyed_by_envelope_id",
+    /// A delivery is acked only after its event's processed mark committed (#433 step 4: commit, then ack).
+    AckAfterCommit = "ack_after_commit",
     // --- expectations
     /// What the scenario's faults must make happen did happen.
     ScenarioExpectation = "scenario_expectation",

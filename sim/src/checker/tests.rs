@@ -622,6 +622,18 @@ fn effect_cases() -> Vec<(Invariant, Run)> {
             I::NoDeadLetterAfterEffect,
             failed_attempt(consumer(), 200, 3, true, Settle::DeadLetter),
         ),
+        (
+            // Acked before the batch's commit.
+            I::AckAfterCommit,
+            consumer().at(
+                115,
+                Event::Settled {
+                    client: s("c#1"),
+                    message_id: Some(id(1).to_string()),
+                    settle: Settle::Ack,
+                },
+            ),
+        ),
     ]
 }
 
@@ -913,6 +925,15 @@ fn foreign_acked() -> Run {
                 client: s("c#1"),
                 message_id: Some(s("m7")),
                 redelivered: false,
+            },
+        )
+        .at(
+            145,
+            Event::InboxCommitted {
+                client: s("c#1"),
+                began: ms(142),
+                processed: vec![id(7)],
+                effects: vec![(s("q"), id(7))],
             },
         )
         .at(

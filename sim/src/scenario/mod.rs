@@ -151,6 +151,11 @@ pub struct ConfigOverrides {
     pub consumer_prefetch: Option<u16>,
     /// Subscriber handler concurrency (default 2).
     pub consumer_concurrency: Option<u32>,
+    /// Deliveries a subscriber worker applies in one transaction (default
+    /// 4: every consumer scenario runs batched).
+    pub consumer_batch_max: Option<u32>,
+    /// Longest a batch waits for company, in milliseconds (default 5).
+    pub consumer_batch_linger_ms: Option<u64>,
     /// One event in this many fails its first handler attempt (after
     /// writing its effect); 0 for none (the default).
     pub consumer_transient_one_in: Option<u64>,

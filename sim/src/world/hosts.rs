@@ -48,6 +48,8 @@ pub fn subscriber_settings(s: &Scenario) -> SubscriberSettings {
     settings.spec.exchange = EXCHANGE.into();
     settings.spec.prefetch = c.consumer_prefetch.unwrap_or(8);
     settings.concurrency = c.consumer_concurrency.unwrap_or(2);
+    settings.batch_max = c.consumer_batch_max.unwrap_or(4);
+    settings.batch_linger = Duration::from_millis(c.consumer_batch_linger_ms.unwrap_or(5));
     settings.max_attempts = c.consumer_max_attempts.unwrap_or(3);
     settings.max_body_bytes = c.consumer_max_body_bytes.unwrap_or(16 * 1024);
     // Stalled handlers (see `SimHandler`) are cut off after half a second,

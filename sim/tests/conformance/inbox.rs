@@ -616,6 +616,166 @@ async fn the_inbox_refuses_what_postgresql_refuses<A: InboxArm>(arm: A) {
     }
 }
 
+async fn a_batch_commits_together_and_a_failed_handler_rolls_back_only_its_own_work<A: InboxArm>(
+    arm: A,
+) {
+    // One transaction, three deliveries, each after its own savepoint: the
+    // middle one's handler fails (its statement aborts the transaction),
+    // which rolls back its own work only; the other two commit with it.
+    let (e1, e2, e3) = (event("k"), event("k"), event("k"));
+    let s = arm.store();
+    let mut tx = s.inbox_begin().await.unwrap();
+    for e in [&e1, &e2, &e3] {
+        assert_eq!(
+            s.inbox_try_insert(&mut tx, &entry(e, "k")).await.unwrap(),
+            InsertOutcome::Inserted
+        );
+        arm.effect(&mut tx, e.id).await;
+        if e.id == e2.id {
+            arm.failing_statement(&mut tx).await;
+            let r = s
+                .inbox_record_failure(&mut tx, &entry(e, "k"), "boom", 3)
+                .await
+                .unwrap();
+            assert_eq!(
+                r,
+                AttemptRecord {
+                    attempts: 1,
+                    dead_lettered: false
+                }
+            );
+        } else {
+            s.inbox_mark_processed(&mut tx, &entry(e, "k"))
+                .await
+                .unwrap();
+        }
+    }
+    for e in [&e1, &e2, &e3] {
+        assert_eq!(arm.effects(e.id).await, 0, "nothing before the commit");
+    }
+    s.inbox_commit(tx).await.unwrap();
+    assert_eq!(arm.effects(e1.id).await, 1);
+    assert_eq!(
+        arm.effects(e2.id).await,
+        0,
+        "the failed handler's work rolled back"
+    );
+    assert_eq!(arm.effects(e3.id).await, 1);
+    for e in [&e1, &e3] {
+        assert_eq!(
+            apply(&arm, arm.other(), e).await,
+            InsertOutcome::AlreadyProcessed
+        );
+    }
+    let rows = s
+        .inbox_list_unprocessed(&InboxFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].event_id, rows[0].attempts), (e2.id, 1));
+}
+
+async fn a_second_delivery_of_an_event_in_one_transaction_sees_the_first<A: InboxArm>(arm: A) {
+    // A batch can hold one event twice (the broker redelivered it): the
+    // second sees the row as the transaction left it.
+    let (e1, e2, e3) = (event("k"), event("k"), event("k"));
+    let s = arm.store();
+    assert_eq!(fail(&arm, s, &e3, "k", 5).await.attempts, 1);
+    let mut tx = s.inbox_begin().await.unwrap();
+    // Inserted and processed here: the second delivery is a duplicate.
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry(&e1, "k")).await.unwrap(),
+        InsertOutcome::Inserted
+    );
+    arm.effect(&mut tx, e1.id).await;
+    s.inbox_mark_processed(&mut tx, &entry(&e1, "k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry(&e1, "k")).await.unwrap(),
+        InsertOutcome::AlreadyProcessed
+    );
+    // Inserted and failed here: the second is a retry that knows the count.
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry(&e2, "k")).await.unwrap(),
+        InsertOutcome::Inserted
+    );
+    let r = s
+        .inbox_record_failure(&mut tx, &entry(&e2, "k"), "boom", 2)
+        .await
+        .unwrap();
+    assert_eq!(r.attempts, 1);
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry(&e2, "k")).await.unwrap(),
+        InsertOutcome::InFlightRetry { attempts: 1 }
+    );
+    let r = s
+        .inbox_record_failure(&mut tx, &entry(&e2, "k"), "boom", 2)
+        .await
+        .unwrap();
+    assert_eq!(
+        r,
+        AttemptRecord {
+            attempts: 2,
+            dead_lettered: true
+        }
+    );
+    // A row committed earlier, locked and processed here.
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry(&e3, "k")).await.unwrap(),
+        InsertOutcome::InFlightRetry { attempts: 1 }
+    );
+    arm.effect(&mut tx, e3.id).await;
+    s.inbox_mark_processed(&mut tx, &entry(&e3, "k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.inbox_try_insert(&mut tx, &entry(&e3, "k")).await.unwrap(),
+        InsertOutcome::AlreadyProcessed
+    );
+    s.inbox_commit(tx).await.unwrap();
+    assert_eq!(arm.effects(e1.id).await, 1);
+    assert_eq!(arm.effects(e3.id).await, 1);
+    let rows = s
+        .inbox_list_unprocessed(&InboxFilter {
+            dead_lettered_only: true,
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].event_id, rows[0].attempts), (e2.id, 2));
+}
+
+async fn a_refused_delivery_aborts_its_batch<A: InboxArm>(arm: A) {
+    // The inbox refusing one delivery's data aborts the whole transaction
+    // (the subscriber rolls it back and runs the rest again without it):
+    // later statements fail, and nothing of the batch takes effect.
+    let (e1, e2) = (event("k"), event("k"));
+    let s = arm.store();
+    let mut tx = s.inbox_begin().await.unwrap();
+    s.inbox_try_insert(&mut tx, &entry(&e1, "k")).await.unwrap();
+    arm.effect(&mut tx, e1.id).await;
+    s.inbox_mark_processed(&mut tx, &entry(&e1, "k"))
+        .await
+        .unwrap();
+    let bad = InboxEntry {
+        routing_key: "k\u{0}",
+        ..entry(&e2, "k")
+    };
+    assert!(matches!(
+        s.inbox_try_insert(&mut tx, &bad).await,
+        Err(StoreError::Refused(_))
+    ));
+    assert!(
+        s.inbox_try_insert(&mut tx, &entry(&e2, "k")).await.is_err(),
+        "the transaction is aborted"
+    );
+    s.inbox_rollback(tx).await;
+    assert_eq!(arm.effects(e1.id).await, 0);
+    assert_eq!(apply(&arm, s, &e1).await, InsertOutcome::Inserted);
+}
+
 conformance!(postgres: with_real, fake: with_fake;
 
     a_committed_event_is_already_processed_the_second_time,
@@ -627,4 +787,7 @@ conformance!(postgres: with_real, fake: with_fake;
     the_retention_sweep_deletes_only_old_processed_rows,
     the_inbox_refuses_what_postgresql_refuses,
     a_handler_statement_that_failed_is_undone_and_the_attempt_still_recorded,
+    a_batch_commits_together_and_a_failed_handler_rolls_back_only_its_own_work,
+    a_second_delivery_of_an_event_in_one_transaction_sees_the_first,
+    a_refused_delivery_aborts_its_batch,
 );

@@ -104,15 +104,24 @@ pub struct InboxTx {
     /// Rows given a fresh budget by a replay's insert, applied first at
     /// commit.
     resets: Vec<Key>,
+    /// Failed attempts recorded on rows this transaction inserted, each as
+    /// it was recorded: (event, attempts, dead-lettered).
+    insert_failures: Vec<(Uuid, i32, bool)>,
     /// The savepoint: how much handler work there was when it was set.
     savepoint: Option<Savepoint>,
 }
 
+/// A savepoint: how far each list of the transaction's work reached, and
+/// the rows it had inserted as they stood, when it was set.
 #[derive(Debug, Clone)]
 struct Savepoint {
+    inserts: Vec<InboxRow>,
     processed: usize,
     effects: usize,
-    inserts_processed: Vec<Option<u64>>,
+    locked: usize,
+    failures: usize,
+    resets: usize,
+    insert_failures: usize,
 }
 
 impl InboxTx {
@@ -127,17 +136,52 @@ impl InboxTx {
         self.savepoint.is_some()
     }
 
-    /// `ROLLBACK TO SAVEPOINT`: the handler's work since it goes.
-    fn rollback_to_savepoint(&mut self) -> bool {
-        let Some(sp) = self.savepoint.clone() else {
-            return false;
-        };
+    /// `SAVEPOINT canopy_handler`. Each delivery of a batch sets its own;
+    /// `ROLLBACK TO SAVEPOINT` names the latest of that name, so the latest
+    /// is the only one the subscriber can reach.
+    fn set_savepoint(&mut self) {
+        self.savepoint = Some(Savepoint {
+            inserts: self.inserts.clone(),
+            processed: self.processed.len(),
+            effects: self.effects.len(),
+            locked: self.locked.len(),
+            failures: self.failures.len(),
+            resets: self.resets.len(),
+            insert_failures: self.insert_failures.len(),
+        });
+    }
+
+    /// `ROLLBACK TO SAVEPOINT`: everything since it goes, row locks taken
+    /// since included (returned, for the caller to release); the savepoint
+    /// stays.
+    fn rollback_to_savepoint(&mut self) -> Option<Vec<Key>> {
+        let sp = self.savepoint.clone()?;
+        self.inserts = sp.inserts;
         self.processed.truncate(sp.processed);
         self.effects.truncate(sp.effects);
-        for (row, processed) in self.inserts.iter_mut().zip(sp.inserts_processed) {
-            row.processed_ms = processed;
+        self.failures.truncate(sp.failures);
+        self.resets.truncate(sp.resets);
+        self.insert_failures.truncate(sp.insert_failures);
+        Some(self.locked.split_off(sp.locked))
+    }
+
+    /// The state of row `k` as this transaction sees it, if the transaction
+    /// inserted or locked it: (processed, attempts).
+    fn own_view(&self, k: &Key, committed: Option<&InboxRow>) -> Option<(bool, i32)> {
+        if let Some(row) = self.inserts.iter().find(|r| r.key() == *k) {
+            return Some((row.processed_ms.is_some(), row.attempts));
         }
-        true
+        if !self.locked.contains(k) {
+            return None;
+        }
+        let row = committed?;
+        let processed = row.processed_ms.is_some() || self.processed.contains(k);
+        let attempts = match self.failures.iter().rev().find(|f| f.0 == *k) {
+            Some(f) => f.1,
+            None if self.resets.contains(k) => 0,
+            None => row.attempts,
+        };
+        Some((processed, attempts))
     }
 }
 
@@ -272,11 +316,7 @@ impl Inbox {
                 PgReply::Ok
             }
             PgRequest::InboxSavepoint => {
-                tx.savepoint = Some(Savepoint {
-                    processed: tx.processed.len(),
-                    effects: tx.effects.len(),
-                    inserts_processed: tx.inserts.iter().map(|r| r.processed_ms).collect(),
-                });
+                tx.set_savepoint();
                 PgReply::Ok
             }
             PgRequest::InboxRecordFailure {
@@ -285,11 +325,14 @@ impl Inbox {
                 error,
                 max_attempts,
             } => {
-                if !tx.rollback_to_savepoint() {
+                let Some(released) = tx.rollback_to_savepoint() else {
                     return PgReply::Error(PgError::new(
                         "3B001",
                         "savepoint \"canopy_handler\" does not exist",
                     ));
+                };
+                for k in released {
+                    self.locks.remove(&k);
                 }
                 self.record_failure(tx, key(subscription, *event_id), error, *max_attempts, now)
             }
@@ -307,8 +350,27 @@ impl Inbox {
         now: u64,
     ) -> PgReply {
         let (id, k) = (entry.event_id, key(&entry.subscription, entry.event_id));
-        if tx.inserts.iter().any(|r| r.key() == k) {
-            return PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts: 0 });
+        // A row this transaction already holds (an earlier delivery of the
+        // same event in the batch): PostgreSQL's insert conflicts with it
+        // and the lock sees it as this transaction left it.
+        if let Some((processed, attempts)) = tx.own_view(&k, self.rows.get(&k)) {
+            if processed {
+                caller.trace.now(Event::InboxDuplicate {
+                    client: caller.client.to_owned(),
+                    event_id: id,
+                });
+                return PgReply::Inbox(WireInsertOutcome::AlreadyProcessed);
+            }
+            if entry.fresh_budget {
+                if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
+                    row.attempts = 0;
+                    row.dead_lettered_ms = None;
+                } else {
+                    tx.resets.push(k);
+                }
+                return PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts: 0 });
+            }
+            return PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts });
         }
         let outcome = match self.rows.get(&k) {
             Some(row) if row.processed_ms.is_some() => {
@@ -392,6 +454,8 @@ impl Inbox {
             if budget(row.attempts, row.dead_lettered_ms.is_some()) {
                 row.dead_lettered_ms.get_or_insert(now);
             }
+            tx.insert_failures
+                .push((row.event_id, row.attempts, row.dead_lettered_ms.is_some()));
             return PgReply::Attempt {
                 attempts: row.attempts,
                 dead_lettered: row.dead_lettered_ms.is_some(),
@@ -441,12 +505,9 @@ impl Inbox {
                 out.processed.push(row.event_id);
                 self.processed_ever.insert(row.event_id);
             }
-            if row.attempts > 0 {
-                out.failures
-                    .push((row.event_id, row.attempts, row.dead_lettered_ms.is_some()));
-            }
             self.rows.insert(row.key(), row);
         }
+        out.failures.extend(tx.insert_failures);
         for (k, attempts, error, dead) in tx.failures {
             if let Some(r) = self.rows.get_mut(&k) {
                 r.attempts = attempts;
