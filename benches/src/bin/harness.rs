@@ -704,9 +704,11 @@ impl outbox::core::subscriber::Handler<outbox::PgTx> for Applies {
     }
 }
 
-/// The subscription P7 measures: defaults, with `batch_max` if given.
+/// The subscription P7 measures: defaults (or what `CANOPY_MQ_SUBSCRIBER_*`
+/// variables say, to compare settings), with `batch_max` if given.
 fn p7_settings(batch_max: Option<u32>) -> outbox::SubscriberSettings {
-    let mut s = outbox::SubscriberSettings::new(P7_QUEUE, &["#"]);
+    let mut s =
+        outbox::SubscriberSettings::from_env(P7_QUEUE, &["#"]).unwrap_or_else(|e| panic!("{e}"));
     s.spec.exchange = P7_EXCHANGE.into();
     if let Some(b) = batch_max {
         s.batch_max = b;
@@ -868,7 +870,9 @@ async fn p7(
     p7_topology(amqp_url, true).await?;
     let fresh = |n: usize| -> Vec<EventEnvelope> { (0..n).map(envelope).collect() };
     p7_fill(conn, &fresh(n)).await?;
+    eprintln!("  consume ceiling ...");
     let ceiling = p7_consume_ceiling(conn, n).await?;
+    eprintln!("  subscriber, defaults ...");
     let applied = fresh(n);
     p7_fill(conn, &applied).await?;
     let (defaults, wal) = p7_subscribe(pool, amqp_url, n as u64, None).await?;
@@ -883,8 +887,10 @@ async fn p7(
         })
         .collect();
     p7_fill(conn, &mixed).await?;
+    eprintln!("  subscriber, 25 % duplicates ...");
     let (duplicates, _) = p7_subscribe(pool, amqp_url, n as u64, None).await?;
     p7_fill(conn, &fresh(n)).await?;
+    eprintln!("  subscriber, batches of one ...");
     let (single, _) = p7_subscribe(pool, amqp_url, n as u64, Some(1)).await?;
     p7_topology(amqp_url, false).await?;
     pool.execute("TRUNCATE event_inbox, p7_applied").await?;

@@ -348,6 +348,11 @@ pub trait InboxStore: Send + Sync + 'static {
     /// savepoint [`inbox_record_failure`](Self::inbox_record_failure) rolls
     /// a failed handler's work back to.
     ///
+    /// A row it inserts ([`InsertOutcome::Inserted`]) is inserted marked
+    /// processed: no other session sees the mark before the commit, and
+    /// the handler's success then needs no further statement, while its
+    /// failure clears the mark ([`inbox_record_failure`](Self::inbox_record_failure)).
+    ///
     /// One transaction may hold several deliveries (a batch): each call
     /// sets a savepoint of its own, and a rollback reaches the latest. A
     /// row this transaction already inserted or locked is reported as the
@@ -360,7 +365,10 @@ pub trait InboxStore: Send + Sync + 'static {
         entry: &InboxEntry<'_>,
     ) -> impl Future<Output = Result<InsertOutcome, StoreError>> + Send;
 
-    /// Sets `processed_at` on `entry`'s row, in the handler's transaction.
+    /// Sets `processed_at` on `entry`'s row, in the handler's transaction:
+    /// needed for a row that existed before the attempt
+    /// ([`InsertOutcome::InFlightRetry`]); one this transaction inserted is
+    /// marked already.
     fn inbox_mark_processed(
         &self,
         tx: &mut Self::Tx,
@@ -376,8 +384,9 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// In the handler's transaction, after the handler failed: rolls its
     /// work back to the savepoint `inbox_try_insert` set (the inbox row and
-    /// its lock stay), then `attempts + 1`, `last_error`, and the
-    /// dead-letter mark once attempts reach `max_attempts`. The record
+    /// its lock stay), then clears the processed mark, and sets
+    /// `attempts + 1`, `last_error`, and the dead-letter mark once attempts
+    /// reach `max_attempts`. The record
     /// survives the handler's rollback and takes effect with the caller's
     /// commit, so a retry after a lost reply can never count one failure
     /// twice.

@@ -8,8 +8,9 @@
 //!    [`InsertOutcome`] (it also sets the delivery's savepoint).
 //! 2. `AlreadyProcessed`: the handler does not run; the delivery is acked
 //!    after the commit.
-//! 3. Otherwise the handler runs with the transaction. Ok: mark processed.
-//!    Err: roll back to the delivery's savepoint (its handler's work goes,
+//! 3. Otherwise the handler runs with the transaction. Ok: mark processed
+//!    (a row the insert created carries the mark from the start, so only a
+//!    retried row needs the statement). Err: roll back to the delivery's savepoint (its handler's work goes,
 //!    the row, its lock and the other deliveries' work stay) and record the
 //!    attempt in the same transaction (so the count survives the handler's
 //!    rollback, as the ADR's separate connection meant it to, and a retry
@@ -468,15 +469,28 @@ where
         self.apply_until_decided(&items, &mut outcomes, shutdown)
             .await;
         drop(items);
-        let mut settled = Vec::with_capacity(prepared.len());
-        for (p, outcome) in prepared.into_iter().zip(outcomes) {
-            let outcome = outcome.unwrap_or(DeliveryOutcome::Requeued);
-            self.settle(consumer, p.delivery.tag, &outcome)
-                .instrument(p.span.clone())
-                .await;
+        let settled: Vec<DeliveryOutcome> = outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or(DeliveryOutcome::Requeued))
+            .collect();
+        // All at once: the acks and nacks of a batch go out together
+        // instead of one wait on the broker client per delivery.
+        JoinAll {
+            futures: prepared
+                .iter()
+                .zip(&settled)
+                .map(|(p, outcome)| {
+                    Box::pin(
+                        self.settle(consumer, p.delivery.tag, outcome)
+                            .instrument(p.span.clone()),
+                    ) as Pin<Box<dyn Future<Output = ()> + Send + '_>>
+                })
+                .collect(),
+        }
+        .await;
+        for (p, outcome) in prepared.iter().zip(&settled) {
             p.span.record("outbox.inbox.outcome", outcome.label());
-            self.counters.count(&outcome, queue);
-            settled.push(outcome);
+            self.counters.count(outcome, queue);
         }
         settled
     }
@@ -744,7 +758,10 @@ where
         }
         match self.run_handler(tx, item.envelope).await {
             Ok(()) => {
-                self.store.inbox_mark_processed(tx, entry).await?;
+                // A row this transaction inserted carries its mark already.
+                if inserted != InsertOutcome::Inserted {
+                    self.store.inbox_mark_processed(tx, entry).await?;
+                }
                 Ok(Applied::Processed)
             }
             Err(error) if error.is_unavailable() => {

@@ -56,12 +56,10 @@ impl InboxStore for PgInboxStore {
 
     async fn inbox_begin(&self) -> Result<PgTx, StoreError> {
         bounded(async {
-            let mut tx = self.pool.begin().await.map_err(map_err)?;
-            sqlx::raw_sql(sql::INBOX_BEGIN)
-                .execute(&mut *tx)
+            self.pool
+                .begin_with(sql::INBOX_BEGIN)
                 .await
-                .map_err(map_err)?;
-            Ok(tx)
+                .map_err(map_err)
         })
         .await
     }

@@ -776,6 +776,41 @@ async fn a_refused_delivery_aborts_its_batch<A: InboxArm>(arm: A) {
     assert_eq!(apply(&arm, s, &e1).await, InsertOutcome::Inserted);
 }
 
+async fn a_new_row_is_processed_with_its_commit_unless_its_handler_failed<A: InboxArm>(arm: A) {
+    // The insert marks a new row processed; nothing else is written when
+    // the handler succeeds, and a failure record clears the mark.
+    let (ok, failed) = (event("k"), event("k"));
+    let s = arm.store();
+    let mut tx = s.inbox_begin().await.unwrap();
+    for e in [&ok, &failed] {
+        assert_eq!(
+            s.inbox_try_insert(&mut tx, &entry(e, "k")).await.unwrap(),
+            InsertOutcome::Inserted
+        );
+        arm.effect(&mut tx, e.id).await;
+    }
+    s.inbox_record_failure(&mut tx, &entry(&failed, "k"), "boom", 3)
+        .await
+        .unwrap();
+    s.inbox_commit(tx).await.unwrap();
+    assert_eq!(arm.effects(ok.id).await, 1);
+    assert_eq!(
+        apply(&arm, arm.other(), &ok).await,
+        InsertOutcome::AlreadyProcessed
+    );
+    let rows = s
+        .inbox_list_unprocessed(&InboxFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].event_id, rows[0].attempts), (failed.id, 1));
+    assert_eq!(
+        apply(&arm, arm.other(), &failed).await,
+        InsertOutcome::InFlightRetry { attempts: 1 }
+    );
+    assert_eq!(arm.effects(failed.id).await, 1);
+}
+
 conformance!(postgres: with_real, fake: with_fake;
 
     a_committed_event_is_already_processed_the_second_time,
@@ -790,4 +825,5 @@ conformance!(postgres: with_real, fake: with_fake;
     a_batch_commits_together_and_a_failed_handler_rolls_back_only_its_own_work,
     a_second_delivery_of_an_event_in_one_transaction_sees_the_first,
     a_refused_delivery_aborts_its_batch,
+    a_new_row_is_processed_with_its_commit_unless_its_handler_failed,
 );

@@ -2,16 +2,20 @@
 //! domain table, as the subscriber relies on them (ADR-018 amendment #433).
 //!
 //! Rows are keyed by (subscription, event id), as the issue-11 migration
-//! keys `event_inbox`. Modelled: an inserted row is invisible to other sessions until commit
-//! and, like every row a transaction touched, locked until it ends; a
-//! second session's insert of the same event (or its failure record) waits
-//! for that lock, as `INSERT … ON CONFLICT` does, so deliveries of one event
-//! serialize; commit applies the row, its `processed` mark and the handler's
-//! effects together, rollback (or a dropped connection) none of them; a
-//! savepoint after the insert, and failure records in the handler's
-//! transaction that roll back to it, count the attempt and mark the row
-//! dead-lettered at the budget, taking effect at commit; replay listing,
-//! budget reset and the retention sweep. A row whose data
+//! keys `event_inbox`. Modelled: an inserted row is invisible to other
+//! sessions until commit and, like every row a transaction touched, locked
+//! until it ends; a second session's insert of the same event (or its
+//! failure record) waits for that lock, as `INSERT … ON CONFLICT` does, so
+//! deliveries of one event serialize; a row the transaction already holds
+//! is seen as the transaction left it; a new row is inserted marked
+//! processed (a failure record clears the mark), as `inbox_try_insert.sql`
+//! does; commit applies the row, its `processed` mark and the handler's
+//! effects together, rollback (or a dropped connection) none of them;
+//! savepoints (one per delivery of a batch; a rollback reaches the latest
+//! and undoes everything since, row locks included), and failure records
+//! in the handler's transaction that roll back to it, count the attempt and
+//! mark the row dead-lettered at the budget, taking effect at commit;
+//! replay listing, budget reset and the retention sweep. A row whose data
 //! PostgreSQL would refuse (see `jsonb.rs`) is refused with its SQLSTATE.
 //! The server sessions live in `mod.rs`; this module is their inbox logic.
 
@@ -388,7 +392,11 @@ impl Inbox {
                 attempts: row.attempts,
             },
             None => {
-                tx.inserts.push(InboxRow::new(entry, now));
+                // Inserted marked processed, as `inbox_try_insert.sql` does;
+                // a failure record clears the mark.
+                let mut row = InboxRow::new(entry, now);
+                row.processed_ms = Some(now);
+                tx.inserts.push(row);
                 WireInsertOutcome::Inserted
             }
         };
@@ -449,6 +457,7 @@ impl Inbox {
     ) -> PgReply {
         let budget = |attempts: i32, already: bool| already || attempts >= max_attempts as i32;
         if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
+            row.processed_ms = None;
             row.attempts += 1;
             row.last_error = Some(error.to_owned());
             if budget(row.attempts, row.dead_lettered_ms.is_some()) {
