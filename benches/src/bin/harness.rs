@@ -15,7 +15,11 @@
 //! - **P4 publish cost**: a domain transaction alone, with `publish_tx` of 1
 //!   envelope, with `publish_many_tx` of 100 (p50 / p99 latency);
 //! - **P5 end-to-end latency**: commit → marked published (which follows
-//!   the broker's confirm) at a steady 100 events/s.
+//!   the broker's confirm) at a steady 100 events/s;
+//! - **P7 consume**: raw lapin consume + ack at the subscriber's prefetch
+//!   (the ceiling), then the production `Subscriber` at defaults over fresh
+//!   events, with 25 % duplicates, and with batches of one;
+//! - **P8 WAL**: bytes of WAL per event drained and per event applied.
 //!
 //! It works in a database of its own (`outbox_harness`, dropped and
 //! recreated) and an exchange and queue of its own (`harness.*`, purged and
