@@ -124,6 +124,24 @@ impl crate::core::subscriber::SubscriberSettings {
         }
     }
 
+    /// The subscription as each worker opens it, on a channel of its own:
+    /// an even share of `prefetch` (rounded down, at least one), so the
+    /// subscriber as a whole holds at most `prefetch` unacknowledged
+    /// deliveries.
+    ///
+    /// ```
+    /// let mut s = outbox::SubscriberSettings::new("billing.orders", &["orders.*"]);
+    /// s.spec.prefetch = 64;
+    /// s.concurrency = 4;
+    /// assert_eq!(s.worker_spec().prefetch, 16);
+    /// ```
+    pub fn worker_spec(&self) -> crate::core::ports::SubscriptionSpec {
+        let mut spec = self.spec.clone();
+        let share = u32::from(spec.prefetch) / self.concurrency.max(1);
+        spec.prefetch = u16::try_from(share.max(1)).unwrap_or(u16::MAX);
+        spec
+    }
+
     /// [`new`](Self::new) with `CANOPY_MQ_EXCHANGE`,
     /// `CANOPY_MQ_SUBSCRIBER_PREFETCH`, `CANOPY_MQ_SUBSCRIBER_CONCURRENCY`,
     /// `CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS`,

@@ -358,10 +358,12 @@ pub enum MqRequest {
     /// AMQP heartbeat: sent when idle, so the broker can tell a silent
     /// client from a vanished one.
     Heartbeat,
-    /// `basic.ack` (no reply).
+    /// `basic.ack` (no reply); with `multiple`, of every unacknowledged
+    /// delivery of the channel up to `tag`.
     Ack {
         channel: u32,
         tag: u64,
+        multiple: bool,
     },
     /// `basic.nack` (no reply).
     Nack {

@@ -1,6 +1,7 @@
 //! The consumer side of the RabbitMQ adapter: subscription topology with the
-//! auto-derived dead-letter queue (ADR-018 amendment #433), prefetch, and a
-//! consumer shared by the subscriber's workers.
+//! auto-derived dead-letter queue (ADR-018 amendment #433), prefetch, and one
+//! consumer per subscriber worker, each on a channel of its own so a worker's
+//! batch is acked with one `multiple` frame.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,7 +16,7 @@ use lapin::{Channel, ExchangeKind};
 
 use super::{CLOSE_TIMEOUT, LapinBroker, channel_err};
 use crate::core::ports::{
-    ConsumerBroker, DLQ_EXCHANGE, Delivery, DeliverySource, SubscriptionSpec,
+    AckPlan, ConsumerBroker, DLQ_EXCHANGE, Delivery, DeliverySource, SubscriptionSpec, Unsettled,
 };
 use crate::error::BrokerError;
 
@@ -135,15 +136,17 @@ impl ConsumerBroker for LapinBroker {
             channel,
             consumer: tokio::sync::Mutex::new(consumer),
             ended: AtomicBool::new(false),
+            unsettled: Unsettled::default(),
         })
     }
 }
 
-/// A lapin consumer on its own channel, shared by the subscriber's workers.
+/// A lapin consumer on its own channel.
 pub struct LapinConsumer {
     channel: Channel,
     consumer: tokio::sync::Mutex<lapin::Consumer>,
     ended: AtomicBool,
+    unsettled: Unsettled,
 }
 
 impl DeliverySource for LapinConsumer {
@@ -160,14 +163,17 @@ impl DeliverySource for LapinConsumer {
         }
         let next = std::future::poll_fn(|cx| Pin::new(&mut *consumer).poll_next(cx)).await;
         match next {
-            Some(Ok(d)) => Some(Delivery {
-                tag: d.delivery_tag,
-                message_id: d.properties.message_id().as_ref().map(|m| m.to_string()),
-                routing_key: d.routing_key.to_string(),
-                body: d.data,
-                redelivered: d.redelivered,
-                trace: super::trace_from_headers(d.properties.headers().as_ref()),
-            }),
+            Some(Ok(d)) => {
+                self.unsettled.delivered(d.delivery_tag);
+                Some(Delivery {
+                    tag: d.delivery_tag,
+                    message_id: d.properties.message_id().as_ref().map(|m| m.to_string()),
+                    routing_key: d.routing_key.to_string(),
+                    body: d.data,
+                    redelivered: d.redelivered,
+                    trace: super::trace_from_headers(d.properties.headers().as_ref()),
+                })
+            }
             Some(Err(e)) => {
                 tracing::warn!(error = %channel_err(e), "consumer failed");
                 self.ended.store(true, Ordering::SeqCst);
@@ -181,14 +187,43 @@ impl DeliverySource for LapinConsumer {
     }
 
     async fn delivery_ack(&self, tag: u64) -> Result<(), BrokerError> {
-        self.channel
+        let sent = self
+            .channel
             .basic_ack(tag, BasicAckOptions::default())
             .await
-            .map_err(channel_err)
+            .map_err(channel_err);
+        self.unsettled.settled(&[tag]);
+        sent
+    }
+
+    async fn delivery_ack_many(&self, tags: &[u64]) -> Result<(), BrokerError> {
+        let sent = match self.unsettled.plan(tags) {
+            AckPlan::Nothing => Ok(()),
+            AckPlan::Through(tag) => self
+                .channel
+                .basic_ack(tag, BasicAckOptions { multiple: true })
+                .await
+                .map_err(channel_err),
+            AckPlan::Each(tags) => {
+                let mut sent = Ok(());
+                for tag in tags {
+                    let one = self
+                        .channel
+                        .basic_ack(tag, BasicAckOptions::default())
+                        .await
+                        .map_err(channel_err);
+                    sent = sent.and(one);
+                }
+                sent
+            }
+        };
+        self.unsettled.settled(tags);
+        sent
     }
 
     async fn delivery_nack(&self, tag: u64, requeue: bool) -> Result<(), BrokerError> {
-        self.channel
+        let sent = self
+            .channel
             .basic_nack(
                 tag,
                 BasicNackOptions {
@@ -197,11 +232,14 @@ impl DeliverySource for LapinConsumer {
                 },
             )
             .await
-            .map_err(channel_err)
+            .map_err(channel_err);
+        self.unsettled.settled(&[tag]);
+        sent
     }
 
     async fn consumer_close(&self) {
         self.ended.store(true, Ordering::SeqCst);
+        self.unsettled.clear();
         let _ = tokio::time::timeout(CLOSE_TIMEOUT, self.channel.close(200, "OK".into())).await;
     }
 }

@@ -139,6 +139,9 @@ marks! {
     /// The inbox refused one delivery of a batch: the batch rolled back and
     /// ran again without it.
     BatchRerunWithoutRefused = "batch_rerun_without_refused",
+    /// A handler failed in a pass without savepoints: the transaction
+    /// rolled back and runs again with them.
+    BatchRerunWithSavepoints = "batch_rerun_with_savepoints",
     /// The inbox was unavailable: the delivery is retried in place.
     InboxRetriedInPlace = "inbox_retried_in_place",
     /// A delivery was dead-lettered at its attempt budget.

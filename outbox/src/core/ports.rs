@@ -353,9 +353,8 @@ pub trait InboxStore: Send + Sync + 'static {
     /// the handler's success then needs no further statement, while its
     /// failure clears the mark ([`inbox_record_failure`](Self::inbox_record_failure)).
     ///
-    /// One transaction may hold several deliveries (a batch): each call
-    /// sets a savepoint of its own, and a rollback reaches the latest. A
-    /// row this transaction already inserted or locked is reported as the
+    /// One transaction may hold several deliveries (a batch). A row this
+    /// transaction already inserted or locked is reported as the
     /// transaction left it (processed by an earlier delivery of the same
     /// event: `AlreadyProcessed`). After an error the transaction may be
     /// aborted: the caller rolls it back.
@@ -364,6 +363,15 @@ pub trait InboxStore: Send + Sync + 'static {
         tx: &mut Self::Tx,
         entry: &InboxEntry<'_>,
     ) -> impl Future<Output = Result<InsertOutcome, StoreError>> + Send;
+
+    /// Sets the savepoint [`inbox_record_failure`](Self::inbox_record_failure)
+    /// rolls back to, right after a delivery's `inbox_try_insert`: its
+    /// handler's work comes after it, its inbox row and lock before. In a
+    /// batch each delivery sets its own, and a rollback reaches the latest.
+    fn inbox_savepoint(
+        &self,
+        tx: &mut Self::Tx,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Sets `processed_at` on `entry`'s row, in the handler's transaction:
     /// needed for a row that existed before the attempt
@@ -383,7 +391,7 @@ pub trait InboxStore: Send + Sync + 'static {
     fn inbox_rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
 
     /// In the handler's transaction, after the handler failed: rolls its
-    /// work back to the savepoint `inbox_try_insert` set (the inbox row and
+    /// work back to the savepoint `inbox_savepoint` set (the inbox row and
     /// its lock stay), then clears the processed mark, and sets
     /// `attempts + 1`, `last_error`, and the dead-letter mark once attempts
     /// reach `max_attempts`. The record
@@ -478,6 +486,15 @@ pub trait DeliverySource: Send + Sync + 'static {
     /// Acknowledges a delivery.
     fn delivery_ack(&self, tag: u64) -> impl Future<Output = Result<(), BrokerError>> + Send;
 
+    /// Acknowledges these deliveries, and only these: with one
+    /// `basic.ack` (`multiple`) when they are all of the consumer's
+    /// unsettled deliveries up to the highest of them (see [`Unsettled`]),
+    /// else one per delivery.
+    fn delivery_ack_many(
+        &self,
+        tags: &[u64],
+    ) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
     /// Rejects a delivery: back to the queue if `requeue`, else to the
     /// dead-letter queue.
     fn delivery_nack(
@@ -489,4 +506,108 @@ pub trait DeliverySource: Send + Sync + 'static {
     /// Stops consuming and closes the channel (bounded); unacknowledged
     /// deliveries go back to the queue.
     fn consumer_close(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// The deliveries a consumer's channel has handed out and not yet settled,
+/// kept by each [`DeliverySource`] so that [`delivery_ack_many`] acks with
+/// one `multiple` frame exactly when that acks nothing it was not asked to.
+///
+/// A tag leaves the set only once its ack or nack has been sent, so a
+/// `multiple` ack decided meanwhile by another caller sharing the channel
+/// never covers (and so never acks twice, which the broker punishes by
+/// closing the channel) a tag whose own frame is still on its way.
+///
+/// [`delivery_ack_many`]: DeliverySource::delivery_ack_many
+#[derive(Debug, Default)]
+pub struct Unsettled(std::sync::Mutex<std::collections::BTreeSet<u64>>);
+
+/// How to send the acks of [`DeliverySource::delivery_ack_many`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AckPlan {
+    /// Nothing to ack.
+    Nothing,
+    /// One `basic.ack` with `multiple` set, on this tag.
+    Through(u64),
+    /// One `basic.ack` per tag.
+    Each(Vec<u64>),
+}
+
+impl Unsettled {
+    /// A delivery handed out.
+    pub fn delivered(&self, tag: u64) {
+        self.0.lock().expect("unsettled tags").insert(tag);
+    }
+
+    /// These deliveries' acks or nacks have been sent.
+    pub fn settled(&self, tags: &[u64]) {
+        let mut set = self.0.lock().expect("unsettled tags");
+        for tag in tags {
+            set.remove(tag);
+        }
+    }
+
+    /// How to ack `tags`: through the highest one if they are exactly the
+    /// unsettled tags up to it, else one by one. Call [`settled`] once
+    /// the frames have been sent.
+    ///
+    /// [`settled`]: Self::settled
+    pub fn plan(&self, tags: &[u64]) -> AckPlan {
+        let mut wanted: Vec<u64> = tags.to_vec();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let Some(&highest) = wanted.last() else {
+            return AckPlan::Nothing;
+        };
+        let set = self.0.lock().expect("unsettled tags");
+        if wanted.len() > 1 && set.range(..=highest).copied().eq(wanted.iter().copied()) {
+            AckPlan::Through(highest)
+        } else {
+            AckPlan::Each(wanted)
+        }
+    }
+
+    /// Forgets every tag (the channel is gone, and its tags with it).
+    pub fn clear(&self) {
+        self.0.lock().expect("unsettled tags").clear();
+    }
+}
+
+#[cfg(test)]
+mod unsettled_tests {
+    use super::{AckPlan, Unsettled};
+
+    fn with(tags: &[u64]) -> Unsettled {
+        let u = Unsettled::default();
+        for &t in tags {
+            u.delivered(t);
+        }
+        u
+    }
+
+    #[test]
+    fn all_unsettled_up_to_the_highest_go_in_one_frame() {
+        let u = with(&[1, 2, 3, 4, 5]);
+        assert_eq!(u.plan(&[3, 1, 2]), AckPlan::Through(3));
+        u.settled(&[1, 2, 3]);
+        assert_eq!(u.plan(&[4, 5]), AckPlan::Through(5));
+    }
+
+    #[test]
+    fn a_gap_held_by_someone_else_means_one_frame_each() {
+        let u = with(&[1, 2, 3]);
+        assert_eq!(u.plan(&[1, 3]), AckPlan::Each(vec![1, 3]));
+        // Until the other tag's own frame has gone out.
+        u.settled(&[2]);
+        assert_eq!(u.plan(&[1, 3]), AckPlan::Through(3));
+    }
+
+    #[test]
+    fn unknown_tags_or_a_single_tag_are_acked_one_by_one() {
+        let u = with(&[5, 6]);
+        assert_eq!(u.plan(&[5, 7]), AckPlan::Each(vec![5, 7]));
+        assert_eq!(u.plan(&[6]), AckPlan::Each(vec![6]));
+        assert_eq!(u.plan(&[]), AckPlan::Nothing);
+        u.clear();
+        assert_eq!(u.plan(&[5, 6]), AckPlan::Each(vec![5, 6]));
+    }
 }

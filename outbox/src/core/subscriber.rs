@@ -5,22 +5,31 @@
 //! `batch_linger` (up to `batch_max`), then applies them in one transaction:
 //! 1. BEGIN; per delivery, in event-id order (so two batches never wait on
 //!    each other's inbox rows in a cycle): `inbox_try_insert` →
-//!    [`InsertOutcome`] (it also sets the delivery's savepoint).
+//!    [`InsertOutcome`].
 //! 2. `AlreadyProcessed`: the handler does not run; the delivery is acked
 //!    after the commit.
 //! 3. Otherwise the handler runs with the transaction. Ok: mark processed
 //!    (a row the insert created carries the mark from the start, so only a
-//!    retried row needs the statement). Err: roll back to the delivery's savepoint (its handler's work goes,
-//!    the row, its lock and the other deliveries' work stay) and record the
-//!    attempt in the same transaction (so the count survives the handler's
-//!    rollback, as the ADR's separate connection meant it to, and a retry
-//!    after a lost reply cannot count one failure twice).
-//! 4. COMMIT; only then each delivery is acked, or nacked with requeue
-//!    while attempts < budget, else nacked without requeue: the broker
-//!    moves it to `<queue>.dlq`.
+//!    retried row needs the statement).
+//! 4. COMMIT; only then each delivery is acked.
 //!
-//! A batch of one is the ADR's sequence exactly; a batch shares one commit
-//! (one fsync) among its deliveries.
+//! That first pass sets no savepoints: handlers nearly always succeed, and
+//! a savepoint is one more round trip per delivery. If a handler fails, the
+//! pass rolls back whole (as the ADR's step 4 does) and the batch runs again
+//! with a savepoint after each delivery's `inbox_try_insert`
+//! (`inbox_savepoint`): the failed delivery's handler does not run again, its
+//! failure is recorded (`inbox_record_failure`: roll back to its savepoint,
+//! keeping the row and its lock, and count the attempt in the same
+//! transaction, so the count takes effect with the commit, as the ADR's
+//! separate connection meant it to, and a retry after a lost reply cannot
+//! count one failure twice); another handler that fails in that pass rolls
+//! back only its own savepoint and is recorded the same way. One failure,
+//! one recorded attempt. After the commit, each failed delivery is nacked
+//! with requeue while attempts < budget, else without requeue: the broker
+//! moves it to `<queue>.dlq`.
+//!
+//! A batch of one is the ADR's sequence; a batch shares one commit (one
+//! fsync) among its deliveries.
 //!
 //! A delivery that is over the size limit, is not a valid envelope, or holds
 //! data the inbox refuses to store (a `\u0000` or a lone surrogate in a
@@ -35,6 +44,7 @@
 //! backoff, and the broker redelivers whatever was unacknowledged; the inbox
 //! absorbs the duplicates.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -82,9 +92,11 @@ pub trait Handler<Tx>: Send + Sync + 'static {
 /// How one subscription behaves.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SubscriberSettings {
-    /// Queue, exchange, bindings, prefetch.
+    /// Queue, exchange, bindings, prefetch (the subscriber's total,
+    /// shared evenly by its workers: see [`worker_spec`](Self::worker_spec)).
     pub spec: SubscriptionSpec,
-    /// Workers, each applying one batch of deliveries at a time.
+    /// Workers, each on a channel of its own applying one batch of
+    /// deliveries at a time.
     pub concurrency: u32,
     /// Failed attempts after which a delivery is dead-lettered.
     pub max_attempts: u32,
@@ -155,6 +167,11 @@ impl DeliveryOutcome {
             Self::Unstorable { .. } => "unstorable",
             Self::Requeued => "requeued",
         }
+    }
+
+    /// Settled with an ack (its effect is in the inbox), not a nack.
+    pub fn acks(&self) -> bool {
+        matches!(self, Self::Processed | Self::Duplicate)
     }
 }
 
@@ -304,37 +321,37 @@ where
     /// Both are deployment errors to see at boot, not to retry forever.
     pub async fn run(&self, mut shutdown: watch::Receiver<bool>) -> Result<(), SubscribeError> {
         self.settings.validate()?;
-        let spec = &self.settings.spec;
+        let spec = self.settings.worker_spec();
+        let queue = &spec.queue;
         let mut backoff = RETRY_BACKOFF_MIN;
         let mut first = true;
         loop {
             if *shutdown.borrow() {
                 return Ok(());
             }
-            match self.broker.subscription_open(spec).await {
-                Ok(consumer) => {
+            match self.open_consumers(&spec).await {
+                Ok(consumers) => {
                     first = false;
                     backoff = RETRY_BACKOFF_MIN;
-                    tracing::info!(queue = %spec.queue, "subscriber consuming");
-                    self.consume(&consumer, &shutdown).await;
-                    let _ =
-                        with_deadline(&*self.clock, CLOSE_TIMEOUT, consumer.consumer_close()).await;
+                    tracing::info!(queue = %queue, "subscriber consuming");
+                    self.consume(&consumers, &shutdown).await;
+                    self.close_consumers(&consumers).await;
                     if *shutdown.borrow() {
-                        tracing::info!(queue = %spec.queue, "subscriber stopped");
+                        tracing::info!(queue = %queue, "subscriber stopped");
                         return Ok(());
                     }
                     self.marks.hit(Mark::ConsumerReopened);
-                    tracing::warn!(queue = %spec.queue, "consumer ended; reopening");
+                    tracing::warn!(queue = %queue, "consumer ended; reopening");
                 }
                 Err(source @ BrokerError::Channel(_)) if first => {
                     return Err(SubscribeError::Setup {
-                        queue: spec.queue.clone(),
+                        queue: queue.clone(),
                         source,
                     });
                 }
                 Err(e) => {
                     first = false;
-                    tracing::warn!(queue = %spec.queue, error = %e, "cannot open the subscription; retrying");
+                    tracing::warn!(queue = %queue, error = %e, "cannot open the subscription; retrying");
                 }
             }
             if sleep_or_shutdown(&*self.clock, backoff, &mut shutdown).await {
@@ -344,28 +361,64 @@ where
         }
     }
 
-    /// Runs `concurrency` workers over one consumer until it ends or
-    /// shutdown. Each worker takes a delivery, then whatever else arrives
-    /// within `batch_linger` of it (up to `batch_max` in all), and applies
-    /// them in one transaction.
-    async fn consume(&self, consumer: &B::Consumer, shutdown: &watch::Receiver<bool>) {
-        let workers = (0..self.settings.concurrency.max(1))
-            .map(|_| {
+    /// One consumer, on a channel of its own, per worker: a worker's
+    /// deliveries are then the only unsettled ones of its channel, so a
+    /// batch is acked with one `multiple` frame. All or none.
+    async fn open_consumers(
+        &self,
+        spec: &SubscriptionSpec,
+    ) -> Result<Vec<B::Consumer>, BrokerError> {
+        let mut consumers = Vec::new();
+        for _ in 0..self.settings.concurrency.max(1) {
+            match self.broker.subscription_open(spec).await {
+                Ok(c) => consumers.push(c),
+                Err(e) => {
+                    self.close_consumers(&consumers).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(consumers)
+    }
+
+    /// Closes every consumer, each within `CLOSE_TIMEOUT`.
+    async fn close_consumers(&self, consumers: &[B::Consumer]) {
+        for consumer in consumers {
+            let _ = with_deadline(&*self.clock, CLOSE_TIMEOUT, consumer.consumer_close()).await;
+        }
+    }
+
+    /// Runs one worker per consumer until shutdown, or until any consumer
+    /// ends (then all stop, to reopen together). Each worker takes a
+    /// delivery, then whatever else arrives within `batch_linger` of it (up
+    /// to `batch_max` in all), and applies them in one transaction.
+    async fn consume(&self, consumers: &[B::Consumer], shutdown: &watch::Receiver<bool>) {
+        let (ended_tx, ended_rx) = watch::channel(false);
+        let ended_tx = &ended_tx;
+        let workers = consumers
+            .iter()
+            .map(|consumer| {
                 let mut shutdown = shutdown.clone();
+                let mut ended = ended_rx.clone();
                 Box::pin(async move {
                     loop {
-                        if *shutdown.borrow() {
+                        if *shutdown.borrow() || *ended.borrow() {
                             return;
                         }
                         let next = tokio::select! {
                             biased;
                             _ = shutdown.changed() => return,
+                            _ = ended.changed() => return,
                             next = consumer.delivery_next() => next,
                         };
-                        let Some(first) = next else { return };
-                        let (batch, ended) = self.gather(consumer, first, &mut shutdown).await;
+                        let Some(first) = next else {
+                            ended_tx.send_replace(true);
+                            return;
+                        };
+                        let (batch, over) = self.gather(consumer, first, &mut shutdown).await;
                         self.deliver_batch(consumer, batch, &shutdown).await;
-                        if ended {
+                        if over {
+                            ended_tx.send_replace(true);
                             return;
                         }
                     }
@@ -473,12 +526,13 @@ where
             .into_iter()
             .map(|o| o.unwrap_or(DeliveryOutcome::Requeued))
             .collect();
-        // All at once: the acks and nacks of a batch go out together
-        // instead of one wait on the broker client per delivery.
+        // The nacks (rare) all at once, then the acks in one call: on a
+        // worker's own channel, one `basic.ack multiple` frame.
         JoinAll {
             futures: prepared
                 .iter()
                 .zip(&settled)
+                .filter(|(_, outcome)| !outcome.acks())
                 .map(|(p, outcome)| {
                     Box::pin(
                         self.settle(consumer, p.delivery.tag, outcome)
@@ -488,6 +542,17 @@ where
                 .collect(),
         }
         .await;
+        let acks: Vec<u64> = prepared
+            .iter()
+            .zip(&settled)
+            .filter(|(_, outcome)| outcome.acks())
+            .map(|(p, _)| p.delivery.tag)
+            .collect();
+        if !acks.is_empty()
+            && let Err(e) = consumer.delivery_ack_many(&acks).await
+        {
+            self.settle_lost(&e);
+        }
         for (p, outcome) in prepared.iter().zip(&settled) {
             p.span.record("outbox.inbox.outcome", outcome.label());
             self.counters.count(outcome, queue);
@@ -601,10 +666,15 @@ where
             | DeliveryOutcome::Unstorable { .. } => consumer.delivery_nack(tag, false).await,
         };
         if let Err(e) = settled {
-            self.marks.hit(Mark::SettleLost);
-            // The broker will redeliver it; the inbox absorbs the repeat.
-            tracing::debug!(queue = %self.settings.spec.queue, error = %e, "ack/nack lost with the channel");
+            self.settle_lost(&e);
         }
+    }
+
+    /// An ack or nack that could not be sent: the broker will redeliver
+    /// what it was for, and the inbox absorbs the repeat.
+    fn settle_lost(&self, e: &BrokerError) {
+        self.marks.hit(Mark::SettleLost);
+        tracing::debug!(queue = %self.settings.spec.queue, error = %e, "ack/nack lost with the channel");
     }
 
     /// Applies `items` in one transaction, repeated while the database is
@@ -620,6 +690,10 @@ where
         let queue = &self.settings.spec.queue;
         let mut backoff = RETRY_BACKOFF_MIN;
         let mut shutdown = shutdown.clone();
+        // Handler failures a pass without savepoints met, by slot: recorded
+        // by the next pass (with savepoints) without running them again.
+        let mut failed: BTreeMap<usize, String> = BTreeMap::new();
+        let mut savepoints = false;
         loop {
             let live: Vec<&Item<'_>> = items
                 .iter()
@@ -628,12 +702,23 @@ where
             if live.is_empty() {
                 return;
             }
-            let error = match self.apply(&live, self.settings.max_attempts).await {
+            let pass = if savepoints {
+                Pass::Savepoints { failed: &failed }
+            } else {
+                Pass::Optimistic
+            };
+            let error = match self.apply(&live, self.settings.max_attempts, pass).await {
                 Ok(applied) => {
                     for (item, applied) in live.into_iter().zip(applied) {
                         outcomes[item.slot] = Some(self.outcome_of(item, applied));
                     }
                     return;
+                }
+                Err(BatchFailure::HandlerFailed { index, error }) => {
+                    self.marks.hit(Mark::BatchRerunWithSavepoints);
+                    failed.insert(live[index].slot, error);
+                    savepoints = true;
+                    continue;
                 }
                 Err(BatchFailure::Refused { index, reason }) => {
                     let item = live[index];
@@ -651,7 +736,16 @@ where
                     outcomes[item.slot] = Some(DeliveryOutcome::Unstorable { reason });
                     continue;
                 }
-                Err(BatchFailure::Store(e)) => e,
+                Err(BatchFailure::Store(e)) => {
+                    // The pass may have committed the failures it recorded
+                    // (a commit whose reply was lost): recording them again
+                    // would count one failure twice. Their handlers run
+                    // again instead, and the inbox shows what committed.
+                    // Found by the simulation (producer_and_consumer_swarm,
+                    // seed 48).
+                    failed.clear();
+                    e
+                }
             };
             self.marks.hit(Mark::InboxRetriedInPlace);
             tracing::warn!(
@@ -695,17 +789,19 @@ where
         }
     }
 
-    /// BEGIN; per item, in its span: try_insert (which sets the item's
-    /// savepoint), the handler, then mark processed, or (the handler
-    /// failed) roll back to the savepoint and record the attempt against
-    /// `max_attempts`; COMMIT. Every outcome takes effect with the commit:
-    /// a commit whose outcome is unknown is retried like any store error,
-    /// and the next attempt finds what did commit. Any failure rolls the
-    /// whole transaction back.
+    /// BEGIN; per item, in its span: try_insert, then the handler and mark
+    /// processed; COMMIT. Every outcome takes effect with the commit: a
+    /// commit whose outcome is unknown is retried like any store error, and
+    /// the next attempt finds what did commit. Any failure rolls the whole
+    /// transaction back, a handler's included in an optimistic pass; with
+    /// savepoints, a failed handler (or one `pass` knows failed) rolls back
+    /// to its item's savepoint and its attempt is recorded against
+    /// `max_attempts`.
     async fn apply(
         &self,
         items: &[&Item<'_>],
         max_attempts: u32,
+        pass: Pass<'_>,
     ) -> Result<Vec<Applied>, BatchFailure> {
         let mut tx = self
             .store
@@ -715,7 +811,7 @@ where
         let mut applied = Vec::with_capacity(items.len());
         for (index, item) in items.iter().enumerate() {
             let one = self
-                .apply_one(&mut tx, item, max_attempts)
+                .apply_one(&mut tx, item, max_attempts, pass)
                 .instrument(item.span.clone())
                 .await;
             match one {
@@ -723,8 +819,11 @@ where
                 Err(e) => {
                     self.store.inbox_rollback(tx).await;
                     return Err(match e {
-                        StoreError::Refused(reason) => BatchFailure::Refused { index, reason },
-                        e => BatchFailure::Store(e),
+                        Abort::Store(StoreError::Refused(reason)) => {
+                            BatchFailure::Refused { index, reason }
+                        }
+                        Abort::Store(e) => BatchFailure::Store(e),
+                        Abort::Handler(error) => BatchFailure::HandlerFailed { index, error },
                     });
                 }
             }
@@ -745,7 +844,8 @@ where
         tx: &mut S::Tx,
         item: &Item<'_>,
         max_attempts: u32,
-    ) -> Result<Applied, StoreError> {
+        pass: Pass<'_>,
+    ) -> Result<Applied, Abort> {
         let entry = &item.entry;
         let inserted = self.store.inbox_try_insert(tx, entry).await?;
         self.marks.hit(match inserted {
@@ -756,31 +856,46 @@ where
         if inserted == InsertOutcome::AlreadyProcessed {
             return Ok(Applied::Duplicate);
         }
-        match self.run_handler(tx, item.envelope).await {
-            Ok(()) => {
-                // A row this transaction inserted carries its mark already.
-                if inserted != InsertOutcome::Inserted {
-                    self.store.inbox_mark_processed(tx, entry).await?;
+        let known = match pass {
+            Pass::Optimistic => None,
+            Pass::Savepoints { failed } => {
+                self.store.inbox_savepoint(tx).await?;
+                failed.get(&item.slot)
+            }
+        };
+        let failure = match known {
+            // Its failure is known from the pass that rolled back: one
+            // failure, one attempt, one handler run.
+            Some(text) => text.clone(),
+            None => match self.run_handler(tx, item.envelope).await {
+                Ok(()) => {
+                    // A row this transaction inserted carries its mark already.
+                    if inserted != InsertOutcome::Inserted {
+                        self.store.inbox_mark_processed(tx, entry).await?;
+                    }
+                    return Ok(Applied::Processed);
                 }
-                Ok(Applied::Processed)
-            }
-            Err(error) if error.is_unavailable() => {
-                // The handler's database is unavailable: nobody's fault, no
-                // attempt counts; retried in place like the inbox's own.
-                self.marks.hit(Mark::HandlerUnavailable);
-                Err(StoreError::Unavailable(error.message().to_owned()))
-            }
-            Err(error) => {
-                self.marks.hit(Mark::HandlerFailed);
-                tracing::debug!(event_id = %entry.event_id, error = %error, "handler failed");
-                let text = truncate_chars(error.message(), LAST_ERROR_MAX_CHARS);
-                let record = self
-                    .store
-                    .inbox_record_failure(tx, entry, &text, max_attempts)
-                    .await?;
-                Ok(Applied::Failed(record, text))
-            }
+                Err(error) if error.is_unavailable() => {
+                    // The handler's database is unavailable: nobody's fault,
+                    // no attempt counts; retried in place like the inbox's own.
+                    self.marks.hit(Mark::HandlerUnavailable);
+                    return Err(StoreError::Unavailable(error.message().to_owned()).into());
+                }
+                Err(error) => {
+                    self.marks.hit(Mark::HandlerFailed);
+                    tracing::debug!(event_id = %entry.event_id, error = %error, "handler failed");
+                    truncate_chars(error.message(), LAST_ERROR_MAX_CHARS)
+                }
+            },
+        };
+        if let Pass::Optimistic = pass {
+            return Err(Abort::Handler(failure));
         }
+        let record = self
+            .store
+            .inbox_record_failure(tx, entry, &failure, max_attempts)
+            .await?;
+        Ok(Applied::Failed(record, failure))
     }
 
     /// Runs the handler under its deadline with a panic caught: a handler
@@ -868,9 +983,14 @@ where
                         envelope: &envelope,
                         span: Span::current(),
                     };
-                    let applied = self.apply(&[&item], 1).await.map_err(|e| match e {
+                    let none = BTreeMap::new();
+                    let pass = Pass::Savepoints { failed: &none };
+                    let applied = self.apply(&[&item], 1, pass).await.map_err(|e| match e {
                         BatchFailure::Refused { reason, .. } => StoreError::Refused(reason),
                         BatchFailure::Store(e) => e,
+                        BatchFailure::HandlerFailed { .. } => {
+                            unreachable!("a pass with savepoints records handler failures")
+                        }
                     })?;
                     match applied.into_iter().next().expect("one item, one outcome") {
                         Applied::Processed => {
@@ -904,10 +1024,37 @@ enum Applied {
     Failed(AttemptRecord, String),
 }
 
+/// Why one delivery ended its transaction.
+enum Abort {
+    Store(StoreError),
+    /// Its handler failed with this error in an optimistic pass.
+    Handler(String),
+}
+
+impl From<StoreError> for Abort {
+    fn from(e: StoreError) -> Self {
+        Self::Store(e)
+    }
+}
+
+/// How [`Subscriber::apply`] runs a transaction of deliveries.
+#[derive(Clone, Copy)]
+enum Pass<'a> {
+    /// No savepoints (one round trip less per delivery): a handler failure
+    /// ends the pass, to be run again with savepoints.
+    Optimistic,
+    /// A savepoint after each delivery's inbox row; a handler that fails
+    /// rolls back to it and its attempt is recorded. The failures in
+    /// `failed` (by slot) are recorded without running their handler again.
+    Savepoints { failed: &'a BTreeMap<usize, String> },
+}
+
 /// Why a transaction of deliveries rolled back.
 enum BatchFailure {
     /// The inbox refused the data of the delivery at this index.
     Refused { index: usize, reason: String },
+    /// An optimistic pass met a handler failure at this index.
+    HandlerFailed { index: usize, error: String },
     /// Database trouble: nobody's fault.
     Store(StoreError),
 }

@@ -114,11 +114,18 @@ impl InboxStore for PgInboxStore {
                     }
                 }
             };
+            Ok(outcome)
+        })
+        .await
+    }
+
+    async fn inbox_savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
+        bounded(async {
             sqlx::raw_sql(sql::INBOX_SAVEPOINT)
                 .execute(&mut **tx)
                 .await
-                .map_err(map_err)?;
-            Ok(outcome)
+                .map_err(map_err)
+                .map(drop)
         })
         .await
     }

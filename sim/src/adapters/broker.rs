@@ -15,8 +15,8 @@ use std::task::{Context, Poll};
 
 use outbox::BrokerError;
 use outbox::core::ports::{
-    Broker, Confirm, ConsumerBroker, Delivery, DeliverySource, OutgoingMessage, PublishChannel,
-    SubscriptionSpec,
+    AckPlan, Broker, Confirm, ConsumerBroker, Delivery, DeliverySource, OutgoingMessage,
+    PublishChannel, SubscriptionSpec, Unsettled,
 };
 use tokio::sync::oneshot;
 use uuid::Uuid;
@@ -423,16 +423,30 @@ impl ConsumerBroker for SimBroker {
             channel,
             rx: tokio::sync::Mutex::new(rx),
             ended: std::sync::atomic::AtomicBool::new(false),
+            unsettled: Unsettled::default(),
         })
     }
 }
 
-/// A consumer on the fake broker, shared by the subscriber's workers.
+/// A consumer on the fake broker, on a channel of its own.
 pub struct SimConsumer {
     conn: Arc<MqConn>,
     channel: u32,
     rx: tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<Delivery>>,
     ended: std::sync::atomic::AtomicBool,
+    unsettled: Unsettled,
+}
+
+impl SimConsumer {
+    async fn ack(&self, tag: u64, multiple: bool) -> Result<(), BrokerError> {
+        self.conn
+            .send(&MqRequest::Ack {
+                channel: self.channel,
+                tag,
+                multiple,
+            })
+            .await
+    }
 }
 
 impl DeliverySource for SimConsumer {
@@ -441,33 +455,51 @@ impl DeliverySource for SimConsumer {
             return None;
         }
         let next = self.rx.lock().await.recv().await;
-        if next.is_none() {
-            self.ended.store(true, Ordering::SeqCst);
+        match &next {
+            Some(d) => self.unsettled.delivered(d.tag),
+            None => self.ended.store(true, Ordering::SeqCst),
         }
         next
     }
 
     async fn delivery_ack(&self, tag: u64) -> Result<(), BrokerError> {
-        self.conn
-            .send(&MqRequest::Ack {
-                channel: self.channel,
-                tag,
-            })
-            .await
+        let sent = self.ack(tag, false).await;
+        self.unsettled.settled(&[tag]);
+        sent
+    }
+
+    async fn delivery_ack_many(&self, tags: &[u64]) -> Result<(), BrokerError> {
+        let sent = match self.unsettled.plan(tags) {
+            AckPlan::Nothing => Ok(()),
+            AckPlan::Through(tag) => self.ack(tag, true).await,
+            AckPlan::Each(tags) => {
+                let mut sent = Ok(());
+                for tag in tags {
+                    sent = sent.and(self.ack(tag, false).await);
+                }
+                sent
+            }
+        };
+        self.unsettled.settled(tags);
+        sent
     }
 
     async fn delivery_nack(&self, tag: u64, requeue: bool) -> Result<(), BrokerError> {
-        self.conn
+        let sent = self
+            .conn
             .send(&MqRequest::Nack {
                 channel: self.channel,
                 tag,
                 requeue,
             })
-            .await
+            .await;
+        self.unsettled.settled(&[tag]);
+        sent
     }
 
     async fn consumer_close(&self) {
         self.ended.store(true, Ordering::SeqCst);
+        self.unsettled.clear();
         self.conn
             .waiters
             .lock()

@@ -151,8 +151,11 @@ impl InboxStore for SimInboxStore {
             PgReply::Inbox(WireInsertOutcome::AlreadyProcessed) => InsertOutcome::AlreadyProcessed,
             other => return Err(unexpected(other)),
         };
-        tx.call(PgRequest::InboxSavepoint).await?;
         Ok(outcome)
+    }
+
+    async fn inbox_savepoint(&self, tx: &mut SimTx) -> Result<(), StoreError> {
+        tx.call(PgRequest::InboxSavepoint).await.map(drop)
     }
 
     async fn inbox_mark_processed(

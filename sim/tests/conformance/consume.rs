@@ -312,9 +312,75 @@ async fn the_prefetch_bounds_unacked_deliveries<A: ConsumeArm>(arm: A) {
     c.consumer_close().await;
 }
 
+async fn ack_many_settles_exactly_the_tags_it_is_given<A: ConsumeArm>(arm: A) {
+    let spec = arm.spec(10);
+    let c = arm.broker().subscription_open(&spec).await.unwrap();
+    let sent = publish(
+        &arm,
+        &spec.exchange,
+        &["orders.a", "orders.b", "orders.c", "orders.d", "orders.e"],
+    )
+    .await;
+    let mut d = Vec::new();
+    for _ in 0..5 {
+        d.push(next(&c).await);
+    }
+    // Contiguous from the first unsettled: one frame (`multiple`).
+    c.delivery_ack_many(&[d[1].tag, d[0].tag]).await.unwrap();
+    // With a gap (d[2] unsettled): each on its own, d[2] untouched.
+    c.delivery_ack_many(&[d[3].tag, d[4].tag]).await.unwrap();
+    // An ack has no reply: give them time to arrive before the cut.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    arm.cut().await;
+    let end = tokio::time::timeout(ARRIVES, async {
+        while c.delivery_next().await.is_some() {}
+    })
+    .await;
+    assert!(end.is_ok(), "the consumer ends with its connection");
+    c.consumer_close().await;
+    let c = arm.broker().subscription_open(&spec).await.unwrap();
+    let back = next(&c).await;
+    assert_eq!(
+        id_of(&back),
+        sent[2].id,
+        "only the one not acked comes back"
+    );
+    assert!(back.redelivered);
+    c.delivery_ack_many(&[back.tag]).await.unwrap();
+    quiet(&c).await;
+    c.consumer_close().await;
+}
+
+async fn an_ack_of_a_settled_tag_closes_the_channel<A: ConsumeArm>(arm: A) {
+    let spec = arm.spec(10);
+    let c = arm.broker().subscription_open(&spec).await.unwrap();
+    let sent = publish(&arm, &spec.exchange, &["orders.a", "orders.b"]).await;
+    let d1 = next(&c).await;
+    let _d2 = next(&c).await;
+    c.delivery_ack(d1.tag).await.unwrap();
+    // Twice: the broker closes the channel (PRECONDITION_FAILED), which
+    // ends the consumer and returns its unacked delivery to the queue.
+    let _ = c.delivery_ack(d1.tag).await;
+    let end = tokio::time::timeout(ARRIVES, async {
+        while c.delivery_next().await.is_some() {}
+    })
+    .await;
+    assert!(end.is_ok(), "the consumer ends with its channel");
+    c.consumer_close().await;
+    let c = arm.broker().subscription_open(&spec).await.unwrap();
+    let back = next(&c).await;
+    assert_eq!(id_of(&back), sent[1].id, "the unacked delivery is back");
+    assert!(back.redelivered);
+    c.delivery_ack(back.tag).await.unwrap();
+    quiet(&c).await;
+    c.consumer_close().await;
+}
+
 conformance!(rabbitmq: with_real, fake: with_fake;
     trace_context_headers_travel_with_the_message,
     deliveries_are_acked_requeued_and_dead_lettered,
     unacked_deliveries_come_back_after_the_connection_is_cut,
     the_prefetch_bounds_unacked_deliveries,
+    ack_many_settles_exactly_the_tags_it_is_given,
+    an_ack_of_a_settled_tag_closes_the_channel,
 );

@@ -228,6 +228,7 @@ async fn fail<A: InboxArm>(
         .inbox_try_insert(&mut tx, &entry(e, key))
         .await
         .unwrap();
+    store.inbox_savepoint(&mut tx).await.unwrap();
     arm.effect(&mut tx, e.id).await;
     let r = store
         .inbox_record_failure(&mut tx, &entry(e, key), "boom", max_attempts)
@@ -268,6 +269,7 @@ async fn a_replays_fresh_budget_takes_effect_only_with_its_commit<A: InboxArm>(a
     // A replay whose handler fails again: a budget of one from zero.
     let mut tx = s.inbox_begin().await.unwrap();
     s.inbox_try_insert(&mut tx, &replay).await.unwrap();
+    s.inbox_savepoint(&mut tx).await.unwrap();
     arm.effect(&mut tx, e.id).await;
     let r = s
         .inbox_record_failure(&mut tx, &replay, "again", 1)
@@ -550,6 +552,7 @@ async fn a_handler_statement_that_failed_is_undone_and_the_attempt_still_recorde
     let s = arm.store();
     let mut tx = s.inbox_begin().await.unwrap();
     s.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
+    s.inbox_savepoint(&mut tx).await.unwrap();
     arm.effect(&mut tx, e.id).await;
     arm.failing_statement(&mut tx).await;
     let r = s
@@ -630,6 +633,7 @@ async fn a_batch_commits_together_and_a_failed_handler_rolls_back_only_its_own_w
             s.inbox_try_insert(&mut tx, &entry(e, "k")).await.unwrap(),
             InsertOutcome::Inserted
         );
+        s.inbox_savepoint(&mut tx).await.unwrap();
         arm.effect(&mut tx, e.id).await;
         if e.id == e2.id {
             arm.failing_statement(&mut tx).await;
@@ -700,6 +704,7 @@ async fn a_second_delivery_of_an_event_in_one_transaction_sees_the_first<A: Inbo
         s.inbox_try_insert(&mut tx, &entry(&e2, "k")).await.unwrap(),
         InsertOutcome::Inserted
     );
+    s.inbox_savepoint(&mut tx).await.unwrap();
     let r = s
         .inbox_record_failure(&mut tx, &entry(&e2, "k"), "boom", 2)
         .await
@@ -709,6 +714,7 @@ async fn a_second_delivery_of_an_event_in_one_transaction_sees_the_first<A: Inbo
         s.inbox_try_insert(&mut tx, &entry(&e2, "k")).await.unwrap(),
         InsertOutcome::InFlightRetry { attempts: 1 }
     );
+    s.inbox_savepoint(&mut tx).await.unwrap();
     let r = s
         .inbox_record_failure(&mut tx, &entry(&e2, "k"), "boom", 2)
         .await
@@ -787,6 +793,7 @@ async fn a_new_row_is_processed_with_its_commit_unless_its_handler_failed<A: Inb
             s.inbox_try_insert(&mut tx, &entry(e, "k")).await.unwrap(),
             InsertOutcome::Inserted
         );
+        s.inbox_savepoint(&mut tx).await.unwrap();
         arm.effect(&mut tx, e.id).await;
     }
     s.inbox_record_failure(&mut tx, &entry(&failed, "k"), "boom", 3)

@@ -328,6 +328,19 @@ fn spawn_heartbeat(out: Frames) -> tokio::task::JoinHandle<()> {
 }
 
 impl Conn {
+    /// An ack or nack of a tag the channel has not delivered, or has
+    /// already settled: RabbitMQ closes the channel (its unacknowledged
+    /// deliveries go back to their queues).
+    fn unknown_tag(&mut self, channel: u32, tag: u64) -> MqReply {
+        self.channels.remove(&channel);
+        let conn = self.id;
+        self.state.with_queues(|q| q.close(conn, Some(channel)));
+        closed(
+            channel,
+            &format!("PRECONDITION_FAILED - unknown delivery tag {tag}"),
+        )
+    }
+
     /// Applies one request.
     fn handle(&mut self, req: MqRequest, now: Duration) -> Next {
         let (state, conn) = (&self.state, self.id);
@@ -374,17 +387,27 @@ impl Conn {
                     Some(closed(channel, &format!("NOT_FOUND - no queue '{queue}'")))
                 }
             }
-            MqRequest::Ack { channel, tag } => {
-                state.with_queues(|q| q.ack(conn, channel, tag));
-                None
+            MqRequest::Ack {
+                channel,
+                tag,
+                multiple,
+            } => {
+                if state.with_queues(|q| q.ack(conn, channel, tag, multiple)) {
+                    None
+                } else {
+                    Some(self.unknown_tag(channel, tag))
+                }
             }
             MqRequest::Nack {
                 channel,
                 tag,
                 requeue,
             } => {
-                state.with_queues(|q| q.nack(conn, channel, tag, requeue));
-                None
+                if state.with_queues(|q| q.nack(conn, channel, tag, requeue)) {
+                    None
+                } else {
+                    Some(self.unknown_tag(channel, tag))
+                }
             }
             MqRequest::Publish {
                 channel,

@@ -187,26 +187,42 @@ impl Queues {
         true
     }
 
-    /// `basic.ack`.
-    pub fn ack(&mut self, conn: u64, channel: u32, tag: u64) {
-        if let Some(c) = self.consumers.get_mut(&(conn, channel))
-            && let Some(m) = c.unacked.remove(&tag)
-        {
-            self.trace.now(Event::Settled {
-                client: c.client.clone(),
-                message_id: m.message_id,
-                settle: Settle::Ack,
-            });
+    /// `basic.ack`; with `multiple`, of every unacknowledged delivery up
+    /// to `tag`, in tag order. False if `tag` is not an unacknowledged
+    /// delivery of the channel's consumer (RabbitMQ then closes the channel
+    /// with `PRECONDITION_FAILED`).
+    pub fn ack(&mut self, conn: u64, channel: u32, tag: u64, multiple: bool) -> bool {
+        let Some(c) = self.consumers.get_mut(&(conn, channel)) else {
+            return true;
+        };
+        if !c.unacked.contains_key(&tag) {
+            return false;
         }
+        let tags: Vec<u64> = if multiple {
+            c.unacked.range(..=tag).map(|(t, _)| *t).collect()
+        } else {
+            vec![tag]
+        };
+        for t in tags {
+            if let Some(m) = c.unacked.remove(&t) {
+                self.trace.now(Event::Settled {
+                    client: c.client.clone(),
+                    message_id: m.message_id,
+                    settle: Settle::Ack,
+                });
+            }
+        }
+        true
     }
 
-    /// `basic.nack`.
-    pub fn nack(&mut self, conn: u64, channel: u32, tag: u64, requeue: bool) {
+    /// `basic.nack`. False if `tag` is not an unacknowledged delivery of
+    /// the channel's consumer (as for [`ack`](Self::ack)).
+    pub fn nack(&mut self, conn: u64, channel: u32, tag: u64, requeue: bool) -> bool {
         let Some(c) = self.consumers.get_mut(&(conn, channel)) else {
-            return;
+            return true;
         };
         let Some(mut m) = c.unacked.remove(&tag) else {
-            return;
+            return false;
         };
         self.trace.now(Event::Settled {
             client: c.client.clone(),
@@ -228,6 +244,7 @@ impl Queues {
             m.redelivered = false;
             self.route(&x, m);
         }
+        true
     }
 
     /// A channel (or, with `None`, every channel of a connection) closed:
