@@ -22,6 +22,7 @@
 //!   that reads what is true from the fakes.
 //! - [`checker`]: the invariants, one family per file, each violation a
 //!   typed value.
+//! - [`timeline`]: the SVG picture of a run (`sim run ... --timeline`).
 //! - [`trace`]: the typed event trace and its hash; [`wire`]: the protocol
 //!   between adapters and fakes.
 //!
@@ -34,6 +35,7 @@ pub mod checker;
 pub mod fakes;
 pub mod model;
 pub mod scenario;
+pub mod timeline;
 pub mod trace;
 pub mod wire;
 pub mod workload;

@@ -3,7 +3,7 @@
 //! exact command that reproduces it.
 //!
 //! ```text
-//! sim run broker_blackhole --seed 7 [--trace trace.txt]
+//! sim run broker_blackhole --seed 7 [--trace trace.txt] [--timeline run.svg]
 //! sim sweep [SCENARIO...] --seeds 0..200 [--jobs 2] [--scenarios DIR]
 //! ```
 //! A sweep without names runs every scenario in `scenarios/` and the clean
@@ -24,7 +24,7 @@ use sim::scenario::Scenario;
 use sim::world::{self, Coverage, RunOutcome};
 
 const USAGE: &str = "usage:
-  sim run SCENARIO --seed N [--trace FILE] [--scenarios DIR]
+  sim run SCENARIO --seed N [--trace FILE] [--timeline FILE.svg] [--scenarios DIR]
   sim sweep [SCENARIO...] --seeds A..B [--jobs J] [--scenarios DIR] [--by-scenario]";
 
 fn default_scenarios_dir() -> PathBuf {
@@ -78,6 +78,7 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
     let mut name = None;
     let mut seed = None;
     let mut trace_file = None;
+    let mut timeline_file = None;
     let mut dir = default_scenarios_dir();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -87,6 +88,9 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
                 seed = Some(v.parse::<u64>().map_err(|_| format!("bad seed {v:?}"))?);
             }
             "--trace" => trace_file = Some(it.next().ok_or("--trace needs a file")?.clone()),
+            "--timeline" => {
+                timeline_file = Some(it.next().ok_or("--timeline needs a file")?.clone());
+            }
             "--scenarios" => dir = PathBuf::from(it.next().ok_or("--scenarios needs a folder")?),
             other if name.is_none() && !other.starts_with('-') => name = Some(other.to_owned()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
@@ -127,6 +131,12 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
     if let Some(file) = trace_file {
         std::fs::write(&file, o.trace.render()).map_err(|e| format!("cannot write {file}: {e}"))?;
         println!("trace written to {file}");
+    }
+    if let Some(file) = timeline_file {
+        let title = format!("{} seed {}", o.scenario, o.seed);
+        let svg = sim::timeline::svg(&title, &o.trace.lock(), &v.violations);
+        std::fs::write(&file, svg).map_err(|e| format!("cannot write {file}: {e}"))?;
+        println!("timeline written to {file}");
     }
     Ok(if v.ok() {
         ExitCode::SUCCESS
