@@ -22,19 +22,24 @@
 //!   that reads what is true from the fakes.
 //! - [`checker`]: the invariants, one family per file, each violation a
 //!   typed value.
+//! - [`shrink`]: `sim shrink`: a failing run cut down to the faults,
+//!   workload and hosts its failure needs.
 //! - [`timeline`]: the SVG picture of a run (`sim run ... --timeline`).
 //! - [`trace`]: the typed event trace and its hash; [`wire`]: the protocol
 //!   between adapters and fakes.
 //!
 //! One seed drives everything: the workload, the fault plan, the fakes'
-//! random faults and turmoil's network, each from its own stream drawn from
-//! the seed. The same seed gives the same trace, byte for byte.
+//! random faults and turmoil's network, each from its own stream derived
+//! from the seed and the purpose's name ([`world::stream`]), so removing one
+//! of them moves no other. The same seed gives the same trace, byte for
+//! byte.
 
 pub mod adapters;
 pub mod checker;
 pub mod fakes;
 pub mod model;
 pub mod scenario;
+pub mod shrink;
 pub mod timeline;
 pub mod trace;
 pub mod wire;

@@ -4,6 +4,7 @@
 //!
 //! ```text
 //! sim run broker_blackhole --seed 7 [--trace trace.txt] [--timeline run.svg]
+//! sim shrink producer_and_consumer_swarm --seed 48 [--out FILE.toml]
 //! sim sweep [SCENARIO...] --seeds 0..200 [--jobs 2] [--scenarios DIR]
 //! ```
 //! A sweep without names runs every scenario in `scenarios/` and the clean
@@ -25,6 +26,7 @@ use sim::world::{self, Coverage, RunOutcome};
 
 const USAGE: &str = "usage:
   sim run SCENARIO --seed N [--trace FILE] [--timeline FILE.svg] [--scenarios DIR]
+  sim shrink SCENARIO --seed N [--out FILE.toml] [--scenarios DIR]
   sim sweep [SCENARIO...] --seeds A..B [--jobs J] [--scenarios DIR] [--by-scenario]";
 
 fn default_scenarios_dir() -> PathBuf {
@@ -63,6 +65,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("run") => cmd_run(&args[1..]),
         Some("sweep") => cmd_sweep(&args[1..]),
+        Some("shrink") => cmd_shrink(&args[1..]),
         _ => Err(USAGE.to_owned()),
     };
     match result {
@@ -143,6 +146,49 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
     } else {
         ExitCode::from(1)
     })
+}
+
+fn cmd_shrink(args: &[String]) -> Result<ExitCode, String> {
+    let mut name = None;
+    let mut seed = None;
+    let mut out = None;
+    let mut dir = default_scenarios_dir();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--seed" => {
+                let v = it.next().ok_or("--seed needs a value")?;
+                seed = Some(v.parse::<u64>().map_err(|_| format!("bad seed {v:?}"))?);
+            }
+            "--out" => out = Some(it.next().ok_or("--out needs a file")?.clone()),
+            "--scenarios" => dir = PathBuf::from(it.next().ok_or("--scenarios needs a folder")?),
+            other if name.is_none() && !other.starts_with('-') => name = Some(other.to_owned()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    let name = name.ok_or(USAGE)?;
+    let seed = seed.ok_or("--seed is required")?;
+    println!("seed {seed}");
+    let scenario = load(&dir, &name)?;
+    let started = Instant::now();
+    let shrunk = sim::shrink::shrink(&scenario, seed, |step| println!("  {step}"))
+        .map_err(|e| e.to_string())?;
+    let stem = Path::new(&name)
+        .file_stem()
+        .map_or(name.clone(), |s| s.to_string_lossy().into_owned());
+    let out = out.unwrap_or_else(|| format!("{stem}-{seed}.shrunk.toml"));
+    let command = format!("sim shrink {name} --seed {seed}");
+    std::fs::write(&out, sim::shrink::to_toml(&shrunk, &command))
+        .map_err(|e| format!("cannot write {out}: {e}"))?;
+    println!(
+        "invariant {}\nbefore    {}\nafter     {}\nshrunk in {} runs, {:.1} s\nwritten   {out}\nreproduce: cargo run --release -p sim -- run {out} --seed {seed} --timeline {stem}-{seed}.svg",
+        shrunk.invariant,
+        shrunk.before,
+        shrunk.after,
+        shrunk.runs,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// What `sim sweep` was asked for.

@@ -91,7 +91,9 @@ pub enum Replay {
 }
 
 /// Hostile messages the fake broker can deliver (see `fakes::mq::hostile`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Deserialize, serde::Serialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum HostileKind {
     /// Text that is not JSON.

@@ -1,13 +1,13 @@
 //! Timed faults: what a scenario file's `[[fault]]` tables say, each with
 //! its window in the fault phase.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::adapters::Point;
 use crate::trace::{FaultKind, HostileKind};
 
 /// One timed fault.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Fault {
     /// Hold the links between `target` and `rabbit`: bytes stop, sockets stay.
@@ -117,6 +117,23 @@ impl Fault {
     }
 
     /// What kind of fault it is, for the sweep's fault table.
+    /// Sets how long the fault lasts (a crash: how long the host stays down).
+    pub fn set_len(&mut self, len: f64) {
+        match self {
+            Fault::Blackhole { for_secs, .. }
+            | Fault::Partition { for_secs, .. }
+            | Fault::CrashPoint { for_secs, .. }
+            | Fault::Pause { for_secs, .. }
+            | Fault::Pg { for_secs, .. }
+            | Fault::Mq { for_secs, .. }
+            | Fault::Hostile { for_secs, .. }
+            | Fault::Downstream { for_secs, .. } => *for_secs = len,
+            Fault::Crash {
+                restart_after_secs, ..
+            } => *restart_after_secs = len,
+        }
+    }
+
     pub fn kind(&self) -> FaultKind {
         match self {
             Fault::Blackhole { .. } => FaultKind::Blackhole,

@@ -9,13 +9,13 @@ pub mod swarm;
 use std::path::Path;
 
 use outbox::core::marks::Mark;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 pub use self::fault::Fault;
 pub use self::swarm::{Family, Swarm};
 
 /// One scenario file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
     /// Set from the file name.
@@ -34,8 +34,9 @@ pub struct Scenario {
     pub timing: Timing,
     #[serde(default, rename = "fault")]
     pub faults: Vec<Fault>,
-    /// Probabilistic faults drawn per seed.
-    #[serde(default)]
+    /// Probabilistic faults drawn per seed (never written: a shrunk
+    /// scenario holds its draws as timed faults).
+    #[serde(default, skip_serializing)]
     pub swarm: Option<Swarm>,
     /// What the faults must have made happen, so a scenario cannot pass by
     /// not exercising what it is about (FoundationDB's workloads check a
@@ -45,7 +46,7 @@ pub struct Scenario {
 }
 
 /// Minimum effects of a scenario's faults, checked on every seed.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Expect {
     /// At least one claim was released without blame (a Phase-2 failure).
@@ -77,7 +78,7 @@ pub struct Expect {
 }
 
 /// What the producer does.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Workload {
     /// Domain transactions to run.
@@ -109,7 +110,7 @@ fn interval() -> [u64; 2] {
 }
 
 /// Hosts.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Topology {
     /// Drainer replicas (`drainer-1..N`).
@@ -131,7 +132,7 @@ impl Default for Topology {
 
 /// Drainer configuration overrides (builder settings; unset ones keep the
 /// defaults used by every scenario, which are scaled down for simulation).
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigOverrides {
     pub tick_ms: Option<u64>,
@@ -169,7 +170,7 @@ pub struct ConfigOverrides {
 }
 
 /// Phases of a run.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Timing {
     /// Faults happen in `[0, fault_phase_secs)`; then everything heals.
@@ -212,7 +213,8 @@ impl Scenario {
         Ok(s)
     }
 
-    fn check(&self) -> Result<(), String> {
+    /// Whether the scenario is consistent (what `load` checks after parsing).
+    pub fn check(&self) -> Result<(), String> {
         let w = &self.workload;
         if w.envelopes_per_tx[0] == 0 || w.envelopes_per_tx[0] > w.envelopes_per_tx[1] {
             return Err("workload.envelopes_per_tx must be [min, max] with 1 <= min <= max".into());

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use rand::SeedableRng;
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
 
 use self::env::Env;
 pub use self::hosts::{drainer_config, inbox_janitor_settings, subscriber_settings};
@@ -150,31 +150,61 @@ fn schedule(faults: &[Fault]) -> Vec<Scheduled> {
     schedule
 }
 
+/// The seed of the random stream `purpose` draws from in a run of `seed`.
+///
+/// Each purpose (the swarm's draws, each fake, each host's crash points,
+/// turmoil's network, each drainer, the workload, the fault windows) has a
+/// stream of its own, derived from the seed and the purpose's name alone,
+/// so taking a fault, a host or part of the workload out of a run leaves
+/// every other stream as it was: what `sim shrink` relies on.
+pub fn stream(seed: u64, purpose: &str) -> u64 {
+    // splitmix64 over the seed mixed with FNV-1a of the purpose.
+    let mut z = seed ^ crate::trace::fnv1a(purpose.as_bytes());
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The faults a run of `scenario` with `seed` schedules: the file's timed
+/// faults, then the swarm's draws for this seed.
+pub fn faults_of(scenario: &Scenario, seed: u64) -> Vec<Fault> {
+    let mut faults = scenario.faults.clone();
+    if let Some(swarm) = &scenario.swarm {
+        let mut rng = SmallRng::seed_from_u64(stream(seed, "swarm"));
+        let phase = scenario.timing.fault_phase_secs;
+        let t = &scenario.topology;
+        faults.extend(swarm.draw(&mut rng, phase, t.drainers, t.consumers));
+    }
+    faults
+}
+
 /// Runs `scenario` with `seed`.
 pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     crate::workload::handler::quiet_handler_panics();
-    let mut rng = SmallRng::seed_from_u64(seed);
     let trace = Trace::default();
     crate::set_world_now(Duration::ZERO);
     let topology = &scenario.topology;
-    let mut faults = scenario.faults.clone();
-    if let Some(swarm) = &scenario.swarm {
-        let phase = scenario.timing.fault_phase_secs;
-        faults.extend(swarm.draw(&mut rng, phase, topology.drainers, topology.consumers));
-    }
+    let faults = faults_of(scenario, seed);
     let fakes = (
-        PgState::new(rng.random(), trace.clone()),
-        MqState::new(rng.random(), trace.clone()),
+        PgState::new(stream(seed, "pg"), trace.clone()),
+        MqState::new(stream(seed, "mq"), trace.clone()),
     );
     let mut hooks: Vec<(String, Hooks)> = (1..=topology.drainers)
-        .map(|i| (format!("drainer-{i}"), Hooks::new(rng.random())))
+        .map(|i| {
+            let host = format!("drainer-{i}");
+            let hooks = Hooks::new(stream(seed, &format!("hooks {host}")));
+            (host, hooks)
+        })
         .collect();
     for i in 1..=topology.consumers {
-        hooks.push((format!("consumer-{i}"), Hooks::new(rng.random())));
+        let host = format!("consumer-{i}");
+        let h = Hooks::new(stream(seed, &format!("hooks {host}")));
+        hooks.push((host, h));
     }
     let delivery_limit = subscriber_settings(scenario).max_body_bytes as usize;
     let mut sim = turmoil::Builder::new()
-        .rng_seed(rng.random())
+        .rng_seed(stream(seed, "turmoil"))
         .tick_duration(STEP)
         // Hosts run in a seeded random order within each step, so a seed
         // explores interleavings a fixed order would never produce.
@@ -189,9 +219,11 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
                 + Duration::from_secs(600),
         )
         .build();
-    let drainer_seeds: Vec<u64> = (1..=topology.drainers).map(|_| rng.random()).collect();
-    let workload_seed: u64 = rng.random();
-    let fault_rng = SmallRng::seed_from_u64(rng.random());
+    let drainer_seeds: Vec<u64> = (1..=topology.drainers)
+        .map(|i| stream(seed, &format!("drainer-{i}")))
+        .collect();
+    let workload_seed = stream(seed, "workload");
+    let fault_rng = SmallRng::seed_from_u64(stream(seed, "faults"));
     let mut env = Env::new(
         trace.clone(),
         fakes,
