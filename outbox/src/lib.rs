@@ -70,5 +70,7 @@ pub use migrate::{MIGRATOR, migrator};
 pub use pg::PgOutboxStore;
 pub use pg::inbox::{PgInboxStore, PgTx};
 pub use pg::publisher::Publisher;
-pub use runtime::{DrainerHandle, InboxDrainer, OsEntropy, SplitMix64, TokioClock};
+pub use runtime::{
+    DrainerHandle, DrainerPorts, InboxDrainer, OsEntropy, PgCommitWakeup, SplitMix64, TokioClock,
+};
 pub use trace_context::TraceContext;

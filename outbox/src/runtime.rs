@@ -12,7 +12,7 @@ use crate::config::DrainerConfig;
 use crate::core::drainer::Drainer;
 use crate::core::janitor::InboxJanitorSettings;
 use crate::core::marks::Marks;
-use crate::core::ports::{Clock, Entropy};
+use crate::core::ports::{Broker, Clock, CommitWakeup, Entropy, OutboxStore};
 use crate::core::stats::{OutboxHealth, Readiness};
 use crate::core::{janitor, stats};
 use crate::pg::PgOutboxStore;
@@ -90,7 +90,11 @@ impl Entropy for OsEntropy {
 /// The production drainer type.
 pub type PgLapinDrainer = Drainer<PgOutboxStore, LapinBroker, TokioClock, OsEntropy>;
 
-/// A running drainer with its janitor and stats task.
+/// A running drainer with its janitor, stats task and commit listener.
+///
+/// [`spawn`](DrainerHandle::spawn) runs it on PostgreSQL and RabbitMQ;
+/// [`spawn_on`](DrainerHandle::spawn_on) on any [`DrainerPorts`] (the
+/// simulation runs this entry point, spawned tasks and all, on its fakes).
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -101,48 +105,101 @@ pub type PgLapinDrainer = Drainer<PgOutboxStore, LapinBroker, TokioClock, OsEntr
 /// handle.shutdown().await; // finishes or releases the batch in hand
 /// # Ok(()) }
 /// ```
-pub struct DrainerHandle {
+pub struct DrainerHandle<S = PgOutboxStore, B = LapinBroker, C = TokioClock> {
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     health: OutboxHealth,
-    clock: TokioClock,
+    clock: Arc<C>,
     config: DrainerConfig,
-    store: Arc<PgOutboxStore>,
-    broker: Arc<LapinBroker>,
+    store: Arc<S>,
+    broker: Arc<B>,
+}
+
+/// What a [`DrainerHandle`] runs on: the drainer's ports, its commit
+/// wakeup, and where its coverage marks go.
+pub struct DrainerPorts<S, B, C, E, W> {
+    /// The outbox table.
+    pub store: S,
+    /// The broker the drainer publishes to.
+    pub broker: B,
+    /// Time, for every task.
+    pub clock: C,
+    /// The drainer's jitter.
+    pub entropy: E,
+    /// What wakes the drainer at a commit.
+    pub wakeup: W,
+    /// Where the drainer and janitor report their paths (none in production).
+    pub marks: Marks,
+}
+
+/// The commit wakeup on PostgreSQL: one pooled connection `LISTEN`s.
+pub struct PgCommitWakeup(pub sqlx::PgPool);
+
+impl CommitWakeup for PgCommitWakeup {
+    async fn listen(self, wakeup: Arc<tokio::sync::Notify>, shutdown: watch::Receiver<bool>) {
+        listen_for_commits(self.0, wakeup, shutdown).await;
+    }
 }
 
 impl DrainerHandle {
-    /// Spawns the drainer, the retention janitor and the stats task.
+    /// Spawns the drainer, the retention janitor, the stats task and the
+    /// commit listener on PostgreSQL and RabbitMQ.
     pub fn spawn(pool: sqlx::PgPool, broker: LapinBroker, config: DrainerConfig) -> Self {
-        let listener_pool = pool.clone();
-        let store = Arc::new(PgOutboxStore::new(pool));
+        let ports = DrainerPorts {
+            store: PgOutboxStore::new(pool.clone()),
+            broker,
+            clock: TokioClock::default(),
+            entropy: OsEntropy::default(),
+            wakeup: PgCommitWakeup(pool),
+            marks: Marks::default(),
+        };
+        Self::spawn_on(ports, config)
+    }
+}
+
+impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
+    /// Spawns the drainer, the retention janitor, the stats task and the
+    /// commit listener on `ports`, each a tokio task.
+    pub fn spawn_on<E: Entropy, W: CommitWakeup>(
+        ports: DrainerPorts<S, B, C, E, W>,
+        config: DrainerConfig,
+    ) -> Self {
+        let DrainerPorts {
+            store,
+            broker,
+            clock,
+            entropy,
+            wakeup: listener,
+            marks,
+        } = ports;
+        let store = Arc::new(store);
         let broker = Arc::new(broker);
-        let clock = TokioClock::default();
-        let clock_arc = Arc::new(clock.clone());
+        let clock = Arc::new(clock);
         let (tx, rx) = watch::channel(false);
         let health = OutboxHealth::default();
         let wakeup = Arc::new(tokio::sync::Notify::new());
         let drainer = Drainer::new(
             store.clone(),
             broker.clone(),
-            clock_arc.clone(),
-            Arc::new(OsEntropy::default()),
+            clock.clone(),
+            Arc::new(entropy),
             config.clone(),
         )
+        .with_marks(marks.clone())
         .with_wakeup(wakeup.clone());
         let tasks = vec![
             tokio::spawn(drainer.run(rx.clone())),
-            tokio::spawn(listen_for_commits(listener_pool, wakeup, rx.clone())),
+            tokio::spawn(listener.listen(wakeup, rx.clone())),
             tokio::spawn(janitor::run(
                 store.clone(),
-                clock_arc.clone(),
+                clock.clone(),
                 config.clone(),
                 rx.clone(),
-                Marks::default(),
+                marks,
             )),
             tokio::spawn(stats::run(
                 store.clone(),
-                clock_arc,
+                clock.clone(),
                 config.clone(),
                 health.clone(),
                 rx,
@@ -178,7 +235,7 @@ impl DrainerHandle {
     }
 
     /// The store the drainer uses (for unpark and parked-row listing).
-    pub fn store(&self) -> &PgOutboxStore {
+    pub fn store(&self) -> &S {
         &self.store
     }
 
@@ -193,7 +250,7 @@ impl DrainerHandle {
                 tracing::error!(error = %e, "outbox task panicked");
             }
         }
-        self.broker.close().await;
+        self.broker.connection_close().await;
     }
 }
 

@@ -142,6 +142,10 @@ fn channel_err(e: lapin::Error) -> BrokerError {
 impl Broker for LapinBroker {
     type Channel = LapinChannel;
 
+    async fn connection_close(&self) {
+        self.close().await;
+    }
+
     fn connection_generation(&self) -> u64 {
         self.generation.load(Ordering::SeqCst)
     }

@@ -220,6 +220,25 @@ pub trait Broker: Send + Sync + 'static {
         &self,
         generation: u64,
     ) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Closes the connection at shutdown, bounded (nothing by default).
+    fn connection_close(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+}
+
+/// Wakes the drainer whenever a transaction that wrote envelopes commits
+/// (PostgreSQL's `LISTEN canopy_outbox`), so an event is a claim away
+/// instead of up to a tick. Failures only cost latency: the drainer keeps
+/// polling at its tick.
+pub trait CommitWakeup: Send + 'static {
+    /// Calls `wakeup.notify_one()` for each commit until `shutdown` turns
+    /// true, reconnecting on its own after failures.
+    fn listen(
+        self,
+        wakeup: std::sync::Arc<tokio::sync::Notify>,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> impl Future<Output = ()> + Send;
 }
 
 /// A channel on which the drainer publishes one batch.

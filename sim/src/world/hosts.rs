@@ -12,7 +12,7 @@ use std::time::Duration;
 use outbox::core::janitor::InboxJanitorSettings;
 use outbox::core::ports::InboxFilter;
 use outbox::core::subscriber::ReplayOutcome;
-use outbox::{Drainer, DrainerConfig, SubscriberSettings, TokioClock};
+use outbox::{DrainerConfig, SubscriberSettings, TokioClock};
 
 use super::env::Env;
 use super::{CONSUMER_QUEUE, EXCHANGE, REPLAY_EVERY};
@@ -84,41 +84,51 @@ pub fn spawn_drainer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u32
         let n = incarnation.fetch_add(1, Ordering::SeqCst) + 1;
         let replica = format!("{host}#{n}");
         let config = drainer_config(&scenario, &replica);
-        let store = Arc::new(SimStore::new(replica.clone(), trace.clone(), hooks.clone()));
-        let broker = Arc::new(SimBroker::new(
-            replica.clone(),
-            trace.clone(),
-            hooks.clone(),
-        ));
-        let marks = TraceMarks::marks(replica, trace.clone());
-        let entropy = Arc::new(outbox::SplitMix64::new(seed ^ u64::from(n)));
-        let listen_trace = trace.clone();
+        let store = SimStore::new(replica.clone(), trace.clone(), hooks.clone());
+        let broker = SimBroker::new(replica.clone(), trace.clone(), hooks.clone());
+        let marks = TraceMarks::marks(replica.clone(), trace.clone());
+        let entropy = outbox::SplitMix64::new(seed ^ u64::from(n));
+        let wakeup = SimCommitWakeup {
+            replica,
+            trace: trace.clone(),
+        };
         async move {
-            let clock = Arc::new(TokioClock::default());
-            let (_keep, rx) = tokio::sync::watch::channel(false);
-            tokio::spawn(outbox::core::janitor::run(
-                store.clone(),
-                clock.clone(),
-                config.clone(),
-                rx.clone(),
-                marks.clone(),
-            ));
-            // The commit wakeup, as DrainerHandle runs it: polling stays
-            // the fallback when notifications are lost.
-            let wakeup = Arc::new(tokio::sync::Notify::new());
-            tokio::spawn(crate::adapters::listen::listen_for_commits(
-                config.replica_id.clone(),
-                wakeup.clone(),
-                listen_trace,
-            ));
-            Drainer::new(store, broker, clock, entropy, config)
-                .with_marks(marks)
-                .with_wakeup(wakeup)
-                .run(rx)
-                .await;
+            // The library's own entry point, spawned tasks and all: the
+            // drainer, the janitor, the stats task and the commit listener
+            // (polling stays the fallback when notifications are lost).
+            let ports = outbox::DrainerPorts {
+                store,
+                broker,
+                clock: TokioClock::default(),
+                entropy,
+                wakeup,
+                marks,
+            };
+            let _handle = outbox::DrainerHandle::spawn_on(ports, config);
+            // Runs until the host crashes or the simulation ends.
+            std::future::pending::<()>().await;
             Ok(())
         }
     });
+}
+
+/// The commit wakeup over the fake PostgreSQL.
+struct SimCommitWakeup {
+    replica: String,
+    trace: Trace,
+}
+
+impl outbox::core::ports::CommitWakeup for SimCommitWakeup {
+    async fn listen(
+        self,
+        wakeup: Arc<tokio::sync::Notify>,
+        mut shutdown: tokio::sync::watch::Receiver<bool>,
+    ) {
+        tokio::select! {
+            _ = shutdown.changed() => {}
+            () = crate::adapters::listen::listen_for_commits(self.replica, wakeup, self.trace) => {}
+        }
+    }
 }
 
 /// Host `consumer-{i}`: the production subscriber and inbox janitor on the
