@@ -13,6 +13,7 @@
 //! each kind of fault was hit, and fails if a scenario never reached a mark
 //! its `[expect] reach` list names.
 
+use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -77,12 +78,20 @@ fn main() -> ExitCode {
     }
 }
 
-fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
+/// `SCENARIO --seed N [--scenarios DIR]` and the file options in `files`
+/// (each `--flag FILE`), as `run` and `shrink` take them.
+struct OneSeed {
+    name: String,
+    seed: u64,
+    dir: PathBuf,
+    files: BTreeMap<&'static str, String>,
+}
+
+fn parse_one_seed(args: &[String], files: &[&'static str]) -> Result<OneSeed, String> {
     let mut name = None;
     let mut seed = None;
-    let mut trace_file = None;
-    let mut timeline_file = None;
     let mut dir = default_scenarios_dir();
+    let mut given = BTreeMap::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -90,17 +99,33 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
                 let v = it.next().ok_or("--seed needs a value")?;
                 seed = Some(v.parse::<u64>().map_err(|_| format!("bad seed {v:?}"))?);
             }
-            "--trace" => trace_file = Some(it.next().ok_or("--trace needs a file")?.clone()),
-            "--timeline" => {
-                timeline_file = Some(it.next().ok_or("--timeline needs a file")?.clone());
-            }
             "--scenarios" => dir = PathBuf::from(it.next().ok_or("--scenarios needs a folder")?),
+            flag if files.contains(&flag) => {
+                let key = files.iter().find(|f| **f == flag).expect("just found");
+                let file = it.next().ok_or(format!("{flag} needs a file"))?;
+                given.insert(*key, file.clone());
+            }
             other if name.is_none() && !other.starts_with('-') => name = Some(other.to_owned()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
-    let name = name.ok_or(USAGE)?;
-    let seed = seed.ok_or("--seed is required")?;
+    Ok(OneSeed {
+        name: name.ok_or(USAGE)?,
+        seed: seed.ok_or("--seed is required")?,
+        dir,
+        files: given,
+    })
+}
+
+fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
+    let OneSeed {
+        name,
+        seed,
+        dir,
+        mut files,
+    } = parse_one_seed(args, &["--trace", "--timeline"])?;
+    let trace_file = files.remove("--trace");
+    let timeline_file = files.remove("--timeline");
     println!("seed {seed}");
     let scenario = load(&dir, &name)?;
     let started = Instant::now();
@@ -149,25 +174,13 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
 }
 
 fn cmd_shrink(args: &[String]) -> Result<ExitCode, String> {
-    let mut name = None;
-    let mut seed = None;
-    let mut out = None;
-    let mut dir = default_scenarios_dir();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--seed" => {
-                let v = it.next().ok_or("--seed needs a value")?;
-                seed = Some(v.parse::<u64>().map_err(|_| format!("bad seed {v:?}"))?);
-            }
-            "--out" => out = Some(it.next().ok_or("--out needs a file")?.clone()),
-            "--scenarios" => dir = PathBuf::from(it.next().ok_or("--scenarios needs a folder")?),
-            other if name.is_none() && !other.starts_with('-') => name = Some(other.to_owned()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
-        }
-    }
-    let name = name.ok_or(USAGE)?;
-    let seed = seed.ok_or("--seed is required")?;
+    let OneSeed {
+        name,
+        seed,
+        dir,
+        mut files,
+    } = parse_one_seed(args, &["--out"])?;
+    let out = files.remove("--out");
     println!("seed {seed}");
     let scenario = load(&dir, &name)?;
     let started = Instant::now();

@@ -197,6 +197,30 @@ fn id_of(d: &Delivery) -> uuid::Uuid {
     EventEnvelope::decode(&d.body).unwrap().id
 }
 
+/// `c` ends (with `what`); the subscription, opened again, delivers
+/// `unacked` again, marked redelivered, and nothing else.
+async fn ends_and_gives_back<A: ConsumeArm>(
+    arm: &A,
+    spec: &SubscriptionSpec,
+    c: <A::B as ConsumerBroker>::Consumer,
+    unacked: uuid::Uuid,
+    what: &str,
+) {
+    let end = tokio::time::timeout(ARRIVES, async {
+        while c.delivery_next().await.is_some() {}
+    })
+    .await;
+    assert!(end.is_ok(), "the consumer ends with {what}");
+    c.consumer_close().await;
+    let c = arm.broker().subscription_open(spec).await.unwrap();
+    let back = next(&c).await;
+    assert_eq!(id_of(&back), unacked, "the unacked delivery is back");
+    assert!(back.redelivered);
+    c.delivery_ack(back.tag).await.unwrap();
+    quiet(&c).await;
+    c.consumer_close().await;
+}
+
 // ---- bodies --------------------------------------------------------------
 
 async fn trace_context_headers_travel_with_the_message<A: ConsumeArm>(arm: A) {
@@ -278,20 +302,7 @@ async fn unacked_deliveries_come_back_after_the_connection_is_cut<A: ConsumeArm>
     // (which AMQP allows; this body is about the unacked one).
     tokio::time::sleep(Duration::from_millis(200)).await;
     arm.cut().await;
-    // The consumer ends.
-    let end = tokio::time::timeout(ARRIVES, async {
-        while c.delivery_next().await.is_some() {}
-    })
-    .await;
-    assert!(end.is_ok(), "the consumer ends with its connection");
-    c.consumer_close().await;
-    let c = arm.broker().subscription_open(&spec).await.unwrap();
-    let d = next(&c).await;
-    assert_eq!(id_of(&d), sent[1].id, "the unacked delivery is back");
-    assert!(d.redelivered);
-    c.delivery_ack(d.tag).await.unwrap();
-    quiet(&c).await;
-    c.consumer_close().await;
+    ends_and_gives_back(&arm, &spec, c, sent[1].id, "its connection").await;
 }
 
 async fn the_prefetch_bounds_unacked_deliveries<A: ConsumeArm>(arm: A) {
@@ -361,19 +372,7 @@ async fn an_ack_of_a_settled_tag_closes_the_channel<A: ConsumeArm>(arm: A) {
     // Twice: the broker closes the channel (PRECONDITION_FAILED), which
     // ends the consumer and returns its unacked delivery to the queue.
     let _ = c.delivery_ack(d1.tag).await;
-    let end = tokio::time::timeout(ARRIVES, async {
-        while c.delivery_next().await.is_some() {}
-    })
-    .await;
-    assert!(end.is_ok(), "the consumer ends with its channel");
-    c.consumer_close().await;
-    let c = arm.broker().subscription_open(&spec).await.unwrap();
-    let back = next(&c).await;
-    assert_eq!(id_of(&back), sent[1].id, "the unacked delivery is back");
-    assert!(back.redelivered);
-    c.delivery_ack(back.tag).await.unwrap();
-    quiet(&c).await;
-    c.consumer_close().await;
+    ends_and_gives_back(&arm, &spec, c, sent[1].id, "its channel").await;
 }
 
 conformance!(rabbitmq: with_real, fake: with_fake;
