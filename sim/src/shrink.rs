@@ -117,6 +117,36 @@ pub fn explicit(scenario: &Scenario, seed: u64, invariant: Invariant) -> Scenari
     s
 }
 
+/// The smallest failing scenario so far, and its run.
+struct Search<'p> {
+    seed: u64,
+    invariant: Invariant,
+    /// Runs so far.
+    runs: usize,
+    best: Scenario,
+    last: RunOutcome,
+    progress: &'p mut dyn FnMut(&str),
+}
+
+impl Search<'_> {
+    /// Runs `candidate`; keeps it (and says so, with `note`) if it is
+    /// consistent and still breaks the invariant.
+    fn keep(&mut self, candidate: Scenario, note: &str) -> bool {
+        if candidate.check().is_err() {
+            return false;
+        }
+        self.runs += 1;
+        let o = world::run(&candidate, self.seed);
+        if !o.verdict.counts.contains_key(&self.invariant) {
+            return false;
+        }
+        (self.progress)(&format!("kept {}{note}", size(&candidate, &o)));
+        self.best = candidate;
+        self.last = o;
+        true
+    }
+}
+
 /// Shrinks the failing run of `scenario` with `seed`; `progress` hears of
 /// every candidate kept.
 pub fn shrink(
@@ -131,34 +161,34 @@ pub fn shrink(
             seed,
         });
     };
-    let mut runs = 1;
-    let mut best = explicit(scenario, seed, invariant);
-    let before = size(&best, &first);
-    let breaks = |s: &Scenario, runs: &mut usize| -> Option<RunOutcome> {
-        s.check().ok()?;
-        *runs += 1;
-        let o = world::run(s, seed);
-        o.verdict.counts.contains_key(&invariant).then_some(o)
+    let twin = explicit(scenario, seed, invariant);
+    let before = size(&twin, &first);
+    let mut search = Search {
+        seed,
+        invariant,
+        runs: 1,
+        best: twin.clone(),
+        last: first,
+        progress: &mut progress,
     };
-    let Some(mut last) = breaks(&best, &mut runs) else {
+    if !search.keep(twin, " (its faults made explicit)") {
         return Err(ShrinkError::NotReproduced {
             scenario: scenario.name.clone(),
             seed,
             invariant,
         });
-    };
+    }
     loop {
         let mut changed = false;
         // Faults: chunks of half, a quarter, … down to one.
-        let mut chunk = best.faults.len().div_ceil(2).max(1);
-        while !best.faults.is_empty() {
+        let mut chunk = search.best.faults.len().div_ceil(2).max(1);
+        while !search.best.faults.is_empty() {
             let mut i = 0;
-            while i < best.faults.len() {
-                let mut c = best.clone();
+            while i < search.best.faults.len() {
+                let mut c = search.best.clone();
                 c.faults.drain(i..(i + chunk).min(c.faults.len()));
-                if let Some(o) = breaks(&c, &mut runs) {
-                    progress(&format!("kept {}", size(&c, &o)));
-                    (best, last, changed) = (c, o, true);
+                if search.keep(c, "") {
+                    changed = true;
                 } else {
                     i += chunk;
                 }
@@ -169,38 +199,32 @@ pub fn shrink(
             chunk = chunk.div_ceil(2);
         }
         // The workload: halve it while the failure stays.
-        while best.workload.transactions > 1 {
-            let mut c = best.clone();
+        while search.best.workload.transactions > 1 {
+            let mut c = search.best.clone();
             c.workload.transactions /= 2;
-            match breaks(&c, &mut runs) {
-                Some(o) => {
-                    progress(&format!("kept {}", size(&c, &o)));
-                    (best, last, changed) = (c, o, true);
-                }
-                None => break,
+            if !search.keep(c, "") {
+                break;
             }
+            changed = true;
         }
         // Hosts: the last consumer, the last drainer, if no fault names them.
         for consumer in [true, false] {
-            let t = &best.topology;
+            let t = &search.best.topology;
             let (n, host) = if consumer {
                 (t.consumers, format!("consumer-{}", t.consumers))
             } else {
                 (t.drainers, format!("drainer-{}", t.drainers))
             };
-            if n <= 1 || best.faults.iter().any(|f| names(f, &host)) {
+            if n <= 1 || search.best.faults.iter().any(|f| names(f, &host)) {
                 continue;
             }
-            let mut c = best.clone();
+            let mut c = search.best.clone();
             if consumer {
                 c.topology.consumers -= 1;
             } else {
                 c.topology.drainers -= 1;
             }
-            if let Some(o) = breaks(&c, &mut runs) {
-                progress(&format!("kept {}", size(&c, &o)));
-                (best, last, changed) = (c, o, true);
-            }
+            changed |= search.keep(c, "");
         }
         if !changed {
             break;
@@ -208,7 +232,8 @@ pub fn shrink(
     }
     // Each fault's window: at most up to the violation, then halved while
     // the failure stays.
-    let seen = last
+    let seen = search
+        .last
         .verdict
         .violations
         .iter()
@@ -216,8 +241,8 @@ pub fn shrink(
         .filter_map(|v| v.at)
         .min()
         .map(|at| at.as_secs_f64());
-    for i in 0..best.faults.len() {
-        let (at, len) = best.faults[i].window();
+    for i in 0..search.best.faults.len() {
+        let (at, len) = search.best.faults[i].window();
         let mut tries = Vec::new();
         if let Some(seen) = seen.filter(|s| *s > at && *s < at + len) {
             tries.push(seen - at);
@@ -227,23 +252,16 @@ pub fn shrink(
             tries.push(base / 2.0);
         }
         for want in tries {
-            let mut c = best.clone();
+            let mut c = search.best.clone();
             c.faults[i].set_len(want);
-            match breaks(&c, &mut runs) {
-                Some(o) => {
-                    progress(&format!(
-                        "kept {} (fault {} for {want:.2} s)",
-                        size(&c, &o),
-                        i + 1
-                    ));
-                    (best, last) = (c, o);
-                }
-                None => break,
+            if !search.keep(c, &format!(" (fault {} for {want:.2} s)", i + 1)) {
+                break;
             }
         }
     }
     // The fault phase ends where the last fault does.
-    let end = best
+    let end = search
+        .best
         .faults
         .iter()
         .map(|f| {
@@ -252,14 +270,17 @@ pub fn shrink(
         })
         .fold(0.0_f64, f64::max);
     let phase = (end.ceil()).max(1.0);
-    if phase < best.timing.fault_phase_secs {
-        let mut c = best.clone();
+    if phase < search.best.timing.fault_phase_secs {
+        let mut c = search.best.clone();
         c.timing.fault_phase_secs = phase;
-        if let Some(o) = breaks(&c, &mut runs) {
-            progress(&format!("kept {}", size(&c, &o)));
-            (best, last) = (c, o);
-        }
+        search.keep(c, "");
     }
+    let Search {
+        runs,
+        mut best,
+        last,
+        ..
+    } = search;
     let after = size(&best, &last);
     best.description = format!(
         "Shrunk from {} seed {seed} ({before}) to {after}: still breaks {invariant}.",

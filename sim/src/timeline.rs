@@ -186,6 +186,22 @@ struct Lane {
     down: Vec<(Duration, Option<Duration>)>,
 }
 
+impl Lane {
+    /// One more `row` in `bucket`.
+    fn count(&mut self, row: Row, bucket: usize) {
+        *self.rows.entry(row).or_default().entry(bucket).or_insert(0) += 1;
+    }
+}
+
+/// The lanes in reading order (see [`lane_rank`]).
+type Lanes = BTreeMap<(u8, String), Lane>;
+
+/// `host`'s lane, made if new.
+fn lane<'l>(lanes: &'l mut Lanes, host: &str) -> &'l mut Lane {
+    let (rank, name) = lane_rank(host);
+    lanes.entry((rank, name.to_owned())).or_default()
+}
+
 /// The SVG of a run: `title` on top (scenario and seed), `events` the
 /// trace, `violations` the verdict's (the earliest is drawn).
 pub fn svg(title: &str, events: &[(Duration, Event)], violations: &[Violation]) -> String {
@@ -199,13 +215,7 @@ pub fn svg(title: &str, events: &[(Duration, Event)], violations: &[Violation]) 
     };
     let x_of = |at: Duration| LABEL_WIDTH + at.as_secs_f64() / end.as_secs_f64() * PLOT_WIDTH;
 
-    let mut lanes: BTreeMap<(u8, String), Lane> = BTreeMap::new();
-    let lane = |lanes: &mut BTreeMap<(u8, String), Lane>, host: &str| -> (u8, String) {
-        let (rank, name) = lane_rank(host);
-        let key = (rank, name.to_owned());
-        lanes.entry(key.clone()).or_default();
-        key
-    };
+    let mut lanes = Lanes::new();
     // Fault windows by kind, opened and closed in order.
     let mut windows: BTreeMap<FaultKind, Vec<(Duration, Option<Duration>, String)>> =
         BTreeMap::new();
@@ -214,13 +224,7 @@ pub fn svg(title: &str, events: &[(Duration, Event)], violations: &[Violation]) 
     let mut heal = None;
     for (at, e) in events {
         if let Some((host, row)) = placed(e) {
-            let key = lane(&mut lanes, host);
-            let l = lanes.get_mut(&key).expect("lane just made");
-            *l.rows
-                .entry(row)
-                .or_default()
-                .entry(bucket_of(*at))
-                .or_insert(0) += 1;
+            lane(&mut lanes, host).count(row, bucket_of(*at));
             continue;
         }
         match e {
@@ -242,21 +246,15 @@ pub fn svg(title: &str, events: &[(Duration, Event)], violations: &[Violation]) 
                 let text = format!("{:.3} s {kind:?}: {detail}", at.as_secs_f64());
                 let who = detail.split_whitespace().next().unwrap_or("");
                 if who.contains('#') || who == "workload" {
-                    let key = lane(&mut lanes, host_of(who));
-                    let l = lanes.get_mut(&key).expect("lane just made");
-                    *l.rows
-                        .entry(Row::Fault)
-                        .or_default()
-                        .entry(bucket_of(*at))
-                        .or_insert(0) += 1;
+                    let l = lane(&mut lanes, host_of(who));
+                    l.count(Row::Fault, bucket_of(*at));
                     l.faults.entry(bucket_of(*at)).or_default().push(text);
                 } else {
                     loose.entry(bucket_of(*at)).or_default().push(text);
                 }
             }
             Event::Host { host, up } => {
-                let key = lane(&mut lanes, host);
-                let l = lanes.get_mut(&key).expect("lane just made");
+                let l = lane(&mut lanes, host);
                 if *up {
                     if let Some(d) = l.down.iter_mut().rev().find(|d| d.1.is_none()) {
                         d.1 = Some(*at);

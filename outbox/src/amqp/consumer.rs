@@ -16,7 +16,7 @@ use lapin::{Channel, ExchangeKind};
 
 use super::{CLOSE_TIMEOUT, LapinBroker, channel_err};
 use crate::core::ports::{
-    AckPlan, ConsumerBroker, DLQ_EXCHANGE, Delivery, DeliverySource, SubscriptionSpec, Unsettled,
+    ConsumerBroker, DLQ_EXCHANGE, Delivery, DeliverySource, SubscriptionSpec, Unsettled,
 };
 use crate::error::BrokerError;
 
@@ -149,6 +149,16 @@ pub struct LapinConsumer {
     unsettled: Unsettled,
 }
 
+impl LapinConsumer {
+    /// One `basic.ack` frame.
+    async fn ack(&self, tag: u64, multiple: bool) -> Result<(), BrokerError> {
+        self.channel
+            .basic_ack(tag, BasicAckOptions { multiple })
+            .await
+            .map_err(channel_err)
+    }
+}
+
 impl DeliverySource for LapinConsumer {
     async fn delivery_next(&self) -> Option<Delivery> {
         if self.ended.load(Ordering::SeqCst) {
@@ -187,38 +197,15 @@ impl DeliverySource for LapinConsumer {
     }
 
     async fn delivery_ack(&self, tag: u64) -> Result<(), BrokerError> {
-        let sent = self
-            .channel
-            .basic_ack(tag, BasicAckOptions::default())
-            .await
-            .map_err(channel_err);
+        let sent = self.ack(tag, false).await;
         self.unsettled.settled(&[tag]);
         sent
     }
 
     async fn delivery_ack_many(&self, tags: &[u64]) -> Result<(), BrokerError> {
-        let sent = match self.unsettled.plan(tags) {
-            AckPlan::Nothing => Ok(()),
-            AckPlan::Through(tag) => self
-                .channel
-                .basic_ack(tag, BasicAckOptions { multiple: true })
-                .await
-                .map_err(channel_err),
-            AckPlan::Each(tags) => {
-                let mut sent = Ok(());
-                for tag in tags {
-                    let one = self
-                        .channel
-                        .basic_ack(tag, BasicAckOptions::default())
-                        .await
-                        .map_err(channel_err);
-                    sent = sent.and(one);
-                }
-                sent
-            }
-        };
-        self.unsettled.settled(tags);
-        sent
+        self.unsettled
+            .ack(tags, |tag, multiple| self.ack(tag, multiple))
+            .await
     }
 
     async fn delivery_nack(&self, tag: u64, requeue: bool) -> Result<(), BrokerError> {

@@ -585,6 +585,30 @@ impl Unsettled {
         }
     }
 
+    /// Acks `tags` as [`plan`](Self::plan) says, each frame sent with
+    /// `ack(tag, multiple)`, then marks them settled (a frame that could
+    /// not be sent went with its channel, and its tags with it). Every
+    /// frame is tried; the first error is returned.
+    pub async fn ack<F, Fut>(&self, tags: &[u64], ack: F) -> Result<(), BrokerError>
+    where
+        F: Fn(u64, bool) -> Fut,
+        Fut: Future<Output = Result<(), BrokerError>>,
+    {
+        let sent = match self.plan(tags) {
+            AckPlan::Nothing => Ok(()),
+            AckPlan::Through(tag) => ack(tag, true).await,
+            AckPlan::Each(tags) => {
+                let mut sent = Ok(());
+                for tag in tags {
+                    sent = sent.and(ack(tag, false).await);
+                }
+                sent
+            }
+        };
+        self.settled(tags);
+        sent
+    }
+
     /// Forgets every tag (the channel is gone, and its tags with it).
     pub fn clear(&self) {
         self.0.lock().expect("unsettled tags").clear();

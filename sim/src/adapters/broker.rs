@@ -15,8 +15,8 @@ use std::task::{Context, Poll};
 
 use outbox::BrokerError;
 use outbox::core::ports::{
-    AckPlan, Broker, Confirm, ConsumerBroker, Delivery, DeliverySource, OutgoingMessage,
-    PublishChannel, SubscriptionSpec, Unsettled,
+    Broker, Confirm, ConsumerBroker, Delivery, DeliverySource, OutgoingMessage, PublishChannel,
+    SubscriptionSpec, Unsettled,
 };
 use tokio::sync::oneshot;
 use uuid::Uuid;
@@ -469,19 +469,9 @@ impl DeliverySource for SimConsumer {
     }
 
     async fn delivery_ack_many(&self, tags: &[u64]) -> Result<(), BrokerError> {
-        let sent = match self.unsettled.plan(tags) {
-            AckPlan::Nothing => Ok(()),
-            AckPlan::Through(tag) => self.ack(tag, true).await,
-            AckPlan::Each(tags) => {
-                let mut sent = Ok(());
-                for tag in tags {
-                    sent = sent.and(self.ack(tag, false).await);
-                }
-                sent
-            }
-        };
-        self.unsettled.settled(tags);
-        sent
+        self.unsettled
+            .ack(tags, |tag, multiple| self.ack(tag, multiple))
+            .await
     }
 
     async fn delivery_nack(&self, tag: u64, requeue: bool) -> Result<(), BrokerError> {
