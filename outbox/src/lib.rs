@@ -16,7 +16,8 @@
 //!   the simulation runs this exact code with its own adapters.
 //! - [`config`]: `CANOPY_MQ_*` configuration and its boot asserts.
 //! - [`migrate`]: the embedded migrator and the byte-identity check.
-//! - [`runtime`]: tokio clock, OS entropy, and [`DrainerHandle`] wiring.
+//! - [`runtime`]: tokio clock and tasks, OS entropy, and [`DrainerHandle`]
+//!   wiring.
 //! - [`admin`]: operator functions (parked-row listing, unpark); [`http`]: the
 //!   admin HTTP surface (axum `Router`: replay, parked rows, unpark, `/readyz`,
 //!   `/metrics`), behind the default `admin-http` feature.
@@ -72,5 +73,6 @@ pub use pg::inbox::{PgInboxStore, PgTx};
 pub use pg::publisher::Publisher;
 pub use runtime::{
     DrainerHandle, DrainerPorts, InboxDrainer, OsEntropy, PgCommitWakeup, SplitMix64, TokioClock,
+    TokioSpawn,
 };
 pub use trace_context::TraceContext;

@@ -1,5 +1,6 @@
-//! Production adapters of the time and entropy ports, and the wiring that
-//! spawns the drainer, the janitor and the stats task on tokio.
+//! Production adapters of the time, task and entropy ports, and the wiring
+//! that spawns the drainer, the janitor, the stats task and the commit
+//! listener.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +13,9 @@ use crate::config::DrainerConfig;
 use crate::core::drainer::Drainer;
 use crate::core::janitor::InboxJanitorSettings;
 use crate::core::marks::Marks;
-use crate::core::ports::{Broker, Clock, CommitWakeup, Entropy, OutboxStore};
+use crate::core::ports::{
+    BoxTask, Broker, Clock, CommitWakeup, Entropy, OutboxStore, Spawn, TaskEnd,
+};
 use crate::core::stats::{OutboxHealth, Readiness};
 use crate::core::{janitor, stats};
 use crate::pg::PgOutboxStore;
@@ -39,6 +42,22 @@ impl Clock for TokioClock {
 
     async fn sleep(&self, d: Duration) {
         tokio::time::sleep(d).await;
+    }
+}
+
+/// Tokio's tasks: [`DrainerHandle`]'s tasks in production.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TokioSpawn;
+
+impl Spawn for TokioSpawn {
+    fn spawn(&self, task: BoxTask) -> TaskEnd {
+        let handle = tokio::spawn(task);
+        Box::pin(async move {
+            match handle.await {
+                Err(e) if e.is_panic() => Err(e.to_string()),
+                _ => Ok(()),
+            }
+        })
     }
 }
 
@@ -107,7 +126,7 @@ pub type PgLapinDrainer = Drainer<PgOutboxStore, LapinBroker, TokioClock, OsEntr
 /// ```
 pub struct DrainerHandle<S = PgOutboxStore, B = LapinBroker, C = TokioClock> {
     shutdown: watch::Sender<bool>,
-    tasks: Vec<JoinHandle<()>>,
+    tasks: Vec<TaskEnd>,
     health: OutboxHealth,
     clock: Arc<C>,
     config: DrainerConfig,
@@ -116,8 +135,8 @@ pub struct DrainerHandle<S = PgOutboxStore, B = LapinBroker, C = TokioClock> {
 }
 
 /// What a [`DrainerHandle`] runs on: the drainer's ports, its commit
-/// wakeup, and where its coverage marks go.
-pub struct DrainerPorts<S, B, C, E, W> {
+/// wakeup, where its tasks run, and where its coverage marks go.
+pub struct DrainerPorts<S, B, C, E, W, P = TokioSpawn> {
     /// The outbox table.
     pub store: S,
     /// The broker the drainer publishes to.
@@ -128,6 +147,8 @@ pub struct DrainerPorts<S, B, C, E, W> {
     pub entropy: E,
     /// What wakes the drainer at a commit.
     pub wakeup: W,
+    /// Where the four tasks run.
+    pub spawn: P,
     /// Where the drainer and janitor report their paths (none in production).
     pub marks: Marks,
 }
@@ -151,6 +172,7 @@ impl DrainerHandle {
             clock: TokioClock::default(),
             entropy: OsEntropy::default(),
             wakeup: PgCommitWakeup(pool),
+            spawn: TokioSpawn,
             marks: Marks::default(),
         };
         Self::spawn_on(ports, config)
@@ -159,9 +181,9 @@ impl DrainerHandle {
 
 impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
     /// Spawns the drainer, the retention janitor, the stats task and the
-    /// commit listener on `ports`, each a tokio task.
-    pub fn spawn_on<E: Entropy, W: CommitWakeup>(
-        ports: DrainerPorts<S, B, C, E, W>,
+    /// commit listener on `ports`, each a task of `ports.spawn`.
+    pub fn spawn_on<E: Entropy, W: CommitWakeup, P: Spawn>(
+        ports: DrainerPorts<S, B, C, E, W, P>,
         config: DrainerConfig,
     ) -> Self {
         let DrainerPorts {
@@ -170,6 +192,7 @@ impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
             clock,
             entropy,
             wakeup: listener,
+            spawn,
             marks,
         } = ports;
         let store = Arc::new(store);
@@ -188,22 +211,22 @@ impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
         .with_marks(marks.clone())
         .with_wakeup(wakeup.clone());
         let tasks = vec![
-            tokio::spawn(drainer.run(rx.clone())),
-            tokio::spawn(listener.listen(wakeup, rx.clone())),
-            tokio::spawn(janitor::run(
+            spawn.spawn(Box::pin(drainer.run(rx.clone()))),
+            spawn.spawn(Box::pin(listener.listen(wakeup, rx.clone()))),
+            spawn.spawn(Box::pin(janitor::run(
                 store.clone(),
                 clock.clone(),
                 config.clone(),
                 rx.clone(),
                 marks,
-            )),
-            tokio::spawn(stats::run(
+            ))),
+            spawn.spawn(Box::pin(stats::run(
                 store.clone(),
                 clock.clone(),
                 config.clone(),
                 health.clone(),
                 rx,
-            )),
+            ))),
         ];
         Self {
             shutdown: tx,
@@ -244,10 +267,8 @@ impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
         for task in self.tasks {
-            if let Err(e) = task.await
-                && e.is_panic()
-            {
-                tracing::error!(error = %e, "outbox task panicked");
+            if let Err(panic) = task.await {
+                tracing::error!(error = %panic, "outbox task panicked");
             }
         }
         self.broker.connection_close().await;

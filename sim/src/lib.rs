@@ -1,7 +1,8 @@
 //! The deterministic simulation testbed: the production drainer, janitors
 //! and subscriber, built with simulation adapters of their ports, run
-//! against fake PostgreSQL and RabbitMQ servers on a turmoil network under
-//! seeded fault scenarios, and judged rule by rule against ADR-018.
+//! against fake PostgreSQL and RabbitMQ servers on a simulated network
+//! (turmoil's, or madsim's in the madsim build: [`engine`]) under seeded
+//! fault scenarios, and judged rule by rule against ADR-018.
 //!
 //! # Layout (after TigerBeetle's VOPR)
 //! - `main.rs`: the `sim` binary: `run SCENARIO --seed N`, `sweep`; the seed
@@ -9,6 +10,7 @@
 //!   sweep prints violations and coverage (marks, faults) by scenario.
 //! - [`scenario`]: parses `scenarios/*.toml`: typed timed faults and swarm
 //!   families.
+//! - [`engine`]: the two engines (turmoil, madsim) behind one interface.
 //! - [`world`]: builds the simulation from a scenario and a seed (hosts, the
 //!   fakes, the fault schedule), heals, runs the liveness phase, judges.
 //! - [`fakes`]: the fake PostgreSQL ([`fakes::pg`]) and RabbitMQ
@@ -36,6 +38,7 @@
 
 pub mod adapters;
 pub mod checker;
+pub mod engine;
 pub mod fakes;
 pub mod model;
 pub mod scenario;
@@ -46,25 +49,14 @@ pub mod wire;
 pub mod workload;
 pub mod world;
 
-use std::cell::Cell;
 use std::time::Duration;
-
-thread_local! {
-    /// Simulated time as the world loop last saw it, for code running
-    /// outside a host (the world itself, drops during a crash).
-    static WORLD_NOW: Cell<Duration> = const { Cell::new(Duration::ZERO) };
-}
 
 /// Current simulated time.
 pub fn sim_now() -> Duration {
-    turmoil::sim_elapsed().unwrap_or_else(|| WORLD_NOW.with(Cell::get))
+    engine::now()
 }
 
 /// Current simulated time in whole milliseconds.
 pub fn sim_now_ms() -> u64 {
     sim_now().as_millis() as u64
-}
-
-pub(crate) fn set_world_now(d: Duration) {
-    WORLD_NOW.with(|c| c.set(d));
 }

@@ -7,6 +7,10 @@
 //! sim shrink producer_and_consumer_swarm --seed 48 [--out FILE.toml]
 //! sim sweep [SCENARIO...] --seeds 0..200 [--jobs 2] [--scenarios DIR]
 //! ```
+//! Each takes `--engine turmoil|madsim` (turmoil by default). One build
+//! holds one engine; asked for the other, the binary runs the same command
+//! on that engine's build through cargo (madsim's: `RUSTFLAGS="--cfg
+//! madsim"`, in `target/madsim`), building it first if need be.
 //! A sweep without names runs every scenario in `scenarios/` and the clean
 //! twin (`NAME.clean`) of each faulty one. It prints, besides the failures,
 //! how many runs broke each invariant, how often each coverage mark and
@@ -16,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
+use std::process::{Command, ExitCode};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -28,7 +32,8 @@ use sim::world::{self, Coverage, RunOutcome};
 const USAGE: &str = "usage:
   sim run SCENARIO --seed N [--trace FILE] [--timeline FILE.svg] [--scenarios DIR]
   sim shrink SCENARIO --seed N [--out FILE.toml] [--scenarios DIR]
-  sim sweep [SCENARIO...] --seeds A..B [--jobs J] [--scenarios DIR] [--by-scenario]";
+  sim sweep [SCENARIO...] --seeds A..B [--jobs J] [--scenarios DIR] [--by-scenario]
+every command also takes --engine turmoil|madsim (default turmoil)";
 
 fn default_scenarios_dir() -> PathBuf {
     let here = Path::new("scenarios");
@@ -54,20 +59,102 @@ fn parse_range(s: &str) -> Result<std::ops::Range<u64>, String> {
     Ok(a..b)
 }
 
+/// ` --engine madsim` on the madsim build (turmoil is the default).
+fn engine_flag() -> &'static str {
+    if sim::engine::NAME == "turmoil" {
+        ""
+    } else {
+        " --engine madsim"
+    }
+}
+
 fn reproduce(o: &RunOutcome) -> String {
     format!(
-        "cargo run --release -p sim -- run {} --seed {} --trace {}-{}.trace",
-        o.scenario, o.seed, o.scenario, o.seed
+        "cargo run --release -p sim -- run {} --seed {}{} --trace {}-{}.trace",
+        o.scenario,
+        o.seed,
+        engine_flag(),
+        o.scenario,
+        o.seed
     )
 }
 
+/// Takes `--engine NAME` out of `args`: `None` when it names this build's
+/// engine (or is absent), else the engine asked for.
+fn take_engine(args: &mut Vec<String>) -> Result<Option<String>, String> {
+    let Some(i) = args.iter().position(|a| a == "--engine") else {
+        return Ok(None);
+    };
+    let engine = args.get(i + 1).cloned().ok_or("--engine needs a name")?;
+    if !sim::engine::ENGINES.contains(&engine.as_str()) {
+        return Err(format!(
+            "unknown engine {engine:?}: one of {:?}",
+            sim::engine::ENGINES
+        ));
+    }
+    args.drain(i..i + 2);
+    Ok((engine != sim::engine::NAME).then_some(engine))
+}
+
+/// Runs `sim ARGS` on `engine`'s build through cargo (building it if need
+/// be): madsim's is this workspace's `sim` built with `--cfg madsim` in
+/// `target/madsim`, turmoil's the plain build.
+fn delegate(engine: &str, args: &[String]) -> Result<ExitCode, String> {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("sim sits in the workspace");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| workspace.join("target"), PathBuf::from);
+    let mut flags: Vec<String> = std::env::var("RUSTFLAGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    while let Some(i) = flags.windows(2).position(|w| w == ["--cfg", "madsim"]) {
+        flags.drain(i..i + 2);
+    }
+    let target = if engine == "madsim" {
+        flags.extend(["--cfg".to_owned(), "madsim".to_owned()]);
+        target.join("madsim")
+    } else {
+        // The madsim build lives in `<target>/madsim`; turmoil's is beside.
+        match target.file_name() {
+            Some(n) if n == "madsim" => target.parent().map_or(target.clone(), Path::to_owned),
+            _ => target,
+        }
+    };
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args(["run", "--release", "-p", "sim", "--manifest-path"])
+        .arg(workspace.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target)
+        .arg("--")
+        .args(args)
+        .env("RUSTFLAGS", flags.join(" "));
+    eprintln!(
+        "sim: this build runs on {}; running on {engine}: RUSTFLAGS={:?} cargo run --release -p sim --target-dir {} -- {}",
+        sim::engine::NAME,
+        flags.join(" "),
+        target.display(),
+        args.join(" ")
+    );
+    let status = cmd
+        .status()
+        .map_err(|e| format!("cannot run cargo for the {engine} build: {e}"))?;
+    Ok(match status.code() {
+        Some(0) => ExitCode::SUCCESS,
+        Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
+        None => ExitCode::from(1),
+    })
+}
+
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("run") => cmd_run(&args[1..]),
-        Some("sweep") => cmd_sweep(&args[1..]),
-        Some("shrink") => cmd_shrink(&args[1..]),
-        _ => Err(USAGE.to_owned()),
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match take_engine(&mut args) {
+        Err(msg) => Err(msg),
+        Ok(Some(engine)) => delegate(&engine, &args),
+        Ok(None) => dispatch(&args),
     };
     match result {
         Ok(code) => code,
@@ -75,6 +162,15 @@ fn main() -> ExitCode {
             eprintln!("{msg}");
             ExitCode::from(2)
         }
+    }
+}
+
+fn dispatch(args: &[String]) -> Result<ExitCode, String> {
+    match args.first().map(String::as_str) {
+        Some("run") => cmd_run(&args[1..]),
+        Some("sweep") => cmd_sweep(&args[1..]),
+        Some("shrink") => cmd_shrink(&args[1..]),
+        _ => Err(USAGE.to_owned()),
     }
 }
 
@@ -126,7 +222,7 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
     } = parse_one_seed(args, &["--trace", "--timeline"])?;
     let trace_file = files.remove("--trace");
     let timeline_file = files.remove("--timeline");
-    println!("seed {seed}");
+    println!("seed {seed}\nengine {}", sim::engine::NAME);
     let scenario = load(&dir, &name)?;
     let started = Instant::now();
     let o = world::run(&scenario, seed);
@@ -148,6 +244,13 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
         o.sim_secs,
         started.elapsed().as_secs_f64()
     );
+    let marks: Vec<String> = o
+        .coverage
+        .marks
+        .iter()
+        .map(|(m, n)| format!("{}={n}", m.name()))
+        .collect();
+    println!("marks    {}", marks.join(" "));
     for violation in &v.violations {
         println!("violated {violation}");
     }
@@ -181,7 +284,7 @@ fn cmd_shrink(args: &[String]) -> Result<ExitCode, String> {
         mut files,
     } = parse_one_seed(args, &["--out"])?;
     let out = files.remove("--out");
-    println!("seed {seed}");
+    println!("seed {seed}\nengine {}", sim::engine::NAME);
     let scenario = load(&dir, &name)?;
     let started = Instant::now();
     let shrunk = sim::shrink::shrink(&scenario, seed, |step| println!("  {step}"))
@@ -190,16 +293,17 @@ fn cmd_shrink(args: &[String]) -> Result<ExitCode, String> {
         .file_stem()
         .map_or(name.clone(), |s| s.to_string_lossy().into_owned());
     let out = out.unwrap_or_else(|| format!("{stem}-{seed}.shrunk.toml"));
-    let command = format!("sim shrink {name} --seed {seed}");
+    let command = format!("sim shrink {name} --seed {seed}{}", engine_flag());
     std::fs::write(&out, sim::shrink::to_toml(&shrunk, &command))
         .map_err(|e| format!("cannot write {out}: {e}"))?;
     println!(
-        "invariant {}\nbefore    {}\nafter     {}\nshrunk in {} runs, {:.1} s\nwritten   {out}\nreproduce: cargo run --release -p sim -- run {out} --seed {seed} --timeline {stem}-{seed}.svg",
+        "invariant {}\nbefore    {}\nafter     {}\nshrunk in {} runs, {:.1} s\nwritten   {out}\nreproduce: cargo run --release -p sim -- run {out} --seed {seed}{} --timeline {stem}-{seed}.svg",
         shrunk.invariant,
         shrunk.before,
         shrunk.after,
         shrunk.runs,
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        engine_flag()
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -257,10 +361,11 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
         by_scenario,
     } = parse_sweep(args)?;
     println!(
-        "seeds {}..{} over {} scenarios",
+        "seeds {}..{} over {} scenarios on {}",
         range.start,
         range.end,
-        scenarios.len()
+        scenarios.len(),
+        sim::engine::NAME
     );
     let started = Instant::now();
     let results = run_all(&scenarios, &range, jobs);
@@ -300,7 +405,7 @@ fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
 fn run_all(scenarios: &[Scenario], range: &std::ops::Range<u64>, jobs: usize) -> Vec<RunOutcome> {
     let mut work: Vec<(usize, u64)> = Vec::new();
     for (i, s) in scenarios.iter().enumerate() {
-        let pinned = s.seeds.iter().copied().filter(|p| !range.contains(p));
+        let pinned = s.pinned().iter().copied().filter(|p| !range.contains(p));
         work.extend(range.clone().chain(pinned).map(|seed| (i, seed)));
     }
     let total = work.len();

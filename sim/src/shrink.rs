@@ -109,7 +109,7 @@ pub fn explicit(scenario: &Scenario, seed: u64, invariant: Invariant) -> Scenari
     let mut s = scenario.clone();
     s.faults = world::faults_of(scenario, seed);
     s.swarm = None;
-    s.seeds = vec![seed];
+    s.pin_only(vec![seed]);
     if invariant != Invariant::ScenarioExpectation {
         s.expect = Expect::default();
     }

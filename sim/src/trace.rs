@@ -163,7 +163,8 @@ pub enum Event {
     Heal,
     /// A host crashed or restarted.
     Host { host: String, up: bool },
-    /// turmoil stopped the run (a host's task returned an error).
+    /// The engine stopped the run (a host's task returned an error, or
+    /// a task panicked).
     SimulationError { message: String },
 
     // --- the producer (the fake PostgreSQL and the workload) ---------------

@@ -1,6 +1,6 @@
 //! The wire protocol between the simulation adapters and the fakes: one
 //! length-prefixed JSON frame per request and per reply, over
-//! `turmoil::net::TcpStream`, so every request crosses the simulated network
+//! the engine's `TcpStream`, so every request crosses the simulated network
 //! and is subject to its faults (held links black-hole, partitions and
 //! crashes break connections).
 

@@ -5,6 +5,11 @@
 //! the confirm timeout, blames no row, and the next tick after the heal
 //! publishes it. Its report, and a drain's, count what the store did.
 
+// turmoil only: these drive the turmoil world by hand (links held and
+// released between steps); the scenarios and the conformance suite run on
+// both engines.
+#![cfg(not(madsim))]
+
 use std::sync::Arc;
 use std::time::Duration;
 

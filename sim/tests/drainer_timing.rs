@@ -3,6 +3,11 @@
 //! times that once a minute has passed without work or errors; with
 //! `max_rows_per_sec` it claims no faster than that.
 
+// turmoil only: these drive the turmoil world by hand (links held and
+// released between steps); the scenarios and the conformance suite run on
+// both engines.
+#![cfg(not(madsim))]
+
 use std::path::Path;
 
 use sim::scenario::Scenario;

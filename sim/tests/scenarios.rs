@@ -1,7 +1,10 @@
-//! Every scenario (and its clean twin) on its pinned seeds: every invariant
+//! Every scenario (and its clean twin) on its pinned seeds for this build's
+//! engine (`seeds` on turmoil, `madsim_seeds` on madsim): every invariant
 //! holds, running the same seed twice gives the same trace, byte for byte
-//! (compared by hash, and by length as a cross-check), and the pinned seeds
-//! together reach every coverage mark the scenario's `reach` list names.
+//! (compared by hash, and by length as a cross-check; on madsim the second
+//! run is madsim's own determinism check, which compares every random draw
+//! as it is made), and the pinned seeds together reach every coverage mark
+//! the scenario's `reach` list names.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -15,32 +18,43 @@ fn scenarios_dir() -> std::path::PathBuf {
 
 fn check(name: &str) {
     let base = Scenario::find(&scenarios_dir(), name).expect("scenario loads");
-    assert!(!base.seeds.is_empty(), "{name} pins no seeds");
+    assert!(
+        !base.pinned().is_empty(),
+        "{name} pins no seeds for the {} engine",
+        sim::engine::NAME
+    );
     let mut all = vec![base.clone()];
     all.extend(base.clean_twin());
     let mut reached: BTreeSet<Mark> = BTreeSet::new();
     for s in all {
-        for &seed in &s.seeds {
+        for &seed in s.pinned() {
             let a = sim::world::run(&s, seed);
             if s.name == base.name {
                 reached.extend(a.coverage.marks.keys().copied());
             }
             assert!(
                 a.verdict.ok(),
-                "{} seed {seed} violated: {:#?}\nreproduce: cargo run --release -p sim -- run {} --seed {seed}",
+                "{} seed {seed} violated: {:#?}\nreproduce: cargo run --release -p sim -- run {} --seed {seed} --engine {}",
                 s.name,
                 a.verdict.violations,
-                s.name
+                s.name,
+                sim::engine::NAME
             );
             assert!(
                 a.verdict.committed > 0,
                 "{} seed {seed} committed nothing",
                 s.name
             );
-            let b = sim::world::run(&s, seed);
+            #[cfg(not(madsim))]
+            let b = {
+                let b = sim::world::run(&s, seed);
+                (b.trace_hash, b.trace.events().len())
+            };
+            #[cfg(madsim)]
+            let b = sim::world::check_determinism(&s, seed);
             assert_eq!(
                 (a.trace_hash, a.trace.events().len()),
-                (b.trace_hash, b.trace.events().len()),
+                b,
                 "{} seed {seed} is not deterministic",
                 s.name
             );
@@ -50,8 +64,9 @@ fn check(name: &str) {
         let m = Mark::from_name(mark).expect("scenarios name marks");
         assert!(
             reached.contains(&m),
-            "{name}: no pinned seed reaches mark {mark}; pin one that does \
-             (cargo run --release -p sim -- sweep {name} --seeds 0..50 --by-scenario)"
+            "{name}: no pinned seed reaches mark {mark} on {engine}; pin one that does \
+             (cargo run --release -p sim -- sweep {name} --seeds 0..50 --by-scenario --engine {engine})",
+            engine = sim::engine::NAME
         );
     }
 }

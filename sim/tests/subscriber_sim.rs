@@ -4,6 +4,11 @@
 //! once; a poison event is dead-lettered after the budget with no effect,
 //! then replay applies it once.
 
+// turmoil only: these drive the turmoil world by hand (links held and
+// released between steps); the scenarios and the conformance suite run on
+// both engines.
+#![cfg(not(madsim))]
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;

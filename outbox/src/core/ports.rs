@@ -1,8 +1,8 @@
 //! Ports: the one seam between the drainer's logic and the outside world.
 //!
 //! One trait per external system, methods named `<entity>_<verb>`. Production
-//! adapters live in `pg/` (sqlx), `amqp/` (lapin) and `runtime.rs` (tokio time,
-//! OS entropy); the simulation has its own. Errors say whose fault a failure
+//! adapters live in `pg/` (sqlx), `amqp/` (lapin) and `runtime.rs` (tokio time
+//! and tasks, OS entropy); the simulation has its own. Errors say whose fault a failure
 //! is: [`StoreError`] and [`BrokerError`] are always blameless for the rows,
 //! only [`Confirm::Nack`] (and a row the core itself finds unpublishable)
 //! counts toward parking.
@@ -23,6 +23,22 @@ pub trait Clock: Send + Sync + 'static {
     /// Completes after `d` of this clock's time.
     fn sleep(&self, d: Duration) -> impl Future<Output = ()> + Send;
 }
+
+/// Where long-running tasks run: tokio in production
+/// ([`TokioSpawn`](crate::TokioSpawn)), the simulation's runtime under
+/// simulation, so [`DrainerHandle`](crate::DrainerHandle) runs the same
+/// tasks on either.
+pub trait Spawn: Send + Sync + 'static {
+    /// Runs `task` on its own. The returned future resolves once the task
+    /// has ended: `Err` with the panic's message if it panicked.
+    fn spawn(&self, task: BoxTask) -> TaskEnd;
+}
+
+/// A task handed to [`Spawn::spawn`].
+pub type BoxTask = std::pin::Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// The end of a spawned task, as [`Spawn::spawn`] reports it.
+pub type TaskEnd = std::pin::Pin<Box<dyn Future<Output = Result<(), String>> + Send + 'static>>;
 
 /// Randomness as the core sees it (jitter only; ids come from the store).
 pub trait Entropy: Send + Sync + 'static {

@@ -31,7 +31,7 @@ use crate::wire::{
 
 /// One live connection to the fake broker.
 struct MqConn {
-    writer: tokio::sync::Mutex<turmoil::net::tcp::OwnedWriteHalf>,
+    writer: tokio::sync::Mutex<crate::engine::net::WriteHalf>,
     waiters: Arc<Mutex<Waiters>>,
     reader: tokio::task::JoinHandle<()>,
 }
@@ -139,7 +139,7 @@ impl SimBroker {
         let stream = connect("rabbit", MQ_PORT)
             .await
             .map_err(BrokerError::Connection)?;
-        let (mut r, mut w) = stream.into_split();
+        let (mut r, mut w) = crate::engine::net::split(stream);
         write_frame(
             &mut w,
             &MqRequest::Hello {

@@ -33,7 +33,7 @@ const LIST_LIMIT_MAX: u32 = outbox::pg::inbox::LIST_LIMIT_MAX;
 
 /// A handler transaction: one connection, held until commit or rollback.
 pub struct SimTx {
-    conn: Option<turmoil::net::TcpStream>,
+    conn: Option<crate::engine::net::TcpStream>,
 }
 
 impl SimTx {
@@ -57,7 +57,7 @@ impl SimTx {
 /// The inbox store of one consumer replica.
 pub struct SimInboxStore {
     client: String,
-    idle: Mutex<Vec<turmoil::net::TcpStream>>,
+    idle: Mutex<Vec<crate::engine::net::TcpStream>>,
     side: PgClient,
     hooks: Hooks,
     trace: Trace,
@@ -82,7 +82,7 @@ impl SimInboxStore {
         self
     }
 
-    async fn checkout(&self) -> Result<turmoil::net::TcpStream, StoreError> {
+    async fn checkout(&self) -> Result<crate::engine::net::TcpStream, StoreError> {
         if let Some(s) = self.idle.lock().expect("idle").pop() {
             return Ok(s);
         }

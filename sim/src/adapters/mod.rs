@@ -1,7 +1,8 @@
 //! The simulation adapters of the ports: the production drainer, janitors
-//! and subscriber reach the fakes through these, over `turmoil::net`,
+//! and subscriber reach the fakes through these, over the engine's network,
 //! exactly as they reach PostgreSQL and RabbitMQ through sqlx and lapin.
-//! Time is tokio's, which turmoil simulates; entropy is a seeded SplitMix64.
+//! Time and tasks are the engine's ([`crate::engine::Clock`],
+//! [`crate::engine::Spawner`]); entropy is a seeded SplitMix64.
 //!
 //! - [`net`]: connections, bounded requests, the client's transactions.
 //! - [`store`]: `OutboxStore` ([`SimStore`]).

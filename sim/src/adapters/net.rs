@@ -1,4 +1,5 @@
-//! The adapters' transport: connections to the fakes over `turmoil::net`,
+//! The adapters' transport: connections to the fakes over the engine's
+//! network,
 //! one request and reply at a time, each bounded as the production adapters
 //! bound theirs, and the client's view of its transactions for the #478
 //! check.
@@ -18,13 +19,11 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// wedges the simulated drainer exactly as long as the real one.
 pub const STORE_REQUEST_TIMEOUT: Duration = outbox::pg::STORE_CALL_TIMEOUT;
 
-pub(crate) async fn connect(host: &str, port: u16) -> Result<turmoil::net::TcpStream, String> {
-    match tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        turmoil::net::TcpStream::connect((host, port)),
-    )
-    .await
-    {
+pub(crate) async fn connect(
+    host: &str,
+    port: u16,
+) -> Result<crate::engine::net::TcpStream, String> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, crate::engine::net::connect(host, port)).await {
         Ok(Ok(s)) => Ok(s),
         Ok(Err(e)) => Err(format!("connect to {host}: {e}")),
         Err(_) => Err(format!("connect to {host}: timed out")),
@@ -35,7 +34,7 @@ pub(crate) async fn connect(host: &str, port: u16) -> Result<turmoil::net::TcpSt
 /// the workload) uses it.
 pub struct PgClient {
     client: String,
-    conn: tokio::sync::Mutex<Option<turmoil::net::TcpStream>>,
+    conn: tokio::sync::Mutex<Option<crate::engine::net::TcpStream>>,
     trace: Trace,
 }
 
@@ -58,7 +57,7 @@ impl PgClient {
 
     async fn call_on(
         &self,
-        guard: &mut Option<turmoil::net::TcpStream>,
+        guard: &mut Option<crate::engine::net::TcpStream>,
         req: PgRequest,
     ) -> Result<PgReply, StoreError> {
         if guard.is_none() {
@@ -114,7 +113,7 @@ impl PgClient {
 }
 
 /// Opens a connection to the fake PostgreSQL and names `client` on it.
-pub(crate) async fn connect_pg(client: &str) -> Result<turmoil::net::TcpStream, StoreError> {
+pub(crate) async fn connect_pg(client: &str) -> Result<crate::engine::net::TcpStream, StoreError> {
     let mut s = connect("pg", PG_PORT)
         .await
         .map_err(StoreError::Unavailable)?;
@@ -131,7 +130,7 @@ pub(crate) async fn connect_pg(client: &str) -> Result<turmoil::net::TcpStream, 
 /// `Statement` error; a transport failure drops the connection (the server
 /// rolls back what was open) and is `Unavailable`, as is an empty slot.
 pub(crate) async fn request(
-    slot: &mut Option<turmoil::net::TcpStream>,
+    slot: &mut Option<crate::engine::net::TcpStream>,
     req: &PgRequest,
 ) -> Result<PgReply, StoreError> {
     let Some(stream) = slot.as_mut() else {
@@ -148,7 +147,7 @@ pub(crate) async fn request(
 }
 
 pub(crate) async fn exchange(
-    s: &mut turmoil::net::TcpStream,
+    s: &mut crate::engine::net::TcpStream,
     req: &PgRequest,
 ) -> Result<PgReply, String> {
     let io = async {

@@ -23,9 +23,13 @@ pub struct Scenario {
     pub name: String,
     /// What the scenario exercises and why the system should survive it.
     pub description: String,
-    /// Seeds that once failed or matter: always run.
+    /// Seeds that once failed or matter: always run (on turmoil).
     #[serde(default)]
     pub seeds: Vec<u64>,
+    /// The same, on madsim, where one seed deals another schedule than on
+    /// turmoil.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub madsim_seeds: Vec<u64>,
     pub workload: Workload,
     #[serde(default)]
     pub topology: Topology,
@@ -260,6 +264,26 @@ impl Scenario {
             ));
         }
         Ok(())
+    }
+
+    /// The seeds pinned for this build's engine.
+    pub fn pinned(&self) -> &[u64] {
+        if crate::engine::NAME == "madsim" {
+            &self.madsim_seeds
+        } else {
+            &self.seeds
+        }
+    }
+
+    /// Pins exactly `seeds` for this build's engine, none for the other.
+    pub fn pin_only(&mut self, seeds: Vec<u64>) {
+        if crate::engine::NAME == "madsim" {
+            self.seeds.clear();
+            self.madsim_seeds = seeds;
+        } else {
+            self.madsim_seeds.clear();
+            self.seeds = seeds;
+        }
     }
 
     /// The clean twin of a faulty scenario: the same workload, topology,

@@ -33,7 +33,7 @@ pub async fn run(
     seed: u64,
     trace: Trace,
     done: Arc<AtomicBool>,
-) -> turmoil::Result {
+) -> crate::engine::HostResult {
     let mut rng = SmallRng::seed_from_u64(seed);
     let pg = PgClient::new("workload", trace.clone());
     for n in 0..spec.transactions {

@@ -77,7 +77,7 @@ impl Env {
         }
     }
 
-    fn crash(&mut self, sim: &mut turmoil::Sim<'_>, host: &str) -> bool {
+    fn crash(&mut self, sim: &mut crate::engine::Sim, host: &str) -> bool {
         if !self.crashed.insert(host.to_owned()) {
             return false;
         }
@@ -89,9 +89,9 @@ impl Env {
         true
     }
 
-    fn restart(&mut self, sim: &mut turmoil::Sim<'_>, host: &str) {
+    fn restart(&mut self, sim: &mut crate::engine::Sim, host: &str) {
         if self.crashed.remove(host) {
-            sim.bounce(host);
+            sim.restart(host);
             self.trace.now(Event::Host {
                 host: host.to_owned(),
                 up: true,
@@ -100,7 +100,13 @@ impl Env {
     }
 
     /// Starts (or ends) fault number `index`.
-    pub fn apply(&mut self, sim: &mut turmoil::Sim<'_>, index: usize, fault: &Fault, start: bool) {
+    pub fn apply(
+        &mut self,
+        sim: &mut crate::engine::Sim,
+        index: usize,
+        fault: &Fault,
+        start: bool,
+    ) {
         let kind = fault.kind();
         self.trace.now(if start {
             Event::FaultStart {
@@ -201,7 +207,7 @@ impl Env {
     }
 
     /// Crashes the hosts whose crash point fired, to restart them soon.
-    pub fn crash_requested(&mut self, sim: &mut turmoil::Sim<'_>, now: Duration) {
+    pub fn crash_requested(&mut self, sim: &mut crate::engine::Sim, now: Duration) {
         let requested: Vec<String> = self
             .hooks
             .iter()
@@ -216,7 +222,7 @@ impl Env {
     }
 
     /// Restarts the crash-point crashes that are due.
-    pub fn restart_due(&mut self, sim: &mut turmoil::Sim<'_>, now: Duration) {
+    pub fn restart_due(&mut self, sim: &mut crate::engine::Sim, now: Duration) {
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.restarts)
             .into_iter()
             .partition(|(at, _)| *at <= now);
@@ -228,7 +234,7 @@ impl Env {
 
     /// Ends every fault still active (`active` are their indexes), restarts
     /// crashed hosts, and has the operator unpark what parked.
-    pub fn heal(&mut self, sim: &mut turmoil::Sim<'_>, faults: &[Fault], active: &[usize]) {
+    pub fn heal(&mut self, sim: &mut crate::engine::Sim, faults: &[Fault], active: &[usize]) {
         self.trace.now(Event::Heal);
         for &i in active {
             self.apply(sim, i, &faults[i], false);

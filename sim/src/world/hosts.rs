@@ -12,11 +12,12 @@ use std::time::Duration;
 use outbox::core::janitor::InboxJanitorSettings;
 use outbox::core::ports::InboxFilter;
 use outbox::core::subscriber::ReplayOutcome;
-use outbox::{DrainerConfig, SubscriberSettings, TokioClock};
+use outbox::{DrainerConfig, SubscriberSettings};
 
 use super::env::Env;
 use super::{CONSUMER_QUEUE, EXCHANGE, REPLAY_EVERY};
 use crate::adapters::{SimBroker, SimInboxStore, SimStore, TraceMarks};
+use crate::engine::{Clock, Spawner};
 use crate::scenario::Scenario;
 use crate::trace::{Event, Replay, Trace};
 use crate::workload::handler::SimHandler;
@@ -73,7 +74,7 @@ pub fn inbox_janitor_settings(s: &Scenario) -> InboxJanitorSettings {
 
 /// Host `drainer-{i}`: each start is a new process with a new replica id
 /// (`drainer-{i}#{n}`), as production's `drainer-{hostname}-{pid}-{uuid}`.
-pub fn spawn_drainer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u32, seed: u64) {
+pub fn spawn_drainer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: u32, seed: u64) {
     let host = format!("drainer-{i}");
     let hooks = env.hooks[(i - 1) as usize].1.clone();
     let trace = env.trace.clone();
@@ -99,9 +100,10 @@ pub fn spawn_drainer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u32
             let ports = outbox::DrainerPorts {
                 store,
                 broker,
-                clock: TokioClock::default(),
+                clock: Clock::default(),
                 entropy,
                 wakeup,
+                spawn: Spawner {},
                 marks,
             };
             let _handle = outbox::DrainerHandle::spawn_on(ports, config);
@@ -133,7 +135,7 @@ impl outbox::core::ports::CommitWakeup for SimCommitWakeup {
 
 /// Host `consumer-{i}`: the production subscriber and inbox janitor on the
 /// simulation adapters.
-pub fn spawn_consumer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u32) {
+pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: u32) {
     let host = format!("consumer-{i}");
     let hooks = env.hooks[(env.drainers + i - 1) as usize].1.clone();
     let trace = env.trace.clone();
@@ -159,7 +161,7 @@ pub fn spawn_consumer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u3
             outbox::Subscriber::new(
                 store.clone(),
                 broker,
-                Arc::new(TokioClock::default()),
+                Arc::new(Clock::default()),
                 handler,
                 settings.clone(),
             )
@@ -170,7 +172,7 @@ pub fn spawn_consumer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u3
             let (_keep, rx) = tokio::sync::watch::channel(false);
             tokio::spawn(outbox::core::janitor::run_inbox(
                 store,
-                Arc::new(TokioClock::default()),
+                Arc::new(Clock::default()),
                 janitor,
                 rx.clone(),
                 marks,
@@ -187,7 +189,7 @@ pub fn spawn_consumer(sim: &mut turmoil::Sim<'_>, env: &Env, s: &Scenario, i: u3
     });
 }
 
-type SimSubscriber = outbox::Subscriber<SimInboxStore, SimBroker, TokioClock, SimHandler>;
+type SimSubscriber = outbox::Subscriber<SimInboxStore, SimBroker, Clock, SimHandler>;
 
 /// The operator: after the heal, replays dead letters every few seconds,
 /// recording what each replay reported.

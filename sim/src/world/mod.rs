@@ -1,7 +1,8 @@
-//! The world: builds one turmoil simulation from a scenario and a seed
-//! (hosts in [`hosts`], the fakes and the fault schedule in [`env`]), runs
-//! the fault phase, heals everything, runs the liveness phase until the
-//! model's quiescence (or its bound), then has the checker judge.
+//! The world: builds one simulation (on this build's engine,
+//! [`crate::engine`]) from a scenario and a seed (hosts in [`hosts`], the
+//! fakes and the fault schedule in [`env`]), runs the fault phase, heals
+//! everything, runs the liveness phase until the model's quiescence (or its
+//! bound), then has the checker judge.
 
 pub mod env;
 pub mod hosts;
@@ -18,6 +19,7 @@ use self::env::Env;
 pub use self::hosts::{drainer_config, inbox_janitor_settings, subscriber_settings};
 use crate::adapters::{Hooks, STORE_REQUEST_TIMEOUT};
 use crate::checker::{self, Limits, Verdict};
+use crate::engine::{self, Sim};
 use crate::fakes::mq::MqState;
 use crate::fakes::pg::PgState;
 use crate::model::Oracle;
@@ -25,13 +27,16 @@ use crate::scenario::{Expect, Fault, Scenario};
 use crate::trace::{Event, FaultKind, Trace};
 use outbox::core::marks::Mark;
 
-/// Simulated time per turmoil step: the scheduling quantum. Every host runs
-/// until idle once per step and a message sent in one step is delivered in a
-/// later one, so a round trip costs one or two steps. 10 ms keeps every
-/// timing the drainer relies on several steps long (the 50 ms tick, the 2 s
-/// confirm deadline, the 5 s lease) while a 60-second swarm seed costs about
-/// 6 000 steps; turmoil's cost is per host per step, whether or not anything
-/// happens, so the step is what bounds sweep speed.
+/// Simulated time per step: the world applies its fault schedule at this
+/// granularity on both engines, and it is turmoil's scheduling quantum.
+/// On turmoil every host runs until idle once per step and a message sent
+/// in one step is delivered in a later one, so a round trip costs one or
+/// two steps. 10 ms keeps every timing the drainer relies on several steps
+/// long (the 50 ms tick, the 2 s confirm deadline, the 5 s lease) while a
+/// 60-second swarm seed costs about 6 000 steps; turmoil's cost is per host
+/// per step, whether or not anything happens, so the step is what bounds
+/// its sweep speed. madsim runs each ready task as it becomes ready, and
+/// draws each message's latency from the same 1 ms to one-step range.
 pub const STEP: Duration = Duration::from_millis(10);
 /// Steps in `d` (at least one).
 const fn steps_in(d: Duration) -> u32 {
@@ -153,7 +158,8 @@ fn schedule(faults: &[Fault]) -> Vec<Scheduled> {
 /// The seed of the random stream `purpose` draws from in a run of `seed`.
 ///
 /// Each purpose (the swarm's draws, each fake, each host's crash points,
-/// turmoil's network, each drainer, the workload, the fault windows) has a
+/// the engine (its network and scheduling), each drainer, the workload,
+/// the fault windows) has a
 /// stream of its own, derived from the seed and the purpose's name alone,
 /// so taking a fault, a host or part of the workload out of a run leaves
 /// every other stream as it was: what `sim shrink` relies on.
@@ -179,11 +185,62 @@ pub fn faults_of(scenario: &Scenario, seed: u64) -> Vec<Fault> {
     faults
 }
 
-/// Runs `scenario` with `seed`.
+/// How the engine is built for a run of `scenario` with `seed`.
+pub fn settings(scenario: &Scenario, seed: u64) -> engine::Settings {
+    engine::Settings {
+        seed: stream(seed, engine::NAME),
+        step: Some(STEP),
+        latency: Some((Duration::from_millis(1), STEP)),
+        // The run ends itself (quiescence or the liveness bound); this is a
+        // backstop far beyond both.
+        limit: secs(scenario.timing.fault_phase_secs + scenario.timing.liveness_secs * 4.0)
+            + Duration::from_secs(600),
+    }
+}
+
+/// Runs `scenario` with `seed` on this build's engine. A task that panics
+/// fails the run (`SimulationError` in the trace), as a host that fails
+/// does.
 pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     crate::workload::handler::quiet_handler_panics();
     let trace = Trace::default();
-    crate::set_world_now(Duration::ZERO);
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let (scenario, trace) = (scenario.clone(), trace.clone());
+        engine::simulate(settings(&scenario, seed), move |sim| {
+            run_on(sim, scenario, seed, trace)
+        })
+    }));
+    run.unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a task panicked".to_owned());
+        trace.now(Event::SimulationError {
+            message: format!("a task panicked: {message}"),
+        });
+        let events = trace.events();
+        let mut verdict = Verdict::default();
+        stopped_early(&mut verdict, &events);
+        RunOutcome {
+            scenario: scenario.name.clone(),
+            seed,
+            verdict,
+            trace_hash: trace.hash(),
+            sim_secs: events.last().map_or(0.0, |(t, _)| t.as_secs_f64()),
+            coverage: Coverage::of(&events),
+            faults: faults_of(scenario, seed)
+                .iter()
+                .map(|f| format!("{f:?}"))
+                .collect(),
+            trace,
+        }
+    })
+}
+
+/// Runs `scenario` with `seed` on `sim`, recording into `trace`.
+pub async fn run_on(mut sim: Sim, scenario: Scenario, seed: u64, trace: Trace) -> RunOutcome {
+    let scenario = &scenario;
     let topology = &scenario.topology;
     let faults = faults_of(scenario, seed);
     let fakes = (
@@ -203,22 +260,6 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         hooks.push((host, h));
     }
     let delivery_limit = subscriber_settings(scenario).max_body_bytes as usize;
-    let mut sim = turmoil::Builder::new()
-        .rng_seed(stream(seed, "turmoil"))
-        .tick_duration(STEP)
-        // Hosts run in a seeded random order within each step, so a seed
-        // explores interleavings a fixed order would never produce.
-        .enable_random_order()
-        .min_message_latency(Duration::from_millis(1))
-        .max_message_latency(STEP)
-        .tcp_capacity(1 << 16)
-        // The run ends itself (quiescence or the liveness bound); this is a
-        // backstop far beyond both.
-        .simulation_duration(
-            secs(scenario.timing.fault_phase_secs + scenario.timing.liveness_secs * 4.0)
-                + Duration::from_secs(600),
-        )
-        .build();
     let drainer_seeds: Vec<u64> = (1..=topology.drainers)
         .map(|i| stream(seed, &format!("drainer-{i}")))
         .collect();
@@ -242,7 +283,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         &done,
     );
     let queue = (topology.consumers > 0).then_some(CONSUMER_QUEUE);
-    drive(&mut sim, &mut env, scenario, &faults, &done, queue);
+    drive(&mut sim, &mut env, scenario, &faults, &done, queue).await;
     let (verdict, coverage) = {
         let events = trace.lock();
         (
@@ -262,10 +303,34 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
     }
 }
 
+/// madsim's own determinism check of a run of `scenario` with `seed`
+/// (`Runtime::check_determinism`): the run twice, every random draw of the
+/// second compared with the first's as it is made, so a divergence fails at
+/// the draw where it happens. Returns the second run's trace hash and
+/// length.
+#[cfg(madsim)]
+pub fn check_determinism(scenario: &Scenario, seed: u64) -> (u64, usize) {
+    use std::sync::Mutex;
+    // The check takes a function, not a closure: the run's input waits
+    // here, one check at a time.
+    static INPUT: Mutex<Option<(Scenario, u64)>> = Mutex::new(None);
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    *INPUT.lock().expect("input") = Some((scenario.clone(), seed));
+    let s = settings(scenario, seed);
+    let config = engine::madsim::config(&s);
+    ::madsim::runtime::Runtime::check_determinism(s.seed, config, || async {
+        let (scenario, seed) = INPUT.lock().expect("input").clone().expect("input set");
+        let sim = Sim::new(settings(&scenario, seed));
+        let o = run_on(sim, scenario, seed, Trace::default()).await;
+        (o.trace_hash, o.trace.events().len())
+    })
+}
+
 /// Puts the fakes, the drainers, the consumers and the workload on the
 /// simulated network.
 fn populate(
-    sim: &mut turmoil::Sim<'_>,
+    sim: &mut Sim,
     env: &Env,
     scenario: &Scenario,
     drainer_seeds: &[u64],
@@ -287,15 +352,10 @@ fn populate(
     for i in 1..=scenario.topology.consumers {
         hosts::spawn_consumer(sim, env, scenario, i);
     }
-    sim.client(
-        "workload",
-        crate::workload::run(
-            scenario.workload.clone(),
-            workload_seed,
-            env.trace.clone(),
-            done.clone(),
-        ),
-    );
+    let (workload, trace, done) = (scenario.workload.clone(), env.trace.clone(), done.clone());
+    sim.client("workload", move || {
+        crate::workload::run(workload, workload_seed, trace, done)
+    });
 }
 
 /// The retention bound: a row outlives its retention by at most two
@@ -318,8 +378,8 @@ fn oracle<'a>(env: &'a Env, scenario: &Scenario, queue: Option<&'a str>) -> Orac
 }
 
 /// Steps the simulation: the fault phase, the heal, the liveness phase.
-fn drive(
-    sim: &mut turmoil::Sim<'_>,
+async fn drive(
+    sim: &mut Sim,
     env: &mut Env,
     scenario: &Scenario,
     faults: &[Fault],
@@ -336,7 +396,6 @@ fn drive(
     let mut steps: u32 = 0;
     loop {
         let now = sim.elapsed();
-        crate::set_world_now(now);
         while !healed && next < schedule.len() && schedule[next].at <= now {
             let s = &schedule[next];
             env.apply(sim, s.fault, &faults[s.fault], s.start);
@@ -371,10 +430,8 @@ fn drive(
         {
             return;
         }
-        if let Err(e) = sim.step() {
-            env.trace.now(Event::SimulationError {
-                message: e.to_string(),
-            });
+        if let Err(message) = sim.step().await {
+            env.trace.now(Event::SimulationError { message });
             return;
         }
     }
@@ -394,11 +451,17 @@ fn judge(
         ..scenario.expect.clone()
     };
     let mut verdict = checker::check(events, &fin, &limits(scenario), &expect);
+    stopped_early(&mut verdict, events);
+    verdict
+}
+
+/// Fails `verdict` if the run stopped early: not a rule of the ADR, but no
+/// run that stopped early proves one.
+fn stopped_early(verdict: &mut Verdict, events: &[(Duration, Event)]) {
     if let Some((at, Event::SimulationError { message })) = events
         .iter()
         .find(|(_, e)| matches!(e, Event::SimulationError { .. }))
     {
-        // Not a rule of the ADR, but no run that stopped early proves one.
         verdict.violations.push(checker::Violation {
             invariant: checker::Invariant::ScenarioExpectation,
             at: Some(*at),
@@ -409,5 +472,4 @@ fn judge(
             .entry(checker::Invariant::ScenarioExpectation)
             .or_insert(0) += 1;
     }
-    verdict
 }

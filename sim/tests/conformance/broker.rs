@@ -12,6 +12,7 @@ use sim::fakes::mq::{self, MqFaults, MqState};
 use sim::trace::Trace;
 use uuid::Uuid;
 
+#[cfg(not(madsim))]
 use crate::common;
 use crate::harness::in_sim;
 
@@ -26,6 +27,7 @@ trait BrokerArm {
     async fn cut(&self);
 }
 
+#[cfg(not(madsim))]
 struct RealBroker {
     broker: Arc<outbox::LapinBroker>,
     exchange: String,
@@ -33,6 +35,7 @@ struct RealBroker {
     admin: lapin::Connection,
 }
 
+#[cfg(not(madsim))]
 impl BrokerArm for RealBroker {
     type B = outbox::LapinBroker;
     fn broker(&self) -> &outbox::LapinBroker {
@@ -76,21 +79,26 @@ impl BrokerArm for FakeBroker {
 
 fn with_fake_broker<F, Fut>(body: F)
 where
-    F: FnOnce(FakeBroker) -> Fut + 'static,
+    F: FnOnce(FakeBroker) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + 'static,
 {
     let trace = Trace::default();
     let state = MqState::new(3, trace.clone());
     let server = state.clone();
-    in_sim("rabbit", move || mq::serve(server.clone()), async move {
-        body(FakeBroker {
-            broker: SimBroker::new("conformance", trace, Hooks::new(1)),
-            state,
-        })
-        .await;
-    });
+    in_sim(
+        "rabbit",
+        move || mq::serve(server.clone()),
+        move || async move {
+            body(FakeBroker {
+                broker: SimBroker::new("conformance", trace, Hooks::new(1)),
+                state,
+            })
+            .await;
+        },
+    );
 }
 
+#[cfg(not(madsim))]
 async fn with_real_broker<F, Fut>(body: F)
 where
     F: FnOnce(RealBroker) -> Fut,

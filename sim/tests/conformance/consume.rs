@@ -1,6 +1,6 @@
 //! Conformance of the consumer side of the broker: the same bodies against
 //! `LapinBroker` on the local RabbitMQ (through a TCP proxy that can cut the
-//! connection) and `SimBroker` on the fake broker in a turmoil simulation.
+//! connection) and `SimBroker` on the fake broker in a simulation.
 
 use std::future::Future;
 use std::time::Duration;
@@ -15,6 +15,7 @@ use sim::adapters::{Hooks, SimBroker};
 use sim::fakes::mq::{self, MqState};
 use sim::trace::Trace;
 
+#[cfg(not(madsim))]
 use crate::common;
 use crate::harness::in_sim;
 
@@ -36,6 +37,7 @@ trait ConsumeArm {
     async fn cut(&self);
 }
 
+#[cfg(not(madsim))]
 struct Real {
     broker: LapinBroker,
     publisher: LapinBroker,
@@ -45,6 +47,7 @@ struct Real {
     admin: lapin::Connection,
 }
 
+#[cfg(not(madsim))]
 impl ConsumeArm for Real {
     type B = LapinBroker;
     fn broker(&self) -> &LapinBroker {
@@ -117,6 +120,7 @@ impl ConsumeArm for Fake {
     }
 }
 
+#[cfg(not(madsim))]
 async fn with_real<F, Fut>(body: F)
 where
     F: FnOnce(Real) -> Fut,
@@ -140,20 +144,24 @@ where
 
 fn with_fake<F, Fut>(body: F)
 where
-    F: FnOnce(Fake) -> Fut + 'static,
+    F: FnOnce(Fake) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + 'static,
 {
     let trace = Trace::default();
     let state = MqState::new(5, trace.clone());
     let server = state.clone();
-    in_sim("rabbit", move || mq::serve(server.clone()), async move {
-        body(Fake {
-            broker: SimBroker::new("consumer", trace.clone(), Hooks::new(1)),
-            publisher: SimBroker::new("producer", trace, Hooks::new(2)),
-            state,
-        })
-        .await;
-    });
+    in_sim(
+        "rabbit",
+        move || mq::serve(server.clone()),
+        move || async move {
+            body(Fake {
+                broker: SimBroker::new("consumer", trace.clone(), Hooks::new(1)),
+                publisher: SimBroker::new("producer", trace, Hooks::new(2)),
+                state,
+            })
+            .await;
+        },
+    );
 }
 
 async fn publish<A: ConsumeArm>(arm: &A, exchange: &str, keys: &[&str]) -> Vec<EventEnvelope> {

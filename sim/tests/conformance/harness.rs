@@ -1,23 +1,33 @@
 //! The fake arm's harness: a fake server on its simulated host and the test
-//! body as a client, in one turmoil simulation.
+//! body as a client, in one simulation of this build's engine (turmoil, or
+//! madsim in the madsim build: the same bodies run on both).
 
 use std::future::Future;
-use std::time::Duration;
 
-/// Runs `client` in a turmoil simulation beside a fake server on `host`.
-pub fn in_sim<S, SF, C>(host: &str, serve: S, client: C)
+use sim::engine::{self, HostResult, Settings};
+
+/// Runs the test body `client` makes in a simulation beside a fake server
+/// on `host`.
+pub fn in_sim<S, SF, C, CF>(host: &str, serve: S, client: C)
 where
-    S: Fn() -> SF + 'static,
-    SF: Future<Output = turmoil::Result> + 'static,
-    C: Future<Output = ()> + 'static,
+    S: Fn() -> SF + Send + Sync + 'static,
+    SF: Future<Output = HostResult> + 'static,
+    C: FnOnce() -> CF + Send + 'static,
+    CF: Future<Output = ()> + 'static,
 {
-    let mut sim = turmoil::Builder::new()
-        .simulation_duration(Duration::from_secs(600))
-        .build();
-    sim.host(host, serve);
-    sim.client("test", async move {
-        client.await;
-        Ok(())
+    let host = host.to_owned();
+    engine::simulate(Settings::seeded(0), move |mut sim| async move {
+        sim.host(&host, serve);
+        sim.client("test", move || async move {
+            client().await;
+            Ok(())
+        });
+        loop {
+            match sim.step().await {
+                Ok(true) => return,
+                Ok(false) => {}
+                Err(e) => panic!("the simulation stopped: {e}"),
+            }
+        }
     });
-    sim.run().unwrap();
 }

@@ -124,20 +124,24 @@ impl InboxArm for Fake {
 
 fn with_fake<F, Fut>(body: F)
 where
-    F: FnOnce(Fake) -> Fut + 'static,
+    F: FnOnce(Fake) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + 'static,
 {
     let trace = Trace::default();
     let state = PgState::new(11, trace.clone());
     let server = state.clone();
-    in_sim("pg", move || pg::serve(server.clone()), async move {
-        body(Fake {
-            store: SimInboxStore::new("consumer-a", trace.clone()),
-            other: SimInboxStore::new("consumer-b", trace),
-            state,
-        })
-        .await;
-    });
+    in_sim(
+        "pg",
+        move || pg::serve(server.clone()),
+        move || async move {
+            body(Fake {
+                store: SimInboxStore::new("consumer-a", trace.clone()),
+                other: SimInboxStore::new("consumer-b", trace),
+                state,
+            })
+            .await;
+        },
+    );
 }
 
 async fn with_real<F, Fut>(pool: PgPool, body: F)

@@ -125,23 +125,27 @@ impl StoreArm for FakeStore {
     }
 }
 
-/// Runs `body` against the fake PostgreSQL inside a turmoil simulation.
+/// Runs `body` against the fake PostgreSQL inside a simulation.
 fn with_fake_store<F, Fut>(body: F)
 where
-    F: FnOnce(FakeStore) -> Fut + 'static,
+    F: FnOnce(FakeStore) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + 'static,
 {
     let trace = Trace::default();
     let state = PgState::new(7, trace.clone());
     let server = state.clone();
-    in_sim("pg", move || pg::serve(server.clone()), async move {
-        let arm = FakeStore {
-            store: SimStore::new("conformance", trace.clone(), Hooks::new(1)),
-            client: PgClient::new("writer", trace),
-            state,
-        };
-        body(arm).await;
-    });
+    in_sim(
+        "pg",
+        move || pg::serve(server.clone()),
+        move || async move {
+            let arm = FakeStore {
+                store: SimStore::new("conformance", trace.clone(), Hooks::new(1)),
+                client: PgClient::new("writer", trace),
+                state,
+            };
+            body(arm).await;
+        },
+    );
 }
 
 fn params(replica: &str, batch: u32, ttl_ms: u64) -> ClaimParams<'_> {

@@ -1,7 +1,12 @@
 //! The fake RabbitMQ: connections, channels, confirm mode, per-message
 //! ack/nack, and one persistent queue bound to every routing key (the
-//! checker's view of what the broker stored), served on the simulated
-//! `rabbit` host. The queue is the "disk": it survives a crash of the host;
+//! checker's view of what the broker stored). It is a state machine: each
+//! connection ([`Conn`]) takes one request at a time with the simulated
+//! time it arrived and answers with frames, each not before an instant it
+//! names (confirms held back by a delay, deliveries pushed by the queues),
+//! and never touches a network, a runtime or a clock; [`serve`] is its
+//! transport, the simulated `rabbit` host of either engine, with AMQP's
+//! heartbeats. The queue is the "disk": it survives a crash of the host;
 //! connections and channels do not.
 //!
 //! Faults (each survivable, and why):
@@ -30,6 +35,7 @@
 
 pub mod hostile;
 pub mod queues;
+pub mod serve;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -41,12 +47,9 @@ use rand::{Rng, SeedableRng};
 use uuid::Uuid;
 
 use crate::trace::{Event, FaultKind, HostileKind, Trace};
-use crate::wire::{
-    HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, MqReply, MqRequest, read_frame, write_frame,
-};
+use crate::wire::{MqReply, MqRequest};
 
-/// The fake's port.
-pub const MQ_PORT: u16 = 5672;
+pub use self::serve::{MQ_PORT, serve};
 
 /// Fault settings, changed by the world while the simulation runs.
 #[derive(Debug, Clone, Default)]
@@ -101,7 +104,7 @@ pub struct MqState {
     connections: Arc<Mutex<u64>>,
     rng: Arc<Mutex<SmallRng>>,
     /// Bumped to close every connection (`rabbitmqctl close_all_connections`).
-    close_all: Arc<tokio::sync::watch::Sender<u64>>,
+    close_all: Arc<super::Signal>,
     trace: Trace,
 }
 
@@ -115,7 +118,7 @@ impl MqState {
             injected: Arc::default(),
             connections: Arc::default(),
             rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
-            close_all: Arc::new(tokio::sync::watch::channel(0).0),
+            close_all: Arc::default(),
             trace,
         }
     }
@@ -127,7 +130,7 @@ impl MqState {
             kind: FaultKind::MqDrop,
             detail: "broker closes every connection".into(),
         });
-        self.close_all.send_modify(|g| *g += 1);
+        self.close_all.bump();
     }
 
     fn roll(&self, p: f64) -> bool {
@@ -163,7 +166,7 @@ impl MqState {
             message_id: h.message.message_id.clone(),
             envelope_id: h.envelope_id,
         });
-        self.with_queues(|q| q.route(exchange, h.message));
+        self.with_queues(crate::sim_now(), |q| q.route(exchange, h.message));
     }
 
     /// Envelope ids of injected hostile messages that must take effect.
@@ -190,22 +193,36 @@ impl MqState {
         })
     }
 
-    /// Runs `f` on the queues, then pushes what became deliverable.
-    fn with_queues<T>(&self, f: impl FnOnce(&mut queues::Queues) -> T) -> T {
+    /// Runs `f` on the queues, then pushes what became deliverable at
+    /// `now`.
+    fn with_queues<T>(&self, now: Duration, f: impl FnOnce(&mut queues::Queues) -> T) -> T {
         let duplicate_prob = self.faults.lock().expect("faults").duplicate_prob;
         let mut queues = self.queues.lock().expect("queues");
         let out = f(&mut queues);
-        queues.dispatch(crate::sim_now(), || self.roll(duplicate_prob));
+        queues.dispatch(now, || self.roll(duplicate_prob));
         out
     }
-}
 
-/// Runs the server until the host crashes.
-pub async fn serve(state: MqState) -> turmoil::Result {
-    let listener = turmoil::net::TcpListener::bind(("0.0.0.0", MQ_PORT)).await?;
-    loop {
-        let (stream, _) = listener.accept().await?;
-        tokio::spawn(connection(state.clone(), stream));
+    /// A new client connection, numbered in the order they opened, whose
+    /// frames go to `out`.
+    pub fn open_connection(&self, out: Frames) -> Conn {
+        let id = {
+            let mut n = self.connections.lock().expect("connections");
+            *n += 1;
+            *n
+        };
+        Conn {
+            state: self.clone(),
+            id,
+            client: String::from("?"),
+            channels: BTreeMap::new(),
+            out,
+        }
+    }
+
+    /// Changes at each `close_all_connections`: every connection closes.
+    pub fn close_all_signal(&self) -> super::Watcher {
+        self.close_all.watch()
     }
 }
 
@@ -216,10 +233,10 @@ struct Channel {
 }
 
 /// Frames to the client, each not before its instant.
-type Frames = tokio::sync::mpsc::UnboundedSender<(Duration, MqReply)>;
+pub type Frames = tokio::sync::mpsc::UnboundedSender<(Duration, MqReply)>;
 
 /// One client connection, as the broker sees it.
-struct Conn {
+pub struct Conn {
     state: MqState,
     id: u64,
     client: String,
@@ -245,96 +262,54 @@ struct Publish {
     trace: Option<crate::wire::WireTrace>,
 }
 
-async fn connection(state: MqState, stream: turmoil::net::TcpStream) {
-    let (mut r, w) = stream.into_split();
-    let (out, writer) = spawn_writer(w);
-    let heartbeat = spawn_heartbeat(out.clone());
-    let id = {
-        let mut n = state.connections.lock().expect("connections");
-        *n += 1;
-        *n
-    };
-    let mut close_all = state.close_all.subscribe();
-    let mut conn = Conn {
-        state: state.clone(),
-        id,
-        client: String::from("?"),
-        channels: BTreeMap::new(),
-        out,
-    };
-    loop {
-        let next = tokio::select! {
-            biased;
-            _ = close_all.changed() => break,
-            next = tokio::time::timeout(HEARTBEAT_TIMEOUT, read_frame::<_, MqRequest>(&mut r)) => match next {
-                Ok(next) => next,
-                Err(_) => {
-                    state.trace.now(Event::Fault {
-                        kind: FaultKind::HeartbeatTimeout,
-                        detail: format!(
-                            "broker closes {}'s connection: no heartbeat for {} s",
-                            conn.client,
-                            HEARTBEAT_TIMEOUT.as_secs()
-                        ),
-                    });
-                    break;
-                }
-            },
-        };
-        let Ok(Some(req)) = next else { break };
-        let now = crate::sim_now();
-        match conn.handle(req, now) {
+impl Conn {
+    /// The client's name, once it has said hello.
+    pub fn client(&self) -> &str {
+        &self.client
+    }
+
+    /// The connection is gone: its consumers' deliveries go back to their
+    /// queues.
+    pub fn close(self, now: Duration) {
+        let id = self.id;
+        self.state.with_queues(now, |q| q.close(id, None));
+    }
+
+    /// The connection was silent past the heartbeat timeout: records that
+    /// the broker closes it (the transport then does).
+    pub fn heartbeat_timed_out(&self, timeout: Duration) {
+        self.state.trace.now(Event::Fault {
+            kind: FaultKind::HeartbeatTimeout,
+            detail: format!(
+                "broker closes {}'s connection: no heartbeat for {} s",
+                self.client,
+                timeout.as_secs()
+            ),
+        });
+    }
+
+    /// Handles one request that arrived at simulated time `now`: its
+    /// answer, if any, goes out at once. `false` when the broker closes the
+    /// connection.
+    pub fn request(&mut self, req: MqRequest, now: Duration) -> bool {
+        match self.handle(req, now) {
             Next::Go(Some(reply)) => {
-                let _ = conn.out.send((now, reply));
+                let _ = self.out.send((now, reply));
+                true
             }
-            Next::Go(None) => {}
-            Next::Close => break,
+            Next::Go(None) => true,
+            Next::Close => false,
         }
     }
-    // The connection is gone: its consumers' deliveries go back.
-    state.with_queues(|q| q.close(id, None));
-    heartbeat.abort();
-    writer.abort();
-}
 
-/// Writes frames on a task of its own, so a confirm delay holds back
-/// confirms without holding back the reading of publishes.
-fn spawn_writer(mut w: turmoil::net::tcp::OwnedWriteHalf) -> (Frames, tokio::task::JoinHandle<()>) {
-    let (out, mut frames) = tokio::sync::mpsc::unbounded_channel::<(Duration, MqReply)>();
-    let writer = tokio::spawn(async move {
-        while let Some((not_before, frame)) = frames.recv().await {
-            let now = crate::sim_now();
-            if not_before > now {
-                tokio::time::sleep(not_before - now).await;
-            }
-            if write_frame(&mut w, &frame).await.is_err() {
-                return;
-            }
-        }
-    });
-    (out, writer)
-}
-
-/// Sends heartbeats while the connection lives.
-fn spawn_heartbeat(out: Frames) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(HEARTBEAT_EVERY).await;
-            if out.send((Duration::ZERO, MqReply::Heartbeat)).is_err() {
-                return;
-            }
-        }
-    })
-}
-
-impl Conn {
     /// An ack or nack of a tag the channel has not delivered, or has
     /// already settled: RabbitMQ closes the channel (its unacknowledged
     /// deliveries go back to their queues).
-    fn unknown_tag(&mut self, channel: u32, tag: u64) -> MqReply {
+    fn unknown_tag(&mut self, channel: u32, tag: u64, now: Duration) -> MqReply {
         self.channels.remove(&channel);
         let conn = self.id;
-        self.state.with_queues(|q| q.close(conn, Some(channel)));
+        self.state
+            .with_queues(now, |q| q.close(conn, Some(channel)));
         closed(
             channel,
             &format!("PRECONDITION_FAILED - unknown delivery tag {tag}"),
@@ -363,7 +338,7 @@ impl Conn {
             },
             MqRequest::ChannelClose { channel } => {
                 self.channels.remove(&channel);
-                state.with_queues(|q| q.close(conn, Some(channel)));
+                state.with_queues(now, |q| q.close(conn, Some(channel)));
                 None
             }
             MqRequest::DeclareSubscription {
@@ -372,16 +347,18 @@ impl Conn {
                 exchange,
                 bindings,
             } => {
-                state.with_queues(|q| q.declare_subscription(&queue, &exchange, &bindings));
+                state.with_queues(now, |q| {
+                    q.declare_subscription(&queue, &exchange, &bindings)
+                });
                 Some(MqReply::Ok { channel })
             }
             MqRequest::Qos { channel, prefetch } => {
-                state.with_queues(|q| q.qos(conn, channel, prefetch));
+                state.with_queues(now, |q| q.qos(conn, channel, prefetch));
                 Some(MqReply::Ok { channel })
             }
             MqRequest::Consume { channel, queue } => {
                 let (out, client) = (self.out.clone(), &self.client);
-                if state.with_queues(|q| q.consume(conn, channel, client, &queue, out)) {
+                if state.with_queues(now, |q| q.consume(conn, channel, client, &queue, out)) {
                     Some(MqReply::Ok { channel })
                 } else {
                     Some(closed(channel, &format!("NOT_FOUND - no queue '{queue}'")))
@@ -392,10 +369,10 @@ impl Conn {
                 tag,
                 multiple,
             } => {
-                if state.with_queues(|q| q.ack(conn, channel, tag, multiple)) {
+                if state.with_queues(now, |q| q.ack(conn, channel, tag, multiple)) {
                     None
                 } else {
-                    Some(self.unknown_tag(channel, tag))
+                    Some(self.unknown_tag(channel, tag, now))
                 }
             }
             MqRequest::Nack {
@@ -403,10 +380,10 @@ impl Conn {
                 tag,
                 requeue,
             } => {
-                if state.with_queues(|q| q.nack(conn, channel, tag, requeue)) {
+                if state.with_queues(now, |q| q.nack(conn, channel, tag, requeue)) {
                     None
                 } else {
-                    Some(self.unknown_tag(channel, tag))
+                    Some(self.unknown_tag(channel, tag, now))
                 }
             }
             MqRequest::Publish {
@@ -477,7 +454,7 @@ impl Conn {
                 redelivered: false,
                 trace: p.trace,
             };
-            state.with_queues(|q| q.route(&p.exchange, message));
+            state.with_queues(now, |q| q.route(&p.exchange, message));
         } else {
             state.trace.now(Event::Fault {
                 kind: FaultKind::MqNack,

@@ -1,7 +1,10 @@
-//! The fake PostgreSQL, served on the simulated `pg` host: sessions and
-//! transactions here, the tables in [`outbox`] (`event_outbox`) and
-//! [`inbox`] (`event_inbox` and the handler's domain table), and what
-//! PostgreSQL refuses to store in [`jsonb`].
+//! The fake PostgreSQL: a state machine (sessions and transactions here,
+//! the tables in [`outbox`] (`event_outbox`) and [`inbox`] (`event_inbox`
+//! and the handler's domain table), what PostgreSQL refuses to store in
+//! [`jsonb`]) that takes one request at a time with the time it arrived and
+//! answers with a reply, a lost reply or "blocked on a row lock", and never
+//! touches a network, a runtime or a clock; [`serve`] is its transport, the
+//! simulated `pg` host of either engine.
 //!
 //! Modelled: sessions over the simulated network, one transaction at a time
 //! per session; inserts invisible until commit; an error inside a
@@ -36,6 +39,7 @@
 pub mod inbox;
 pub mod jsonb;
 pub mod outbox;
+pub mod serve;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -47,18 +51,22 @@ use uuid::Uuid;
 use self::inbox::{Caller, Inbox, InboxTx};
 use self::outbox::{OutboxTable, PriorLease, Row};
 use crate::trace::{Event, FaultKind, Trace};
-use crate::wire::{PgError, PgReply, PgRequest, read_frame, write_frame};
+use crate::wire::{PgError, PgReply, PgRequest};
 
-/// The fake's port.
-pub const PG_PORT: u16 = 5432;
+pub use self::serve::{PG_PORT, serve};
 
 /// The fake's clock starts a day after the simulation's zero, so rows can be
 /// backdated (retention tests) without underflow.
 const CLOCK_OFFSET_MS: u64 = 86_400_000;
 
-/// The fake's clock (`now()`), in milliseconds.
+/// The fake's clock (`now()`) in milliseconds at simulated time `t`.
+pub fn clock_ms(t: Duration) -> u64 {
+    t.as_millis() as u64 + CLOCK_OFFSET_MS
+}
+
+/// The fake's clock (`now()`) in milliseconds, now.
 pub fn now_ms() -> u64 {
-    crate::sim_now_ms() + CLOCK_OFFSET_MS
+    clock_ms(crate::sim_now())
 }
 
 /// The SQLSTATE of the injected statement failure (serialization failure).
@@ -94,7 +102,7 @@ pub struct PgState {
     unlocked: Arc<tokio::sync::Notify>,
     /// Counts commits that wrote outbox rows; listeners send a
     /// notification for each change.
-    notify: Arc<tokio::sync::watch::Sender<u64>>,
+    notify: Arc<super::Signal>,
     trace: Trace,
 }
 
@@ -107,13 +115,35 @@ impl PgState {
             rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
             sessions: Arc::default(),
             unlocked: Arc::default(),
-            notify: Arc::new(tokio::sync::watch::channel(0).0),
+            notify: Arc::default(),
             trace,
         }
     }
 
     fn roll(&self, p: f64) -> bool {
         p > 0.0 && self.rng.lock().expect("rng").random_bool(p.min(1.0))
+    }
+
+    /// A new session (a connection), numbered in the order they opened.
+    pub fn open_session(&self) -> Session {
+        let id = {
+            let mut n = self.sessions.lock().expect("sessions");
+            *n += 1;
+            *n
+        };
+        Session::new(self.clone(), id)
+    }
+
+    /// Woken whenever a transaction ends: a [`Handled::Blocked`] request
+    /// may go on.
+    pub fn unlocked(&self) -> &tokio::sync::Notify {
+        &self.unlocked
+    }
+
+    /// Changes once per commit that wrote outbox rows (what a `LISTEN`ing
+    /// session is notified of).
+    pub fn commits(&self) -> super::Watcher {
+        self.notify.watch()
     }
 
     /// The tables, locked.
@@ -125,20 +155,6 @@ impl PgState {
     /// (the liveness phase).
     pub fn operator_unpark_all(&self) {
         self.lock().outbox.operator_unpark_fixable(&self.trace);
-    }
-}
-
-/// Runs the server until the host crashes.
-pub async fn serve(state: PgState) -> turmoil::Result {
-    let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PG_PORT)).await?;
-    loop {
-        let (stream, _) = listener.accept().await?;
-        let session = {
-            let mut n = state.sessions.lock().expect("sessions");
-            *n += 1;
-            *n
-        };
-        tokio::spawn(Session::new(state.clone(), session).run(stream));
     }
 }
 
@@ -157,13 +173,32 @@ struct Tx {
     aborted: bool,
 }
 
-struct Session {
+/// What became of one request.
+#[derive(Debug)]
+pub enum Handled {
+    /// Send this reply.
+    Reply(PgReply),
+    /// The request took effect and its reply is lost: the connection dies.
+    Lost,
+    /// Another open transaction holds the inbox row the request needs, as
+    /// PostgreSQL's `INSERT … ON CONFLICT` waits on a row lock: hand the
+    /// same request in again once [`PgState::unlocked`] wakes.
+    Blocked,
+}
+
+/// One session (connection) of the fake: what it has open, and how it
+/// answers each request. The transport feeds it requests in arrival order
+/// and drops it when the connection ends, which rolls back what was open.
+pub struct Session {
     state: PgState,
     id: u64,
     client: String,
     tx: Option<Tx>,
     /// Idle-in-transaction timeout of the open transaction, if set.
     idle_tx_timeout: Option<Duration>,
+    /// The request being handled passed the failure roll and waits on a
+    /// lock: it is not rolled again.
+    admitted: bool,
 }
 
 impl Session {
@@ -174,94 +209,63 @@ impl Session {
             client: format!("session-{id}"),
             tx: None,
             idle_tx_timeout: None,
+            admitted: false,
         }
     }
 
-    async fn run(mut self, stream: turmoil::net::TcpStream) {
-        let (mut r, mut w) = stream.into_split();
-        loop {
-            let next = match self.idle_tx_timeout.filter(|_| self.tx.is_some()) {
-                Some(limit) => {
-                    match tokio::time::timeout(limit, read_frame::<_, PgRequest>(&mut r)).await {
-                        Ok(next) => next,
-                        Err(_) => {
-                            self.state.trace.now(Event::Fault {
-                                kind: FaultKind::PgIdleTimeout,
-                                detail: format!(
-                                    "pg terminates {}'s session: idle in transaction past {} ms",
-                                    self.client,
-                                    limit.as_millis()
-                                ),
-                            });
-                            break; // Drop rolls the transaction back
-                        }
-                    }
-                }
-                None => read_frame::<_, PgRequest>(&mut r).await,
-            };
-            let Ok(Some(req)) = next else { break };
-            let Some(reply) = self.serve_one(&req).await else {
-                break; // the reply is lost: the connection dies
-            };
-            let listening = matches!((&req, &reply), (PgRequest::Listen, PgReply::Ok));
-            if write_frame(&mut w, &reply).await.is_err() {
-                break;
-            }
-            if listening {
-                self.listen(r, w).await;
-                break;
-            }
-        }
+    /// How long the open transaction may sit waiting for the next request
+    /// before the server ends the session
+    /// (`idle_in_transaction_session_timeout`); `None` when nothing is open
+    /// or no bound is set.
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        self.idle_tx_timeout.filter(|_| self.tx.is_some())
     }
 
-    /// A listening connection: a notification for every commit that wrote
-    /// outbox rows, until the client goes away.
-    async fn listen(
-        &mut self,
-        mut r: turmoil::net::tcp::OwnedReadHalf,
-        mut w: turmoil::net::tcp::OwnedWriteHalf,
-    ) {
-        let mut commits = self.state.notify.subscribe();
-        commits.mark_unchanged();
-        loop {
-            tokio::select! {
-                biased;
-                changed = commits.changed() => {
-                    if changed.is_err() || write_frame(&mut w, &PgReply::Notification).await.is_err() {
-                        return;
-                    }
-                }
-                // A listener sends nothing more: anything read is the end.
-                _ = read_frame::<_, PgRequest>(&mut r) => return,
-            }
-        }
+    /// The idle-in-transaction timeout fired: records it; the transport
+    /// then drops the session, which rolls the transaction back.
+    pub fn idle_timed_out(&self) {
+        let limit = self.idle_tx_timeout.unwrap_or_default();
+        self.state.trace.now(Event::Fault {
+            kind: FaultKind::PgIdleTimeout,
+            detail: format!(
+                "pg terminates {}'s session: idle in transaction past {} ms",
+                self.client,
+                limit.as_millis()
+            ),
+        });
     }
 
-    /// Applies one request under the fault settings; `None` if its reply is
-    /// lost (the request took effect).
-    async fn serve_one(&mut self, req: &PgRequest) -> Option<PgReply> {
+    /// Handles one request that arrived at simulated time `now`, under the
+    /// fault settings.
+    pub fn handle(&mut self, req: &PgRequest, now: Duration) -> Handled {
         let hello = matches!(req, PgRequest::Hello { .. });
         let faults = self.state.faults.lock().expect("faults").clone();
-        if !hello && self.state.roll(faults.fail_prob) {
-            self.state.trace.now(Event::Fault {
-                kind: FaultKind::PgFailure,
-                detail: format!("{} {}", self.client, request_name(req)),
-            });
-            return Some(self.failed(PgError::new(
-                INJECTED_FAILURE_CODE,
-                "could not serialize access (injected statement failure)",
-            )));
+        if !self.admitted {
+            if !hello && self.state.roll(faults.fail_prob) {
+                self.state.trace.now(Event::Fault {
+                    kind: FaultKind::PgFailure,
+                    detail: format!("{} {}", self.client, request_name(req)),
+                });
+                return Handled::Reply(self.failed(PgError::new(
+                    INJECTED_FAILURE_CODE,
+                    "could not serialize access (injected statement failure)",
+                )));
+            }
+            self.admitted = true;
         }
-        self.wait_for_inbox_lock(req).await;
-        let reply = self.apply(req);
+        if self.state.lock().inbox.blocked(req, self.id) {
+            return Handled::Blocked;
+        }
+        self.admitted = false;
+        let reply = self.apply(req, clock_ms(now));
         if !hello && self.state.roll(faults.lose_reply_prob) {
             self.state.trace.now(Event::Fault {
                 kind: FaultKind::PgReplyLost,
                 detail: format!("{} {}", self.client, request_name(req)),
             });
-            return None;
+            return Handled::Lost;
         }
-        Some(reply)
+        Handled::Reply(reply)
     }
 
     /// A failed statement: it aborts the open transaction.
@@ -272,21 +276,7 @@ impl Session {
         PgReply::Error(error)
     }
 
-    /// Waits while another open transaction holds the inbox row `req`
-    /// needs, as PostgreSQL's `INSERT … ON CONFLICT` waits on a row lock.
-    async fn wait_for_inbox_lock(&self, req: &PgRequest) {
-        loop {
-            let unlocked = self.state.unlocked.notified();
-            tokio::pin!(unlocked);
-            unlocked.as_mut().enable();
-            if !self.state.lock().inbox.blocked(req, self.id) {
-                return;
-            }
-            unlocked.await;
-        }
-    }
-
-    fn apply(&mut self, req: &PgRequest) -> PgReply {
+    fn apply(&mut self, req: &PgRequest, now: u64) -> PgReply {
         if let (Some(tx), PgRequest::InboxRecordFailure { .. }) = (self.tx.as_mut(), req)
             && tx.inbox.has_savepoint()
         {
@@ -307,7 +297,7 @@ impl Session {
                 self.client = client.clone();
                 PgReply::Ok
             }
-            PgRequest::Begin => self.begin(),
+            PgRequest::Begin => self.begin(now),
             PgRequest::SetIdleInTxTimeout { ms } => {
                 if self.tx.is_none() {
                     return self.failed(PgError::new("25P01", "SET LOCAL outside a transaction"));
@@ -325,7 +315,7 @@ impl Session {
                 self.rollback();
                 PgReply::Ok
             }
-            _ => self.statement(req),
+            _ => self.statement(req, now),
         };
         if let PgReply::Error(e) = reply {
             return self.failed(e);
@@ -333,12 +323,12 @@ impl Session {
         reply
     }
 
-    fn begin(&mut self) -> PgReply {
+    fn begin(&mut self, now: u64) -> PgReply {
         if self.tx.is_some() {
             return PgReply::Error(PgError::new("25001", "already in a transaction"));
         }
         self.tx = Some(Tx {
-            began_ms: now_ms(),
+            began_ms: now,
             ..Tx::default()
         });
         self.idle_tx_timeout = None;
@@ -346,9 +336,9 @@ impl Session {
     }
 
     /// One statement: an inbox request, or an outbox one.
-    fn statement(&mut self, req: &PgRequest) -> PgReply {
+    fn statement(&mut self, req: &PgRequest, now: u64) -> PgReply {
         // `now()` is the transaction's start, as in PostgreSQL.
-        let now = self.tx.as_ref().map_or_else(now_ms, |t| t.began_ms);
+        let now = self.tx.as_ref().map_or(now, |t| t.began_ms);
         let trace = &self.state.trace;
         let mut db = self.state.db.lock().expect("database");
         let caller = Caller {
@@ -549,7 +539,7 @@ impl Session {
                 client: self.client.clone(),
                 ids,
             });
-            self.state.notify.send_modify(|n| *n += 1);
+            self.state.notify.bump();
         }
         PgReply::Ok
     }

@@ -1,0 +1,132 @@
+//! The turmoil engine: hosts are turmoil hosts, each with a tokio runtime
+//! of its own; the world steps them 10 ms at a time in a seeded random
+//! order. The production code gets tokio's own clock and tasks (the
+//! production adapters), which turmoil simulates.
+
+use std::cell::Cell;
+use std::future::Future;
+use std::time::Duration;
+
+use super::{HostResult, Settings};
+
+/// This engine's name, as `--engine` takes it.
+pub const NAME: &str = "turmoil";
+
+/// The clock the production code runs on: tokio's, simulated by turmoil.
+pub type Clock = outbox::TokioClock;
+/// Where `DrainerHandle` spawns its tasks: tokio's, on the host's runtime.
+pub type Spawner = outbox::TokioSpawn;
+
+/// turmoil's network.
+pub mod net {
+    pub use turmoil::net::tcp::{OwnedReadHalf as ReadHalf, OwnedWriteHalf as WriteHalf};
+    pub use turmoil::net::{TcpListener, TcpStream};
+
+    /// A stream's two halves; dropping the write half ends the stream for
+    /// the peer.
+    pub fn split(stream: TcpStream) -> (ReadHalf, WriteHalf) {
+        stream.into_split()
+    }
+}
+
+thread_local! {
+    /// Simulated time as the world last saw it, for code running outside a
+    /// host (the world itself, drops during a crash).
+    static WORLD_NOW: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+}
+
+pub(super) fn now() -> Duration {
+    turmoil::sim_elapsed().unwrap_or_else(|| WORLD_NOW.with(Cell::get))
+}
+
+pub(super) fn simulate<T, F, Fut>(settings: Settings, body: F) -> T
+where
+    T: Send,
+    F: FnOnce(Sim) -> Fut + Send,
+    Fut: Future<Output = T>,
+{
+    WORLD_NOW.with(|c| c.set(Duration::ZERO));
+    let mut b = turmoil::Builder::new();
+    b.rng_seed(settings.seed)
+        .simulation_duration(settings.limit)
+        .tcp_capacity(1 << 16);
+    if let Some(step) = settings.step {
+        // Hosts run in a seeded random order within each step, so a seed
+        // explores interleavings a fixed order would never produce.
+        b.tick_duration(step).enable_random_order();
+    }
+    if let Some((min, max)) = settings.latency {
+        b.min_message_latency(min).max_message_latency(max);
+    }
+    super::run_ready(body(Sim { inner: b.build() }))
+}
+
+/// The world's handle on the simulation.
+pub struct Sim {
+    inner: turmoil::Sim<'static>,
+}
+
+impl Sim {
+    /// A host running `software`, started again by it after a restart.
+    pub fn host<F, Fut>(&mut self, name: &str, software: F)
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = HostResult> + 'static,
+    {
+        self.inner.host(name, software);
+    }
+
+    /// A host running the software `start` makes, once; the run's clients
+    /// are done when every one has returned.
+    pub fn client<F, Fut>(&mut self, name: &str, start: F)
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = HostResult> + 'static,
+    {
+        self.inner.client(name, start());
+    }
+
+    /// Stops `host`: its tasks and connections are gone.
+    pub fn crash(&mut self, host: &str) {
+        self.inner.crash(host);
+    }
+
+    /// Starts a crashed `host` again, as a new process.
+    pub fn restart(&mut self, host: &str) {
+        self.inner.bounce(host);
+    }
+
+    /// Holds every message between `a` and `b` until [`Sim::release`]
+    /// (a black-hole).
+    pub fn hold(&mut self, a: &str, b: &str) {
+        self.inner.hold(a, b);
+    }
+
+    /// Ends [`Sim::hold`]: held messages are delivered.
+    pub fn release(&mut self, a: &str, b: &str) {
+        self.inner.release(a, b);
+    }
+
+    /// Drops every message between `a` and `b` until [`Sim::repair`].
+    pub fn partition(&mut self, a: &str, b: &str) {
+        self.inner.partition(a, b);
+    }
+
+    /// Ends [`Sim::partition`].
+    pub fn repair(&mut self, a: &str, b: &str) {
+        self.inner.repair(a, b);
+    }
+
+    /// Simulated time since the run began.
+    pub fn elapsed(&self) -> Duration {
+        self.inner.elapsed()
+    }
+
+    /// Runs every host for one step; `Ok(true)` once every client is done,
+    /// `Err` if a host failed or the run outlived its bound.
+    pub async fn step(&mut self) -> Result<bool, String> {
+        let r = self.inner.step().map_err(|e| e.to_string());
+        WORLD_NOW.with(|c| c.set(self.inner.elapsed()));
+        r
+    }
+}
