@@ -129,20 +129,32 @@ pub(crate) async fn connect_pg(client: &str) -> Result<crate::engine::net::TcpSt
 /// Sends one request on the connection in `slot`. A refused statement is a
 /// `Statement` error; a transport failure drops the connection (the server
 /// rolls back what was open) and is `Unavailable`, as is an empty slot.
+///
+/// The connection is out of its slot while the request is in flight: a
+/// request cancelled midway (its future dropped, by a handler's deadline
+/// say) takes the connection with it, as sqlx does not reuse one whose
+/// reply it never read. Left in the slot, that reply would answer the next
+/// request on it, and every one after (found on madsim, where a partition
+/// holds a reply back past the handler's deadline:
+/// `producer_and_consumer_swarm` seed 26 retried a consumer's batch in
+/// place forever on "unexpected reply Ok").
 pub(crate) async fn request(
     slot: &mut Option<crate::engine::net::TcpStream>,
     req: &PgRequest,
 ) -> Result<PgReply, StoreError> {
-    let Some(stream) = slot.as_mut() else {
+    let Some(mut stream) = slot.take() else {
         return Err(StoreError::Unavailable("connection lost".into()));
     };
-    match exchange(stream, req).await {
-        Ok(PgReply::Error(e)) => Err(e.into_store_error()),
-        Ok(reply) => Ok(reply),
-        Err(e) => {
-            *slot = None;
-            Err(StoreError::Unavailable(e))
+    match exchange(&mut stream, req).await {
+        Ok(PgReply::Error(e)) => {
+            *slot = Some(stream);
+            Err(e.into_store_error())
         }
+        Ok(reply) => {
+            *slot = Some(stream);
+            Ok(reply)
+        }
+        Err(e) => Err(StoreError::Unavailable(e)),
     }
 }
 
