@@ -448,7 +448,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         }
         report.claimed += rows.len();
         report.claim_time += at.saturating_sub(t0);
-        Ok(Claimed { rows, at, span })
+        Ok(Claimed { rows, at: t0, span })
     }
 
     /// The span of one batch: parent of its phases' spans.
@@ -479,6 +479,20 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let generation = self.broker.connection_generation();
         let deadline = claimed.at + self.config.confirm_timeout;
         let left = deadline.saturating_sub(self.clock.now());
+        if left.is_zero() {
+            // The claim's own reply outlived the batch's deadline (a slow or
+            // cut-off database): nothing is published, the rows go back at
+            // once, before their lease can expire in our hands. The broker
+            // is not implicated.
+            self.marks.hit(Mark::ClaimOutlivedDeadline);
+            let e = DrainError::ConfirmTimeout {
+                rows: claimed.rows.len(),
+                timeout_secs: self.config.confirm_timeout.as_secs(),
+            };
+            return Err(self
+                .phase2_failed(&claimed.rows, None, e, &claimed.span)
+                .await);
+        }
         let exchange = &self.config.exchange;
         let span = tracing::info_span!(
             parent: &claimed.span,
@@ -511,7 +525,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 span: claimed.span,
             }),
             Err(e) => Err(self
-                .phase2_failed(&claimed.rows, generation, e, &claimed.span)
+                .phase2_failed(&claimed.rows, Some(generation), e, &claimed.span)
                 .await),
         }
     }
@@ -558,7 +572,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 }
                 Ok((rows, outcome))
             }
-            Err(e) => Err(self.phase2_failed(&rows, generation, e, &span).await),
+            Err(e) => Err(self.phase2_failed(&rows, Some(generation), e, &span).await),
         }
     }
 
@@ -757,12 +771,13 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     }
 
     /// A Phase 2 infrastructure failure: every claim of the batch released
-    /// (attempts untouched), and the connection due for replacement
-    /// (single-flight) once every other claim in hand is released too.
+    /// (attempts untouched), and the connection of `generation`, if it is
+    /// implicated, due for replacement (single-flight) once every other
+    /// claim in hand is released too.
     async fn phase2_failed(
         &self,
         rows: &[ClaimedRow],
-        generation: u64,
+        generation: Option<u64>,
         error: DrainError,
         span: &Span,
     ) -> DrainError {
@@ -770,8 +785,10 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         self.failing.store(true, Ordering::Relaxed);
         self.marks.hit(Mark::ReleasedAfterFailure);
         self.release_all(rows).await;
-        self.reconnect_due
-            .store(generation.saturating_add(1), Ordering::Relaxed);
+        if let Some(generation) = generation {
+            self.reconnect_due
+                .store(generation.saturating_add(1), Ordering::Relaxed);
+        }
         error
     }
 
@@ -924,8 +941,10 @@ fn unpublishable(row: &ClaimedRow) -> Option<String> {
     None
 }
 
-/// Rows from one claim and the clock time the claim returned (where the
-/// batch's deadline starts).
+/// Rows from one claim and the clock time the claim was sent, where the
+/// batch's deadline starts: the database stamped the lease no earlier, so a
+/// deadline counted from here ends before the lease does (`confirm_timeout
+/// < lease_ttl`), however long the claim's reply took to come back.
 struct Claimed {
     rows: Vec<ClaimedRow>,
     at: Duration,
@@ -942,7 +961,7 @@ struct Sending<'p, Ch: PublishChannel> {
     channel: Ch,
     pending: Pending<'p, Ch>,
     outcome: BatchOutcome,
-    /// Clock time the claim returned.
+    /// Clock time the claim was sent.
     claimed_at: Duration,
     /// Clock time by which the last confirm must be in.
     deadline: Duration,

@@ -86,6 +86,10 @@ marks! {
     LeaseLostBeforeMark = "lease_lost_before_mark",
     /// A batch's Phase 2 ran past `confirm_timeout`.
     Phase2Timeout = "phase2_timeout",
+    /// A claim's reply came back after its batch's deadline (counted from
+    /// when the claim was sent): nothing is published, the rows go back at
+    /// once.
+    ClaimOutlivedDeadline = "claim_outlived_deadline",
     /// The broker failed during a batch's Phase 2.
     Phase2BrokerError = "phase2_broker_error",
     /// A failed batch's claims were released.
