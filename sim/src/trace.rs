@@ -36,6 +36,8 @@ pub enum FaultKind {
     PgReplyLost,
     /// The fake PostgreSQL ended a session idle in transaction.
     PgIdleTimeout,
+    /// The fake PostgreSQL answered slowly (a window).
+    PgSlow,
     /// The fake RabbitMQ dropped a connection.
     MqDrop,
     /// The fake RabbitMQ nacked a publish.

@@ -216,6 +216,8 @@ pub enum PgRequest {
         older_than_ms: u64,
         limit: u32,
     },
+    /// `inbox_ping` (`SELECT 1`): answers `Ok`.
+    Ping,
 }
 
 /// An inbox row as a delivery brings it.

@@ -97,6 +97,7 @@ fn every_scenario_file_has_a_test_here() {
         "redelivery_storm",
         "replicas_racing",
         "reply_lost",
+        "slow_database",
         "swarm",
     ];
     assert_eq!(names, listed, "add a test below for every scenario file");
@@ -181,4 +182,8 @@ fn rate_bounded_backlog() {
 #[test]
 fn hostile_deliveries() {
     check("hostile_deliveries");
+}
+#[test]
+fn slow_database() {
+    check("slow_database");
 }

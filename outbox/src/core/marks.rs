@@ -138,6 +138,10 @@ marks! {
     HandlerPanicked = "handler_panicked",
     /// The handler ran past its deadline: an attempt counts.
     HandlerTimedOut = "handler_timed_out",
+    /// The handler ran past its deadline and the database did not answer
+    /// a ping either: its own statements waited on the database, so no
+    /// attempt counts.
+    HandlerStalledOnDatabase = "handler_stalled_on_database",
     /// One transaction applied several deliveries (a batch) and committed.
     BatchCommitted = "batch_committed",
     /// The inbox refused one delivery of a batch: the batch rolled back and

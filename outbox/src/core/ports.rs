@@ -454,6 +454,12 @@ pub trait InboxStore: Send + Sync + 'static {
         older_than: Duration,
         limit: u32,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// One round trip to the database outside any handler transaction
+    /// (`SELECT 1`): the subscriber asks it when a handler overruns its
+    /// deadline, to tell a handler that was slow from one whose own
+    /// statements waited on a database that does not answer.
+    fn inbox_ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 /// What a subscription consumes, and how its dead-letter queue is named.

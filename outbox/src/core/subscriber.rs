@@ -925,10 +925,26 @@ where
                 Err(HandlerError::msg(format!("handler panicked: {panic}")))
             }
             None => {
+                // A handler whose own statements waited on a database that
+                // does not answer overran through no fault of its own: ask
+                // the database (on a connection of its own, within the same
+                // limit) before blaming the handler.
+                let ping = with_deadline(&*self.clock, limit, self.store.inbox_ping()).await;
+                let deadline = limit.as_secs_f64();
+                if !matches!(ping, Some(Ok(()))) {
+                    self.marks.hit(Mark::HandlerStalledOnDatabase);
+                    let why = match ping {
+                        Some(Err(e)) => e.to_string(),
+                        _ => format!("no answer within {deadline} s"),
+                    };
+                    return Err(HandlerError::unavailable(format!(
+                        "handler ran past its deadline of {deadline} s while the database \
+                         did not answer ({why})"
+                    )));
+                }
                 self.marks.hit(Mark::HandlerTimedOut);
                 Err(HandlerError::msg(format!(
-                    "handler ran past its deadline of {} s",
-                    limit.as_secs_f64()
+                    "handler ran past its deadline of {deadline} s"
                 )))
             }
         }

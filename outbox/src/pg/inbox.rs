@@ -229,4 +229,15 @@ impl InboxStore for PgInboxStore {
     ) -> Result<u64, StoreError> {
         delete_expired(&self.pool, sql::INBOX_DELETE_PROCESSED, older_than, limit).await
     }
+
+    async fn inbox_ping(&self) -> Result<(), StoreError> {
+        bounded(async {
+            sqlx::query(sql::INBOX_PING)
+                .execute(&self.pool)
+                .await
+                .map(drop)
+                .map_err(map_err)
+        })
+        .await
+    }
 }

@@ -41,6 +41,7 @@ pub(crate) mod sql {
     pub const INBOX_LIST_UNPROCESSED: &str = include_str!("sql/inbox_list_unprocessed.sql");
     pub const INBOX_RESET_ATTEMPTS: &str = include_str!("sql/inbox_reset_attempts.sql");
     pub const INBOX_DELETE_PROCESSED: &str = include_str!("sql/inbox_delete_processed.sql");
+    pub const INBOX_PING: &str = include_str!("sql/inbox_ping.sql");
 }
 
 /// The channel `publish_tx` / `publish_many_tx` notify at commit and the

@@ -261,4 +261,11 @@ impl InboxStore for SimInboxStore {
             other => Err(unexpected(other)),
         }
     }
+
+    async fn inbox_ping(&self) -> Result<(), StoreError> {
+        match self.side_call(PgRequest::Ping).await? {
+            PgReply::Ok => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
 }

@@ -50,6 +50,10 @@ pub enum Fault {
         lose_reply_prob: f64,
         #[serde(default)]
         fail_prob: f64,
+        /// Every reply waits this long (a database stalled on I/O or
+        /// locks).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        delay_ms: u64,
         at_secs: f64,
         for_secs: f64,
     },
@@ -144,6 +148,7 @@ impl Fault {
             Fault::Pg {
                 lose_reply_prob, ..
             } if *lose_reply_prob > 0.0 => FaultKind::PgReplyLost,
+            Fault::Pg { delay_ms, .. } if *delay_ms > 0 => FaultKind::PgSlow,
             Fault::Pg { .. } => FaultKind::PgFailure,
             Fault::Mq {
                 confirm_delay_ms, ..
@@ -195,4 +200,8 @@ impl Fault {
             ))
         }
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

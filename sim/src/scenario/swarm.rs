@@ -146,6 +146,7 @@ impl Family {
             Family::Pg => Fault::Pg {
                 lose_reply_prob: 0.02,
                 fail_prob: 0.02,
+                delay_ms: 0,
                 at_secs,
                 for_secs,
             },

@@ -161,11 +161,17 @@ impl Env {
             Fault::Pg {
                 lose_reply_prob,
                 fail_prob,
+                delay_ms,
                 ..
             } => {
-                *self.pg.faults.lock().expect("faults") = PgFaults {
-                    lose_reply_prob: if start { *lose_reply_prob } else { 0.0 },
-                    fail_prob: if start { *fail_prob } else { 0.0 },
+                *self.pg.faults.lock().expect("faults") = if start {
+                    PgFaults {
+                        lose_reply_prob: *lose_reply_prob,
+                        fail_prob: *fail_prob,
+                        reply_delay: Duration::from_millis(*delay_ms),
+                    }
+                } else {
+                    PgFaults::default()
                 };
             }
             Fault::Mq {

@@ -514,6 +514,21 @@ async fn replay_listing_filters_orders_and_resets_the_budget<A: InboxArm>(arm: A
     );
 }
 
+/// The subscriber pings when a handler overruns its deadline: the ping
+/// answers on a connection of its own, beside a handler transaction that
+/// holds an inbox row.
+async fn a_ping_answers_beside_an_open_handler_transaction<A: InboxArm>(arm: A) {
+    let s = arm.store();
+    let e = event("k");
+    let mut tx = s.inbox_begin().await.unwrap();
+    let outcome = s.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
+    assert_eq!(outcome, InsertOutcome::Inserted);
+    s.inbox_ping().await.unwrap();
+    arm.other().inbox_ping().await.unwrap();
+    s.inbox_commit(tx).await.unwrap();
+    assert_eq!(apply(&arm, s, &e).await, InsertOutcome::AlreadyProcessed);
+}
+
 async fn the_retention_sweep_deletes_only_old_processed_rows<A: InboxArm>(arm: A) {
     let s = arm.store();
     let (old1, old2, fresh, failed) = (event("k"), event("k"), event("k"), event("k"));
@@ -837,4 +852,5 @@ conformance!(postgres: with_real, fake: with_fake;
     a_second_delivery_of_an_event_in_one_transaction_sees_the_first,
     a_refused_delivery_aborts_its_batch,
     a_new_row_is_processed_with_its_commit_unless_its_handler_failed,
+    a_ping_answers_beside_an_open_handler_transaction,
 );

@@ -28,6 +28,12 @@
 //!   Claims are released or expire and attempts do not move; a subscriber
 //!   retries in place and counts no attempt, even when the handler's own
 //!   statement is the one that failed.
+//! - **slow** (`delay_ms`): every reply waits, as on a database stalled on
+//!   I/O or locks. A handler whose own statements it holds past the
+//!   handler's deadline has not failed: it waited on the database, and
+//!   the subscriber, which pings the database before blaming a handler
+//!   that overran, counts no attempt. Claims slower than the Phase-2
+//!   deadline hand their rows back at once.
 //! - **unavailable** (the world partitions `pg`): requests and connects hang
 //!   until the adapters' timeouts; nothing committed is lost because nothing
 //!   is acknowledged without being applied.
@@ -88,6 +94,8 @@ pub struct PgFaults {
     pub lose_reply_prob: f64,
     /// Probability that a request fails without effect.
     pub fail_prob: f64,
+    /// How long every reply waits before it is sent.
+    pub reply_delay: Duration,
 }
 
 /// Everything the fake shares with the world: the tables, the faults, the
@@ -132,6 +140,12 @@ impl PgState {
             *n
         };
         Session::new(self.clone(), id)
+    }
+
+    /// How long a reply waits before it is sent (the slow-database
+    /// fault).
+    pub fn reply_delay(&self) -> Duration {
+        self.faults.lock().expect("faults").reply_delay
     }
 
     /// Woken whenever a transaction ends: a [`Handled::Blocked`] request
@@ -306,7 +320,7 @@ impl Session {
                 PgReply::Ok
             }
             PgRequest::Commit => self.commit(),
-            PgRequest::Listen => PgReply::Ok,
+            PgRequest::Listen | PgRequest::Ping => PgReply::Ok,
             PgRequest::Raise { code } => PgReply::Error(PgError::new(code, "raised")),
             PgRequest::Rollback => {
                 if self.tx.is_none() {
@@ -598,6 +612,7 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::InboxSavepoint => "inbox_savepoint",
         PgRequest::Raise { .. } => "raise",
         PgRequest::Listen => "listen",
+        PgRequest::Ping => "ping",
         PgRequest::InboxRecordFailure { .. } => "inbox_record_failure",
         PgRequest::InboxList { .. } => "inbox_list",
         PgRequest::InboxDeleteProcessed { .. } => "inbox_delete_processed",

@@ -51,6 +51,10 @@ async fn connection(state: PgState, mut session: Session, stream: engine::net::T
                 Handled::Reply(reply) => break reply,
             }
         };
+        let delay = state.reply_delay();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         let listening = matches!((&req, &reply), (PgRequest::Listen, PgReply::Ok));
         if write_frame(&mut w, &reply).await.is_err() {
             return;
