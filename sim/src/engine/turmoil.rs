@@ -4,6 +4,7 @@
 //! production adapters), which turmoil simulates.
 
 use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
@@ -58,12 +59,27 @@ where
     if let Some((min, max)) = settings.latency {
         b.min_message_latency(min).max_message_latency(max);
     }
-    super::run_ready(body(Sim { inner: b.build() }))
+    super::run_ready(body(Sim {
+        inner: b.build(),
+        links: BTreeMap::new(),
+    }))
 }
 
 /// The world's handle on the simulation.
 pub struct Sim {
     inner: turmoil::Sim<'static>,
+    /// The faults on each link (its hosts in name order): holds and
+    /// partitions. turmoil keeps one state per link, so the link is set to
+    /// what its faults together say (a partition over a hold) whenever one
+    /// starts or ends, and two faults on one link end only when both have.
+    links: BTreeMap<(String, String), Faults>,
+}
+
+/// The faults holding and cutting one link.
+#[derive(Debug, Default, Clone, Copy)]
+struct Faults {
+    holds: u32,
+    partitions: u32,
 }
 
 impl Sim {
@@ -96,25 +112,49 @@ impl Sim {
         self.inner.bounce(host);
     }
 
+    /// Changes the faults on the link between `a` and `b` by `change`,
+    /// and sets the link to what they now say.
+    fn link(&mut self, a: &str, b: &str, change: impl FnOnce(&mut Faults)) {
+        let key = if a <= b { (a, b) } else { (b, a) };
+        let key = (key.0.to_owned(), key.1.to_owned());
+        let faults = self.links.entry(key.clone()).or_default();
+        let before = *faults;
+        change(faults);
+        let after = *faults;
+        if after.holds == 0 && after.partitions == 0 {
+            self.links.remove(&key);
+        }
+        match (after.partitions > 0, after.holds > 0) {
+            (true, _) if before.partitions == 0 => self.inner.partition(a, b),
+            (true, _) => {}
+            (false, true) if before.partitions > 0 || before.holds == 0 => self.inner.hold(a, b),
+            (false, true) => {}
+            (false, false) if before.partitions > 0 => self.inner.repair(a, b),
+            (false, false) => self.inner.release(a, b),
+        }
+    }
+
     /// Holds every message between `a` and `b` until [`Sim::release`]
     /// (a black-hole).
     pub fn hold(&mut self, a: &str, b: &str) {
-        self.inner.hold(a, b);
+        self.link(a, b, |f| f.holds += 1);
     }
 
-    /// Ends [`Sim::hold`]: held messages are delivered.
+    /// Ends [`Sim::hold`]: held messages are delivered once no other fault
+    /// holds or cuts the link.
     pub fn release(&mut self, a: &str, b: &str) {
-        self.inner.release(a, b);
+        self.link(a, b, |f| f.holds = f.holds.saturating_sub(1));
     }
 
     /// Drops every message between `a` and `b` until [`Sim::repair`].
     pub fn partition(&mut self, a: &str, b: &str) {
-        self.inner.partition(a, b);
+        self.link(a, b, |f| f.partitions += 1);
     }
 
-    /// Ends [`Sim::partition`].
+    /// Ends [`Sim::partition`] once no other fault cuts the link (a hold
+    /// still active then holds it).
     pub fn repair(&mut self, a: &str, b: &str) {
-        self.inner.repair(a, b);
+        self.link(a, b, |f| f.partitions = f.partitions.saturating_sub(1));
     }
 
     /// Simulated time since the run began.
