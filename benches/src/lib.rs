@@ -2,6 +2,11 @@
 //! this crate; see ARCHITECTURE.md ("Performance"). This library holds what
 //! the harness and the database benches share.
 
+pub mod chaos;
+
+/// The error of the set-up helpers (sendable, for the chaos runner's tasks).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 use outbox::{EventEnvelope, redact_url};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgPool};
@@ -23,36 +28,67 @@ pub async fn fresh_database(
     name: &str,
     max_connections: u32,
 ) -> Result<PgPool, Box<dyn std::error::Error>> {
+    let pool = recreate_database(admin_url, name, max_connections)
+        .await
+        .map_err(|e| -> Box<dyn std::error::Error> { e })?;
+    pool.execute("CREATE TABLE orders (id BIGINT NOT NULL, note TEXT NOT NULL)")
+        .await?;
+    Ok(pool)
+}
+
+/// Drops and recreates database `name` (lower-case letters and `_` only)
+/// on the server `admin_url` points at, migrates it (the outbox and the
+/// inbox), and returns a pool of `max_connections` on it.
+pub async fn recreate_database(
+    admin_url: &str,
+    name: &str,
+    max_connections: u32,
+) -> Result<PgPool, BoxError> {
+    drop_database(admin_url, name).await?;
+    let admin = admin_pool(admin_url).await?;
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .await?;
+    admin.close().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect(&database_url(admin_url, name)?)
+        .await?;
+    outbox::migrator().run(&pool).await?;
+    Ok(pool)
+}
+
+/// Drops database `name` (lower-case letters and `_` only) if it exists,
+/// ending its sessions.
+pub async fn drop_database(admin_url: &str, name: &str) -> Result<(), BoxError> {
     if name.is_empty() || !name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
         return Err(format!("database name {name:?}: lower-case letters and _ only").into());
     }
-    let admin = PgPoolOptions::new()
-        .max_connections(1)
-        .connect(admin_url)
-        .await
-        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(admin_url)))?;
+    let admin = admin_pool(admin_url).await?;
     // The name was checked above: only letters and underscores.
     admin
         .execute(sqlx::AssertSqlSafe(format!(
             "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
         )))
         .await?;
-    admin
-        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await?;
     admin.close().await;
-    let url = match admin_url.rsplit_once('/') {
-        Some((base, _)) => format!("{base}/{name}"),
-        None => return Err("DATABASE_URL has no database part".into()),
-    };
-    let pool = PgPoolOptions::new()
-        .max_connections(max_connections)
-        .connect(&url)
-        .await?;
-    outbox::migrator().run(&pool).await?;
-    pool.execute("CREATE TABLE orders (id BIGINT NOT NULL, note TEXT NOT NULL)")
-        .await?;
-    Ok(pool)
+    Ok(())
+}
+
+/// `admin_url` with its database part replaced by `name`.
+pub fn database_url(admin_url: &str, name: &str) -> Result<String, BoxError> {
+    match admin_url.rsplit_once('/') {
+        Some((base, _)) => Ok(format!("{base}/{name}")),
+        None => Err("DATABASE_URL has no database part".into()),
+    }
+}
+
+async fn admin_pool(admin_url: &str) -> Result<PgPool, BoxError> {
+    PgPoolOptions::new()
+        .max_connections(1)
+        .connect(admin_url)
+        .await
+        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(admin_url)).into())
 }
 
 /// Fills the outbox with `n` rows through `publish_many_tx` (1 000 per

@@ -46,29 +46,45 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     keyed(ctx, out);
     acked_after_commit(ctx, out);
     let expected = ctx.model.expected_effects();
-    for id in &expected {
-        let n = fin.effects.get(id).copied().unwrap_or(0);
+    exactly_once(&expected, &fin.effects, &after_retention, "", out);
+}
+
+/// Each of `expected` took effect exactly once in `effects` (less those
+/// `after_retention` excuses: a duplicate past the inbox retention), and
+/// nothing else took effect. `label` names the subscription in the details
+/// (empty for the simulation's one).
+pub(super) fn exactly_once(
+    expected: &BTreeSet<Uuid>,
+    effects: &BTreeMap<Uuid, u32>,
+    after_retention: &BTreeMap<Uuid, u32>,
+    label: &str,
+    out: &mut Findings,
+) {
+    for id in expected {
+        let n = effects.get(id).copied().unwrap_or(0);
         let excused = after_retention.get(id).copied().unwrap_or(0);
         match n.saturating_sub(excused) {
             1 => {}
             0 => out.add(
                 Invariant::ExactlyOnceEffect,
                 None,
-                format!("{id} was committed but never took effect"),
+                format!("{label}{id} was committed but never took effect"),
             ),
             _ => out.add(
                 Invariant::ExactlyOnceEffect,
                 None,
-                format!("{id} took effect {n} times ({excused} after its inbox row expired)"),
+                format!(
+                    "{label}{id} took effect {n} times ({excused} after its inbox row expired)"
+                ),
             ),
         }
     }
-    for (id, n) in &fin.effects {
+    for (id, n) in effects {
         if !expected.contains(id) {
             out.add(
                 Invariant::PhantomEffect,
                 None,
-                format!("{id} took effect {n} time(s) but was never committed"),
+                format!("{label}{id} took effect {n} time(s) but was never committed"),
             );
         }
     }

@@ -5,10 +5,18 @@
 //! the judge), and what the broker stored is the fake RabbitMQ's.
 
 use super::{Context, Findings, Invariant};
+use crate::model::{FinalState, Model};
 use crate::trace::Event;
 
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
-    let (model, fin) = (ctx.model, ctx.fin);
+    end_state(ctx.model, ctx.fin, out);
+    if ctx.expect.quiet {
+        quiet(ctx, out);
+    }
+}
+
+/// The rules judged from what must be true and what is, with no trace.
+pub(super) fn end_state(model: &Model, fin: &FinalState, out: &mut Findings) {
     for id in model.publishable() {
         if !fin.stored.contains_key(id) {
             let why = if fin.parked.contains(id) {
@@ -63,9 +71,6 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                 ),
             );
         }
-    }
-    if ctx.expect.quiet {
-        quiet(ctx, out);
     }
 }
 

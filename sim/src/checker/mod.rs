@@ -41,7 +41,7 @@ mod transactions;
 #[cfg(test)]
 mod tests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use crate::model::{FinalState, Model};
@@ -305,6 +305,51 @@ pub fn check(
         rolled_back: model.rolled_back.len(),
         published: fin.stored.len(),
         duplicates,
+        parked: fin.parked.len(),
+        violations: out.listed,
+        counts: out.counts,
+    }
+}
+
+/// One subscription's end state, for [`check_end_state`].
+#[derive(Debug, Clone, Copy)]
+pub struct SubscriptionEnd<'a> {
+    /// Its name, in the violations' details.
+    pub name: &'a str,
+    /// The events it must have applied, each exactly once.
+    pub expected: &'a BTreeSet<uuid::Uuid>,
+    /// Its committed effects, per event.
+    pub effects: &'a BTreeMap<uuid::Uuid, u32>,
+}
+
+/// The rules that need no trace, with the simulation's own definitions:
+/// nothing committed lost (`lost`), nothing published that was not
+/// committed (`phantom_publish`), nothing publishable left unpublished
+/// (`undrained`), unpublishable rows parked and never published
+/// (`unpublishable_parks`), and each subscription's events applied exactly
+/// once and nothing else (`exactly_once_effect`, `phantom_effect`). For
+/// observers of runs that have no trace: the chaos runner judges the real
+/// services with these.
+pub fn check_end_state(
+    model: &Model,
+    fin: &FinalState,
+    subscriptions: &[SubscriptionEnd<'_>],
+) -> Verdict {
+    let mut out = Findings::default();
+    delivery::end_state(model, fin, &mut out);
+    for s in subscriptions {
+        let label = format!("[{}] ", s.name);
+        consumer::exactly_once(s.expected, s.effects, &BTreeMap::new(), &label, &mut out);
+    }
+    Verdict {
+        committed: model.committed.len(),
+        rolled_back: model.rolled_back.len(),
+        published: fin.stored.len(),
+        duplicates: fin
+            .stored
+            .values()
+            .map(|c| (*c as usize).saturating_sub(1))
+            .sum(),
         parked: fin.parked.len(),
         violations: out.listed,
         counts: out.counts,

@@ -1,0 +1,330 @@
+//! The verdict of a chaos run: the final state read from each database and
+//! the dead-letter queues, judged by the simulation's own end-state rules
+//! (`sim::checker::check_end_state`) and by the run's poison rules.
+//!
+//! The committed set is the producer's domain table (each event's row
+//! commits in its transaction: the database, not the producer, is the
+//! judge of what committed); what the broker stored is what the observer
+//! saw; each subscription's effects are its domain table's rows.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use lapin::options::BasicGetOptions;
+use lapin::{Connection, ConnectionProperties};
+use sim::checker::{SubscriptionEnd, Verdict, check_end_state};
+use sim::model::{FinalState, Model};
+use sqlx::{PgPool, Row};
+use uuid::Uuid;
+
+use super::observer::Observed;
+use super::{SUBSCRIBER_MAX_ATTEMPTS, SUBSCRIPTIONS};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One subscription's final state.
+#[derive(Debug, Default, Clone)]
+pub struct SubscriptionState {
+    /// Effect rows per event.
+    pub effects: BTreeMap<Uuid, u32>,
+    /// Inbox rows dead-lettered, with their attempts.
+    pub dead_lettered: BTreeMap<Uuid, i32>,
+    /// Messages in its dead-letter queue, by `message_id`.
+    pub dlq: BTreeMap<String, u32>,
+}
+
+/// Everything the run left.
+#[derive(Debug, Default, Clone)]
+pub struct Outcome {
+    /// Committed events, by kind (`order`, `poison`, `unpublishable`).
+    pub committed: BTreeMap<Uuid, String>,
+    /// Events whose transaction rolled back (the producer's record).
+    pub rolled_back: BTreeSet<Uuid>,
+    /// Outbox rows parked, unpublished, and every row's attempts.
+    pub parked: BTreeSet<Uuid>,
+    pub unpublished: BTreeSet<Uuid>,
+    pub attempts: BTreeMap<Uuid, i32>,
+    /// What the observer saw.
+    pub observed: Observed,
+    /// Per subscription, by name.
+    pub subscriptions: BTreeMap<String, SubscriptionState>,
+}
+
+impl Outcome {
+    /// The committed events of `kind`.
+    pub fn of_kind(&self, kind: &str) -> BTreeSet<Uuid> {
+        self.committed
+            .iter()
+            .filter(|(_, k)| k.as_str() == kind)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+}
+
+/// Reads the producer's tables.
+pub async fn read_orders(pool: &PgPool, out: &mut Outcome) -> Result<(), BoxError> {
+    for r in sqlx::query("SELECT event_id, kind FROM chaos_orders")
+        .fetch_all(pool)
+        .await?
+    {
+        out.committed.insert(r.get("event_id"), r.get("kind"));
+    }
+    for r in sqlx::query(
+        "SELECT id, published_at IS NOT NULL AS published, parked_at IS NOT NULL AS parked, attempts \
+         FROM event_outbox",
+    )
+    .fetch_all(pool)
+    .await?
+    {
+        let id: Uuid = r.get("id");
+        if !r.get::<bool, _>("published") {
+            out.unpublished.insert(id);
+            if r.get::<bool, _>("parked") {
+                out.parked.insert(id);
+            }
+        }
+        out.attempts.insert(id, r.get("attempts"));
+    }
+    Ok(())
+}
+
+/// Reads one subscription's tables.
+pub async fn read_subscription(pool: &PgPool) -> Result<SubscriptionState, BoxError> {
+    let mut s = SubscriptionState::default();
+    for r in sqlx::query("SELECT event_id, count(*) AS n FROM chaos_effects GROUP BY event_id")
+        .fetch_all(pool)
+        .await?
+    {
+        s.effects
+            .insert(r.get("event_id"), r.get::<i64, _>("n") as u32);
+    }
+    for r in
+        sqlx::query("SELECT event_id, attempts FROM event_inbox WHERE dead_lettered_at IS NOT NULL")
+            .fetch_all(pool)
+            .await?
+    {
+        s.dead_lettered.insert(r.get("event_id"), r.get("attempts"));
+    }
+    Ok(s)
+}
+
+/// Takes every message out of `queue` (a dead-letter queue), by
+/// `message_id`.
+pub async fn drain_queue(amqp: &str, queue: &str) -> Result<BTreeMap<String, u32>, BoxError> {
+    let conn = Connection::connect(amqp, ConnectionProperties::default()).await?;
+    let ch = conn.create_channel().await?;
+    let mut ids = BTreeMap::new();
+    while let Some(m) = ch
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await?
+    {
+        let id = m
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.as_str().to_owned())
+            .unwrap_or_default();
+        *ids.entry(id).or_insert(0) += 1;
+    }
+    let _ = conn.close(200, "OK".into()).await;
+    Ok(ids)
+}
+
+/// One rule's result.
+#[derive(Debug, Clone)]
+pub struct Rule {
+    /// The rule's name (the simulation's invariant name where it is one).
+    pub name: String,
+    /// What it says.
+    pub says: &'static str,
+    /// Violations (all counted, a few listed).
+    pub violations: usize,
+    pub examples: Vec<String>,
+}
+
+/// Every rule and how the run kept it.
+#[derive(Debug, Clone)]
+pub struct Judgement {
+    pub rules: Vec<Rule>,
+    /// The simulation checker's verdict on the end state.
+    pub verdict: Verdict,
+}
+
+impl Judgement {
+    /// True if every rule held.
+    pub fn ok(&self) -> bool {
+        self.rules.iter().all(|r| r.violations == 0)
+    }
+}
+
+const EXAMPLES: usize = 5;
+
+fn rule(name: &str, says: &'static str, violations: Vec<String>) -> Rule {
+    Rule {
+        name: name.to_owned(),
+        says,
+        violations: violations.len(),
+        examples: violations.into_iter().take(EXAMPLES).collect(),
+    }
+}
+
+/// The simulation's end-state invariants, with what each says.
+const SIM_RULES: [(&str, &str); 6] = [
+    (
+        "lost",
+        "every committed, publishable event reached the broker",
+    ),
+    (
+        "phantom_publish",
+        "the broker holds no event that was not committed",
+    ),
+    (
+        "undrained",
+        "no committed, publishable row is left unpublished",
+    ),
+    (
+        "unpublishable_parks",
+        "a row no broker accepts parks and is never published",
+    ),
+    (
+        "exactly_once_effect",
+        "each subscription applied each of its events exactly once",
+    ),
+    (
+        "phantom_effect",
+        "no subscription applied an event that was not committed",
+    ),
+];
+
+/// Judges `o`.
+pub fn judge(o: &Outcome) -> Judgement {
+    let unpublishable = o.of_kind("unpublishable");
+    let poison = o.of_kind("poison");
+    let model = Model {
+        committed: o.committed.keys().copied().collect(),
+        rolled_back: o.rolled_back.clone(),
+        unpublishable: unpublishable.clone(),
+        ..Model::default()
+    };
+    let fin = FinalState {
+        stored: o.observed.stored.clone(),
+        parked: o.parked.clone(),
+        attempts: o.attempts.clone(),
+        unpublished: o.unpublished.clone(),
+        ..FinalState::default()
+    };
+    let publishable: BTreeSet<Uuid> = model.publishable().copied().collect();
+    let mut expected: BTreeMap<String, BTreeSet<Uuid>> = BTreeMap::new();
+    for s in SUBSCRIPTIONS {
+        let e = if s.fails {
+            publishable.difference(&poison).copied().collect()
+        } else {
+            publishable.clone()
+        };
+        expected.insert(s.name.to_owned(), e);
+    }
+    let empty = SubscriptionState::default();
+    let ends: Vec<SubscriptionEnd<'_>> = SUBSCRIPTIONS
+        .iter()
+        .map(|s| SubscriptionEnd {
+            name: s.name,
+            expected: &expected[s.name],
+            effects: &o.subscriptions.get(s.name).unwrap_or(&empty).effects,
+        })
+        .collect();
+    let verdict = check_end_state(&model, &fin, &ends);
+    let mut rules: Vec<Rule> = SIM_RULES
+        .iter()
+        .map(|(name, says)| {
+            let found: Vec<String> = verdict
+                .violations
+                .iter()
+                .filter(|v| v.invariant.name() == *name)
+                .map(|v| v.detail.clone())
+                .collect();
+            let n = verdict
+                .counts
+                .iter()
+                .find(|(i, _)| i.name() == *name)
+                .map_or(0, |(_, n)| *n);
+            Rule {
+                name: (*name).to_owned(),
+                says,
+                violations: n,
+                examples: found,
+            }
+        })
+        .collect();
+    // Parking: exactly the unpublishable rows, nothing else.
+    rules.push(rule(
+        "only_unpublishable_parks",
+        "nothing but the rows no broker accepts parked",
+        o.parked
+            .difference(&unpublishable)
+            .map(|id| {
+                format!(
+                    "{id} ({}) parked",
+                    o.committed.get(id).map_or("?", String::as_str)
+                )
+            })
+            .collect(),
+    ));
+    // Dead letters: each poison event at shipping, at its budget, and in
+    // its dead-letter queue; nothing else anywhere.
+    let mut dead = Vec::new();
+    let mut stray = Vec::new();
+    for s in SUBSCRIPTIONS {
+        let state = o.subscriptions.get(s.name).unwrap_or(&empty);
+        let must: BTreeSet<Uuid> = if s.fails {
+            poison.clone()
+        } else {
+            BTreeSet::new()
+        };
+        for id in &must {
+            match state.dead_lettered.get(id) {
+                None => dead.push(format!("[{}] poison {id} is not dead-lettered", s.name)),
+                // A republished copy after the dead-letter runs and fails
+                // again: attempts past the budget are a duplicate's.
+                Some(a) if *a < SUBSCRIBER_MAX_ATTEMPTS as i32 => dead.push(format!(
+                    "[{}] poison {id} dead-lettered after {a} attempts (budget {SUBSCRIBER_MAX_ATTEMPTS})",
+                    s.name
+                )),
+                Some(_) => {}
+            }
+            if !state.dlq.contains_key(&id.to_string()) {
+                dead.push(format!(
+                    "[{}] poison {id} is not in {}.dlq",
+                    s.name, s.queue
+                ));
+            }
+        }
+        for id in state.dead_lettered.keys().filter(|id| !must.contains(id)) {
+            stray.push(format!("[{}] {id} dead-lettered in the inbox", s.name));
+        }
+        for mid in state
+            .dlq
+            .keys()
+            .filter(|m| Uuid::parse_str(m).map_or(true, |id| !must.contains(&id)))
+        {
+            stray.push(format!("[{}] {mid} in {}.dlq", s.name, s.queue));
+        }
+    }
+    rules.push(rule(
+        "poison_dead_lettered",
+        "each poison event is dead-lettered at shipping, at its budget, into shipping's DLQ",
+        dead,
+    ));
+    rules.push(rule(
+        "only_poison_dead_lettered",
+        "nothing but poison events is dead-lettered, in either subscription",
+        stray,
+    ));
+    rules.push(rule(
+        "observer_saw_only_envelopes",
+        "every message the observer saw carries an envelope id",
+        (0..o.observed.foreign)
+            .map(|_| "a message without a UUID message_id".to_owned())
+            .collect(),
+    ));
+    Judgement { rules, verdict }
+}

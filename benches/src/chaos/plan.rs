@@ -1,0 +1,251 @@
+//! The fault schedule: drawn from the seed before the run and printed, so a
+//! run is described by its command line.
+//!
+//! The run's production window is cut into one slot per fault, and each
+//! fault starts at a seeded instant in the first half of its slot, so
+//! faults rarely overlap and recovery from one is part of the run. The
+//! kinds come in a seeded rotation that starts with a RabbitMQ restart and
+//! a PostgreSQL restart: any run of two faults or more has both.
+
+use std::time::Duration;
+
+use super::{LEASE_TTL, Rng};
+
+/// Which service a link fault is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Service {
+    /// PostgreSQL.
+    Postgres,
+    /// RabbitMQ.
+    Rabbit,
+}
+
+impl Service {
+    /// Its short name, as proxies are named (`drainer-1/pg`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Postgres => "pg",
+            Service::Rabbit => "rabbit",
+        }
+    }
+}
+
+/// One fault.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fault {
+    /// SIGKILL a process, start it again after `restart_after`.
+    Kill {
+        target: String,
+        restart_after: Duration,
+    },
+    /// SIGSTOP a drainer for `stopped` (past its lease), then SIGCONT: it
+    /// wakes with claims another replica may have taken over.
+    Pause { target: String, stopped: Duration },
+    /// `rabbitmqctl close_all_connections`.
+    CloseAllConnections,
+    /// `rabbitmqctl stop_app`, `down` later `start_app`.
+    RestartBroker { down: Duration },
+    /// A PostgreSQL restart (`pg_ctlcluster ... restart -m fast`).
+    RestartPostgres,
+    /// `pg_terminate_backend` of every session of the run's databases.
+    TerminateBackends,
+    /// The proxy between `target` and `service` passes nothing for `held`
+    /// (connections stay open, silent), then delivers what it held.
+    Blackhole {
+        target: String,
+        service: Service,
+        held: Duration,
+    },
+    /// The proxy between `target` and `service` drops every connection.
+    Cut { target: String, service: Service },
+}
+
+impl Fault {
+    /// Its kind, as the report names it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Fault::Kill { .. } => "kill",
+            Fault::Pause { .. } => "sigstop",
+            Fault::CloseAllConnections => "close_all_connections",
+            Fault::RestartBroker { .. } => "rabbitmq_restart",
+            Fault::RestartPostgres => "postgres_restart",
+            Fault::TerminateBackends => "pg_terminate_backend",
+            Fault::Blackhole { .. } => "blackhole",
+            Fault::Cut { .. } => "cut",
+        }
+    }
+
+    /// How long the fault lasts once injected (zero for an instant one).
+    pub fn lasts(&self) -> Duration {
+        match self {
+            Fault::Kill { restart_after, .. } => *restart_after,
+            Fault::Pause { stopped, .. } => *stopped,
+            Fault::RestartBroker { down } => *down,
+            Fault::Blackhole { held, .. } => *held,
+            _ => Duration::ZERO,
+        }
+    }
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = |d: &Duration| format!("{:.1} s", d.as_secs_f64());
+        match self {
+            Fault::Kill {
+                target,
+                restart_after,
+            } => write!(f, "SIGKILL {target}, restart after {}", s(restart_after)),
+            Fault::Pause { target, stopped } => {
+                write!(f, "SIGSTOP {target} for {}, then SIGCONT", s(stopped))
+            }
+            Fault::CloseAllConnections => f.write_str("rabbitmqctl close_all_connections"),
+            Fault::RestartBroker { down } => {
+                write!(f, "rabbitmqctl stop_app, start_app {} later", s(down))
+            }
+            Fault::RestartPostgres => f.write_str("PostgreSQL restart"),
+            Fault::TerminateBackends => f.write_str("pg_terminate_backend of the run's sessions"),
+            Fault::Blackhole {
+                target,
+                service,
+                held,
+            } => write!(
+                f,
+                "black-hole {target} <-> {} for {}",
+                service.name(),
+                s(held)
+            ),
+            Fault::Cut { target, service } => {
+                write!(f, "cut {target} <-> {}", service.name())
+            }
+        }
+    }
+}
+
+/// A fault and when it starts, from the start of production.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Planned {
+    pub at: Duration,
+    pub fault: Fault,
+}
+
+/// The kinds, in the order the rotation starts from.
+const KINDS: [&str; 9] = [
+    "rabbitmq_restart",
+    "postgres_restart",
+    "kill_drainer",
+    "kill_subscriber",
+    "sigstop",
+    "close_all_connections",
+    "blackhole",
+    "cut",
+    "pg_terminate_backend",
+];
+
+/// `count` faults over `window`, on the processes `drainers` and
+/// `subscribers`.
+pub fn plan(
+    seed: u64,
+    count: usize,
+    window: Duration,
+    drainers: &[String],
+    subscribers: &[String],
+) -> Vec<Planned> {
+    let mut rng = Rng::new(seed, "chaos faults");
+    // The two restarts first, the rest in a seeded order; then round again.
+    let mut rest: Vec<&str> = KINDS[2..].to_vec();
+    for i in (1..rest.len()).rev() {
+        rest.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let rotation: Vec<&str> = KINDS[..2].iter().copied().chain(rest).collect();
+    let slot = window / count.max(1) as u32;
+    let pick = |rng: &mut Rng, from: &[String]| from[rng.below(from.len() as u64) as usize].clone();
+    let mut planned = Vec::with_capacity(count);
+    for i in 0..count {
+        let at = slot * i as u32 + slot.mul_f64(0.5 * rng.unit());
+        let everyone: Vec<String> = drainers.iter().chain(subscribers).cloned().collect();
+        let fault = match rotation[i % rotation.len()] {
+            "rabbitmq_restart" => Fault::RestartBroker {
+                down: rng.between(Duration::from_secs(2), Duration::from_secs(5)),
+            },
+            "postgres_restart" => Fault::RestartPostgres,
+            "kill_drainer" => Fault::Kill {
+                target: pick(&mut rng, drainers),
+                restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(4)),
+            },
+            "kill_subscriber" => Fault::Kill {
+                target: pick(&mut rng, subscribers),
+                restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(4)),
+            },
+            "sigstop" => Fault::Pause {
+                target: pick(&mut rng, drainers),
+                stopped: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
+            },
+            "close_all_connections" => Fault::CloseAllConnections,
+            "blackhole" => Fault::Blackhole {
+                target: pick(&mut rng, &everyone),
+                service: if rng.below(2) == 0 {
+                    Service::Postgres
+                } else {
+                    Service::Rabbit
+                },
+                held: rng.between(Duration::from_secs(3), Duration::from_secs(9)),
+            },
+            "cut" => Fault::Cut {
+                target: pick(&mut rng, &everyone),
+                service: if rng.below(2) == 0 {
+                    Service::Postgres
+                } else {
+                    Service::Rabbit
+                },
+            },
+            _ => Fault::TerminateBackends,
+        };
+        planned.push(Planned { at, fault });
+    }
+    planned
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(prefix: &str, n: usize) -> Vec<String> {
+        (1..=n).map(|i| format!("{prefix}-{i}")).collect()
+    }
+
+    #[test]
+    fn two_faults_or_more_restart_both_services_and_the_plan_is_the_seeds() {
+        let (d, s) = (names("drainer", 3), names("billing", 2));
+        let a = plan(7, 8, Duration::from_secs(60), &d, &s);
+        assert_eq!(a, plan(7, 8, Duration::from_secs(60), &d, &s));
+        assert_ne!(a, plan(8, 8, Duration::from_secs(60), &d, &s));
+        let kinds: Vec<&str> = a.iter().map(|p| p.fault.kind()).collect();
+        assert!(kinds.contains(&"rabbitmq_restart") && kinds.contains(&"postgres_restart"));
+        assert!(a.windows(2).all(|w| w[0].at < w[1].at), "in time order");
+        assert!(a.iter().all(|p| p.at < Duration::from_secs(60)));
+        let all = plan(3, 18, Duration::from_secs(60), &d, &s);
+        for kind in [
+            "kill",
+            "sigstop",
+            "close_all_connections",
+            "blackhole",
+            "cut",
+            "pg_terminate_backend",
+        ] {
+            assert!(
+                all.iter().any(|p| p.fault.kind() == kind),
+                "{kind} in two rounds"
+            );
+        }
+    }
+
+    #[test]
+    fn a_paused_drainer_sleeps_past_its_lease() {
+        let (d, s) = (names("drainer", 3), names("billing", 2));
+        for p in plan(11, 27, Duration::from_secs(90), &d, &s) {
+            if let Fault::Pause { stopped, target } = p.fault {
+                assert!(stopped > LEASE_TTL && target.starts_with("drainer-"));
+            }
+        }
+    }
+}

@@ -1,0 +1,850 @@
+//! The orchestrator: sets the services up, starts the processes behind
+//! their proxies, injects the planned faults, heals, waits until the run
+//! has settled (or its bound), stops everything, reads the final state,
+//! judges, reports, and leaves the services as it found them.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use sqlx::{Executor, PgPool, Row};
+use tokio::sync::watch;
+
+use super::judge::{self, Outcome};
+use super::observer::{self, Observed};
+use super::plan::{self, Fault, Service};
+use super::proxy::Proxy;
+use super::report::{Injected, Report};
+use super::roles::{EFFECTS_DDL, ORDERS_DDL};
+use super::{DRAINERS, EXCHANGE, OBSERVER_QUEUE, ORDERS_DB, REPLICAS, SUBSCRIPTIONS};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What `chaos run` was asked for.
+#[derive(Debug, Clone)]
+pub struct Args {
+    pub events: u64,
+    pub faults: usize,
+    pub seed: u64,
+    /// Events per second the producer writes.
+    pub rate: f64,
+    /// Where the report, the processes' logs and counters go.
+    pub out: PathBuf,
+    /// How long, after the producer is done and the faults healed, the run
+    /// may take to settle.
+    pub settle: Duration,
+    /// A PostgreSQL URL with a database to administer from (`postgres`).
+    pub pg_admin: String,
+    /// The broker's URL (for the observer and the set-up: never proxied).
+    pub amqp: String,
+    /// Keep the databases and queues after the run.
+    pub keep: bool,
+}
+
+impl Args {
+    /// The producer's rate for `events` when none is given: about a
+    /// minute of production, between 300 and 3 000 events/s.
+    pub fn default_rate(events: u64) -> f64 {
+        (events as f64 / 60.0).clamp(300.0, 3000.0)
+    }
+}
+
+/// `host:port` of a URL like `scheme://user:pass@host:port/...`.
+fn host_port(url: &str, default_port: u16) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    let hp = rest.split(['/', '?']).next().unwrap_or("127.0.0.1");
+    if hp.contains(':') {
+        hp.to_owned()
+    } else {
+        format!("{hp}:{default_port}")
+    }
+}
+
+/// `url` with its `host:port` replaced by `127.0.0.1:port`.
+fn through(url: &str, port: u16) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let (user, rest) = match rest.rsplit_once('@') {
+        Some((u, r)) => (format!("{u}@"), r),
+        None => (String::new(), rest),
+    };
+    let tail = rest.find(['/', '?']).map_or("", |i| &rest[i..]);
+    format!("{scheme}://{user}127.0.0.1:{port}{tail}")
+}
+
+/// One process slot: its role, its environment, its proxies, and the
+/// process running in it now.
+struct Slot {
+    role: &'static str,
+    env: Vec<(String, String)>,
+    child: Option<Child>,
+    /// Set while a fault has it down on purpose.
+    down: bool,
+    log: PathBuf,
+}
+
+impl Slot {
+    fn start(&mut self) -> Result<(), BoxError> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let child = Command::new(std::env::current_exe()?)
+            .arg(self.role)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        self.down = false;
+        Ok(())
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// SIGKILL, and reap.
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A process to start: name, role, database, role-specific environment.
+type Spec<'a> = (String, &'static str, &'a str, Vec<(&'a str, String)>);
+
+/// Every process of the run, by name.
+type Slots = Arc<Mutex<BTreeMap<String, Slot>>>;
+
+/// Sends `signal` (`TERM`, `STOP`, `CONT`) to `pid`.
+fn signal(pid: u32, signal: &str) -> Result<(), String> {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .map_err(|e| format!("kill -{signal}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("kill -{signal} {pid} failed"))
+    }
+}
+
+/// Runs a service command (`rabbitmqctl`, `pg_ctlcluster`) off the runtime.
+async fn command(program: &str, args: &[&str]) -> Result<(), String> {
+    let (p, a): (String, Vec<String>) =
+        (program.into(), args.iter().map(|s| (*s).into()).collect());
+    let out = tokio::task::spawn_blocking(move || Command::new(&p).args(&a).output())
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("{program}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{program} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Waits (bounded) until RabbitMQ answers again.
+async fn broker_up(amqp: &str, within: Duration) -> Result<(), String> {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        if let Ok(c) = Connection::connect(amqp, ConnectionProperties::default()).await {
+            let _ = c.close(200, "OK".into()).await;
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Err(format!("RabbitMQ not back within {} s", within.as_secs()))
+}
+
+/// Waits (bounded) until PostgreSQL answers again.
+async fn postgres_up(admin: &str, within: Duration) -> Result<(), String> {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        if let Ok(p) = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(admin)
+            .await
+        {
+            p.close().await;
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Err(format!("PostgreSQL not back within {} s", within.as_secs()))
+}
+
+/// The PostgreSQL cluster version (`/etc/postgresql/VERSION`).
+fn pg_version() -> String {
+    std::fs::read_dir("/etc/postgresql")
+        .ok()
+        .and_then(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .max()
+        })
+        .unwrap_or_else(|| "15".into())
+}
+
+/// What the faults and their injection share.
+struct World {
+    slots: Slots,
+    proxies: BTreeMap<String, Proxy>,
+    args: Args,
+}
+
+impl World {
+    fn proxy(&self, target: &str, service: Service) -> Result<&Proxy, String> {
+        self.proxies
+            .get(&format!("{target}/{}", service.name()))
+            .ok_or_else(|| format!("no proxy {target}/{}", service.name()))
+    }
+
+    fn with_slot<T>(&self, target: &str, f: impl FnOnce(&mut Slot) -> T) -> Result<T, String> {
+        let mut slots = self.slots.lock().expect("slots");
+        let slot = slots
+            .get_mut(target)
+            .ok_or_else(|| format!("no process {target}"))?;
+        Ok(f(slot))
+    }
+
+    /// Injects `fault` and heals it; returns when it is healed.
+    async fn inject(&self, fault: &Fault) -> Result<(), String> {
+        match fault {
+            Fault::Kill {
+                target,
+                restart_after,
+            } => {
+                self.with_slot(target, |s| {
+                    s.down = true;
+                    s.kill();
+                })?;
+                tokio::time::sleep(*restart_after).await;
+                self.with_slot(target, |s| s.start().map_err(|e| e.to_string()))?
+            }
+            Fault::Pause { target, stopped } => {
+                let pid = self
+                    .with_slot(target, |s| {
+                        s.down = true;
+                        s.pid()
+                    })?
+                    .ok_or("not running")?;
+                signal(pid, "STOP")?;
+                tokio::time::sleep(*stopped).await;
+                let r = signal(pid, "CONT");
+                self.with_slot(target, |s| s.down = false)?;
+                r
+            }
+            Fault::CloseAllConnections => {
+                command("rabbitmqctl", &["close_all_connections", "chaos run"]).await
+            }
+            Fault::RestartBroker { down } => {
+                command("rabbitmqctl", &["stop_app"]).await?;
+                tokio::time::sleep(*down).await;
+                command("rabbitmqctl", &["start_app"]).await?;
+                broker_up(&self.args.amqp, Duration::from_secs(60)).await
+            }
+            Fault::RestartPostgres => {
+                let version = pg_version();
+                command(
+                    "pg_ctlcluster",
+                    &["--skip-systemctl-redirect", &version, "main", "restart"],
+                )
+                .await?;
+                postgres_up(&self.args.pg_admin, Duration::from_secs(60)).await
+            }
+            Fault::TerminateBackends => {
+                let admin = PgPool::connect(&self.args.pg_admin)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                sqlx::query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE datname = ANY($1) AND pid <> pg_backend_pid()",
+                )
+                .bind(databases())
+                .execute(&admin)
+                .await
+                .map_err(|e| e.to_string())?;
+                admin.close().await;
+                Ok(())
+            }
+            Fault::Blackhole {
+                target,
+                service,
+                held,
+            } => {
+                let proxy = self.proxy(target, *service)?;
+                proxy.hold();
+                tokio::time::sleep(*held).await;
+                proxy.pass();
+                Ok(())
+            }
+            Fault::Cut { target, service } => {
+                self.proxy(target, *service)?.cut();
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The run's databases.
+fn databases() -> Vec<String> {
+    std::iter::once(ORDERS_DB)
+        .chain(SUBSCRIPTIONS.iter().map(|s| s.db))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The run's queues (each subscription's and its DLQ, the observer's).
+fn queues() -> Vec<String> {
+    SUBSCRIPTIONS
+        .iter()
+        .flat_map(|s| [s.queue.to_owned(), format!("{}.dlq", s.queue)])
+        .chain([OBSERVER_QUEUE.to_owned()])
+        .collect()
+}
+
+/// Deletes the run's queues and exchange (what is missing is skipped).
+async fn clean_broker(amqp: &str) -> Result<(), BoxError> {
+    let conn = Connection::connect(amqp, ConnectionProperties::default()).await?;
+    for q in queues() {
+        // A failed delete closes the channel: one channel per attempt.
+        let ch = conn.create_channel().await?;
+        let _ = ch
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let ch = conn.create_channel().await?;
+    let _ = ch
+        .exchange_delete(EXCHANGE.into(), ExchangeDeleteOptions::default())
+        .await;
+    let _ = conn.close(200, "OK".into()).await;
+    Ok(())
+}
+
+/// Whether `queue` exists.
+async fn queue_exists(amqp: &str, queue: &str) -> bool {
+    let Ok(conn) = Connection::connect(amqp, ConnectionProperties::default()).await else {
+        return false;
+    };
+    let ok = match conn.create_channel().await {
+        Ok(ch) => ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .is_ok(),
+        Err(_) => false,
+    };
+    let _ = conn.close(200, "OK".into()).await;
+    ok
+}
+
+/// Per whole second from `start` (Unix seconds), rows of `table` by their
+/// `at` column.
+async fn per_second(
+    pool: &PgPool,
+    table: &str,
+    start: f64,
+) -> Result<BTreeMap<u64, u64>, BoxError> {
+    let sql = format!(
+        "SELECT greatest(floor(extract(epoch FROM at) - $1), 0)::bigint AS s, count(*)::bigint AS n \
+         FROM {table} GROUP BY 1"
+    );
+    let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(start)
+        .fetch_all(pool)
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| (r.get::<i64, _>("s") as u64, r.get::<i64, _>("n") as u64))
+        .collect())
+}
+
+/// Whether the run owes nothing more: every committed event is published
+/// (or parked, if unpublishable), seen by the observer, and applied by
+/// each subscription (poison dead-lettered at shipping instead).
+async fn settled(
+    orders: &PgPool,
+    subs: &BTreeMap<String, PgPool>,
+    seen: &Mutex<Observed>,
+) -> Result<bool, BoxError> {
+    let pending: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM event_outbox WHERE published_at IS NULL AND parked_at IS NULL",
+    )
+    .fetch_one(orders)
+    .await?;
+    if pending > 0 {
+        return Ok(false);
+    }
+    let ids: Vec<(uuid::Uuid, String)> = sqlx::query_as("SELECT event_id, kind FROM chaos_orders")
+        .fetch_all(orders)
+        .await?;
+    {
+        let seen = seen.lock().expect("observed");
+        if ids
+            .iter()
+            .any(|(id, k)| k != "unpublishable" && !seen.stored.contains_key(id))
+        {
+            return Ok(false);
+        }
+    }
+    for s in SUBSCRIPTIONS {
+        let pool = &subs[s.name];
+        let must: i64 = ids
+            .iter()
+            .filter(|(_, k)| k != "unpublishable" && (!s.fails || k != "poison"))
+            .count() as i64;
+        let applied: i64 = sqlx::query_scalar("SELECT count(DISTINCT event_id) FROM chaos_effects")
+            .fetch_one(pool)
+            .await?;
+        if applied < must {
+            return Ok(false);
+        }
+        if s.fails {
+            let poison = ids.iter().filter(|(_, k)| k == "poison").count() as i64;
+            let dead: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM event_inbox WHERE dead_lettered_at IS NOT NULL",
+            )
+            .fetch_one(pool)
+            .await?;
+            if dead < poison {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// Runs the chaos run; `Ok(true)` if every rule held.
+pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
+    let wall = Instant::now();
+    let out = args.out.clone();
+    std::fs::create_dir_all(&out)?;
+    for e in std::fs::read_dir(&out)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("stats-") || name.ends_with(".log") || name == "producer.json" {
+            std::fs::remove_file(e.path())?;
+        }
+    }
+    let out_str = out.to_string_lossy().into_owned();
+
+    // The services, fresh.
+    clean_broker(&args.amqp).await?;
+    let orders = crate::recreate_database(&args.pg_admin, ORDERS_DB, 4).await?;
+    orders.execute(ORDERS_DDL).await?;
+    let mut subs: BTreeMap<String, PgPool> = BTreeMap::new();
+    for s in SUBSCRIPTIONS {
+        let pool = crate::recreate_database(&args.pg_admin, s.db, 4).await?;
+        pool.execute(EFFECTS_DDL).await?;
+        subs.insert(s.name.to_owned(), pool);
+    }
+    observer::declare(&args.amqp, EXCHANGE, OBSERVER_QUEUE).await?;
+
+    // The processes and their proxies.
+    let (pg_up, mq_up) = (host_port(&args.pg_admin, 5432), host_port(&args.amqp, 5672));
+    let mut proxies = BTreeMap::new();
+    let mut slots = BTreeMap::new();
+    let mut specs: Vec<Spec<'_>> = vec![(
+        "producer".into(),
+        "producer",
+        ORDERS_DB,
+        vec![
+            ("CHAOS_EVENTS", args.events.to_string()),
+            ("CHAOS_RATE", args.rate.to_string()),
+            ("CHAOS_SEED", args.seed.to_string()),
+        ],
+    )];
+    let drainers: Vec<String> = (1..=DRAINERS).map(|i| format!("drainer-{i}")).collect();
+    for d in &drainers {
+        specs.push((
+            d.clone(),
+            "drainer",
+            ORDERS_DB,
+            vec![("CHAOS_REPLICA", d.clone())],
+        ));
+    }
+    let mut subscribers = Vec::new();
+    for s in SUBSCRIPTIONS {
+        for j in 1..=REPLICAS {
+            let name = format!("{}-{j}", s.name);
+            subscribers.push(name.clone());
+            specs.push((
+                name.clone(),
+                "subscriber",
+                s.db,
+                vec![("CHAOS_SUBSCRIPTION", s.name.into()), ("CHAOS_NAME", name)],
+            ));
+        }
+    }
+    for (name, role, db, extra) in specs {
+        let pg = Proxy::start(pg_up.clone()).await?;
+        let db_url = crate::database_url(&through(&args.pg_admin, pg.port), db)
+            .map_err(|e| e.to_string())?;
+        proxies.insert(format!("{name}/pg"), pg);
+        let mut env: Vec<(String, String)> = vec![
+            ("CHAOS_DB".into(), db_url),
+            ("CHAOS_OUT".into(), out_str.clone()),
+        ];
+        if role != "producer" {
+            let mq = Proxy::start(mq_up.clone()).await?;
+            env.push(("CHAOS_AMQP".into(), through(&args.amqp, mq.port)));
+            proxies.insert(format!("{name}/rabbit"), mq);
+        }
+        env.extend(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
+        let log = out.join(format!("{name}.log"));
+        slots.insert(
+            name,
+            Slot {
+                role,
+                env,
+                child: None,
+                down: false,
+                log,
+            },
+        );
+    }
+    let slots: Slots = Arc::new(Mutex::new(slots));
+    let world = Arc::new(World {
+        slots: slots.clone(),
+        proxies,
+        args: args.clone(),
+    });
+
+    // The observer, before anything is published.
+    let seen: Arc<Mutex<Observed>> = Arc::default();
+    let (stop_observer, observer_stop) = watch::channel(false);
+    let start = Instant::now();
+    let observer = tokio::spawn(observer::observe(
+        args.amqp.clone(),
+        OBSERVER_QUEUE.into(),
+        seen.clone(),
+        start,
+        observer_stop,
+    ));
+
+    // Subscribers first (they declare their queues), then the drainers,
+    // then the producer.
+    {
+        let mut s = slots.lock().expect("slots");
+        for name in &subscribers {
+            s.get_mut(name).expect("slot").start()?;
+        }
+    }
+    for sub in SUBSCRIPTIONS {
+        let until = Instant::now() + Duration::from_secs(30);
+        while !queue_exists(&args.amqp, sub.queue).await {
+            if Instant::now() > until {
+                return Err(format!("{} was not declared within 30 s", sub.queue).into());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    {
+        let mut s = slots.lock().expect("slots");
+        for name in &drainers {
+            s.get_mut(name).expect("slot").start()?;
+        }
+    }
+    let window = Duration::from_secs_f64(args.events as f64 / args.rate);
+    let planned = plan::plan(args.seed, args.faults, window, &drainers, &subscribers);
+    println!(
+        "chaos: seed {}, {} events at {:.0}/s over {:.0} s, {} faults:",
+        args.seed,
+        args.events,
+        args.rate,
+        window.as_secs_f64(),
+        planned.len()
+    );
+    for (i, p) in planned.iter().enumerate() {
+        println!(
+            "  {:>2}. at {:>6.1} s  {}",
+            i + 1,
+            p.at.as_secs_f64(),
+            p.fault
+        );
+    }
+    let production = Instant::now();
+    let start_unix = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)?
+        .as_secs_f64()
+        - start.elapsed().as_secs_f64();
+    slots
+        .lock()
+        .expect("slots")
+        .get_mut("producer")
+        .expect("slot")
+        .start()?;
+
+    // The faults, each on its own task at its instant.
+    let injected: Arc<Mutex<Vec<Injected>>> = Arc::default();
+    let mut faults = Vec::new();
+    for p in planned.clone() {
+        let (world, injected) = (world.clone(), injected.clone());
+        faults.push(tokio::spawn(async move {
+            tokio::time::sleep_until((production + p.at).into()).await;
+            let began = start.elapsed();
+            println!("chaos: {:>6.1} s  {}", began.as_secs_f64(), p.fault);
+            let trouble = world.inject(&p.fault).await.err();
+            if let Some(t) = &trouble {
+                println!("chaos: trouble injecting {}: {t}", p.fault);
+            }
+            injected.lock().expect("injected").push(Injected {
+                planned: p,
+                began,
+                ended: start.elapsed(),
+                trouble,
+            });
+        }));
+    }
+
+    // A process that exits by itself is a failure of the run (the
+    // producer's exit is its end); it is restarted so the run goes on.
+    let exits: Arc<Mutex<Vec<String>>> = Arc::default();
+    let producer_status: Arc<Mutex<Option<std::process::ExitStatus>>> = Arc::default();
+    let (stop_watch, mut watching) = watch::channel(false);
+    let watchdog = {
+        let (slots, exits, producer_status) =
+            (slots.clone(), exits.clone(), producer_status.clone());
+        tokio::spawn(async move {
+            loop {
+                {
+                    let mut slots = slots.lock().expect("slots");
+                    for (name, slot) in slots.iter_mut() {
+                        if slot.down {
+                            continue;
+                        }
+                        let Some(status) = slot
+                            .child
+                            .as_mut()
+                            .and_then(|c| c.try_wait().ok().flatten())
+                        else {
+                            continue;
+                        };
+                        slot.child = None;
+                        if name == "producer" {
+                            *producer_status.lock().expect("status") = Some(status);
+                            slot.down = true;
+                        } else {
+                            exits
+                                .lock()
+                                .expect("exits")
+                                .push(format!("{name} exited by itself ({status})"));
+                            let _ = slot.start();
+                        }
+                    }
+                }
+                tokio::select! {
+                    _ = watching.changed() => return,
+                    () = tokio::time::sleep(Duration::from_millis(300)) => {}
+                }
+            }
+        })
+    };
+
+    // Production, then every fault healed, then settling.
+    while producer_status.lock().expect("status").is_none() {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let produced = production.elapsed();
+    println!(
+        "chaos: producer done after {:.1} s ({})",
+        produced.as_secs_f64(),
+        producer_status.lock().expect("status").expect("set")
+    );
+    for f in faults {
+        let _ = f.await;
+    }
+    println!(
+        "chaos: faults healed at {:.1} s; settling",
+        start.elapsed().as_secs_f64()
+    );
+    let settle_until = Instant::now() + args.settle;
+    let mut quiet = false;
+    while Instant::now() < settle_until {
+        if matches!(settled(&orders, &subs, &seen).await, Ok(true)) {
+            quiet = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    println!(
+        "chaos: {} at {:.1} s",
+        if quiet {
+            "settled"
+        } else {
+            "did not settle within the bound"
+        },
+        start.elapsed().as_secs_f64()
+    );
+    // Let late duplicates land before the books close.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let _ = stop_watch.send(true);
+    let _ = watchdog.await;
+    let all = slots.clone();
+    tokio::task::spawn_blocking(move || stop_all(&all)).await?;
+    let _ = stop_observer.send(true);
+    let _ = observer.await;
+
+    // The final state, judged.
+    let mut outcome = Outcome {
+        observed: seen.lock().expect("observed").clone(),
+        ..Outcome::default()
+    };
+    judge::read_orders(&orders, &mut outcome).await?;
+    if let Ok(text) = std::fs::read_to_string(out.join("producer.json"))
+        && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
+    {
+        outcome.rolled_back = v["rolled_back"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x.as_str().and_then(|s| uuid::Uuid::parse_str(s).ok()))
+            .collect();
+    }
+    let mut applied = BTreeMap::new();
+    for s in SUBSCRIPTIONS {
+        let mut state = judge::read_subscription(&subs[s.name]).await?;
+        state.dlq = judge::drain_queue(&args.amqp, &format!("{}.dlq", s.queue)).await?;
+        outcome.subscriptions.insert(s.name.to_owned(), state);
+        applied.insert(
+            s.name.to_owned(),
+            per_second(&subs[s.name], "chaos_effects", start_unix).await?,
+        );
+    }
+    let committed_per_second = per_second(&orders, "chaos_orders", start_unix).await?;
+    let mut judgement = judge::judge(&outcome);
+    let exits = exits.lock().expect("exits").clone();
+    judgement.rules.push(judge::Rule {
+        name: "processes_stay_up".into(),
+        says: "no process exited but by a fault (the producer when done)",
+        violations: exits.len()
+            + usize::from(
+                !producer_status
+                    .lock()
+                    .expect("status")
+                    .is_some_and(|s| s.success()),
+            ),
+        examples: exits,
+    });
+    judgement.rules.push(judge::Rule {
+        name: "settled".into(),
+        says: "the run settled within its bound after the faults healed",
+        violations: usize::from(!quiet),
+        examples: Vec::new(),
+    });
+    let mut faults = injected.lock().expect("injected").clone();
+    faults.sort_by_key(|f| f.planned.at);
+    judgement.rules.push(judge::Rule {
+        name: "faults_injected".into(),
+        says: "every planned fault was injected and healed",
+        violations: faults.iter().filter(|f| f.trouble.is_some()).count() + planned.len()
+            - faults.len(),
+        examples: faults.iter().filter_map(|f| f.trouble.clone()).collect(),
+    });
+    let counters = super::roles::counters(&out_str);
+    let report = Report {
+        command: command_line,
+        seed: args.seed,
+        events: args.events,
+        rate: args.rate,
+        wall: wall.elapsed(),
+        faults: &faults,
+        outcome: &outcome,
+        judgement: &judgement,
+        counters: &counters,
+        committed_per_second: &committed_per_second,
+        applied_per_second: &applied,
+    };
+    std::fs::write(out.join("report.md"), report.markdown())?;
+    std::fs::write(
+        out.join("report.json"),
+        serde_json::to_string_pretty(&report.json())?,
+    )?;
+    std::fs::write(out.join("plot.svg"), report.svg())?;
+    println!("\n{}", report.markdown());
+    println!(
+        "chaos: report in {}",
+        Path::new(&out).join("report.md").display()
+    );
+
+    // Leave the services as they were found.
+    orders.close().await;
+    for (_, p) in subs {
+        p.close().await;
+    }
+    if !args.keep {
+        for db in databases() {
+            crate::drop_database(&args.pg_admin, &db).await?;
+        }
+        clean_broker(&args.amqp).await?;
+    }
+    Ok(judgement.ok())
+}
+
+/// SIGTERM every process, then SIGKILL what is still there after 25 s.
+fn stop_all(slots: &Slots) {
+    let mut slots = slots.lock().expect("slots");
+    for slot in slots.values_mut() {
+        if let Some(pid) = slot.pid() {
+            let _ = signal(pid, "CONT");
+            let _ = signal(pid, "TERM");
+        }
+    }
+    let until = Instant::now() + Duration::from_secs(25);
+    for slot in slots.values_mut() {
+        if let Some(c) = slot.child.as_mut() {
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        slot.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_go_through_the_proxy_and_keep_their_credentials() {
+        assert_eq!(
+            host_port("postgres://postgres@127.0.0.1:5432/postgres", 5432),
+            "127.0.0.1:5432"
+        );
+        assert_eq!(
+            host_port("amqp://guest:guest@localhost/%2f", 5672),
+            "localhost:5672"
+        );
+        assert_eq!(
+            through("amqp://guest:guest@127.0.0.1:5672/%2f", 4000),
+            "amqp://guest:guest@127.0.0.1:4000/%2f"
+        );
+        assert_eq!(
+            through(
+                "postgres://postgres@db.example:5432/postgres?sslmode=disable",
+                4001
+            ),
+            "postgres://postgres@127.0.0.1:4001/postgres?sslmode=disable"
+        );
+    }
+}
