@@ -43,6 +43,9 @@ pub struct Outcome {
     pub parked: BTreeSet<Uuid>,
     pub unpublished: BTreeSet<Uuid>,
     pub attempts: BTreeMap<Uuid, i32>,
+    /// Every row a mark set `published_at` on: (row, its claim's holder
+    /// then, the marking replica).
+    pub marks: Vec<(Uuid, Option<String>, String)>,
     /// What the observer saw.
     pub observed: Observed,
     /// Per subscription, by name.
@@ -83,6 +86,13 @@ pub async fn read_orders(pool: &PgPool, out: &mut Outcome) -> Result<(), BoxErro
             }
         }
         out.attempts.insert(id, r.get("attempts"));
+    }
+    for r in sqlx::query("SELECT id, claimed_by, marked_by FROM chaos_marks")
+        .fetch_all(pool)
+        .await?
+    {
+        out.marks
+            .push((r.get("id"), r.get("claimed_by"), r.get("marked_by")));
     }
     Ok(())
 }
@@ -255,6 +265,18 @@ pub fn judge(o: &Outcome) -> Judgement {
             }
         })
         .collect();
+    // The #478 guard, from the database's own audit of each mark.
+    rules.push(rule(
+        "claimed_by_guard",
+        "a mark changes only rows the marking replica holds",
+        o.marks
+            .iter()
+            .filter(|(_, holder, marker)| holder.as_deref() != Some(marker.as_str()))
+            .map(|(id, holder, marker)| {
+                format!("{id} marked published by {marker} while {holder:?} held its claim")
+            })
+            .collect(),
+    ));
     // Parking: exactly the unpublishable rows, nothing else.
     rules.push(rule(
         "only_unpublishable_parks",

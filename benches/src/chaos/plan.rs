@@ -4,8 +4,12 @@
 //! The run's production window is cut into one slot per fault, and each
 //! fault starts at a seeded instant in the first half of its slot, so
 //! faults rarely overlap and recovery from one is part of the run. The
-//! kinds come in a seeded rotation that starts with a RabbitMQ restart and
-//! a PostgreSQL restart: any run of two faults or more has both.
+//! kinds come in a rotation that starts with a RabbitMQ restart, a
+//! PostgreSQL restart, a drainer whose marks stall in the database past its
+//! lease (they land after another replica took its rows over: the
+//! `claimed_by` guard's case, #478) and a subscriber killed mid-batch,
+//! then the other kinds in a seeded order: any run of two faults or more
+//! restarts both services, of four or more has all four.
 
 use std::time::Duration;
 
@@ -58,6 +62,13 @@ pub enum Fault {
     },
     /// The proxy between `target` and `service` drops every connection.
     Cut { target: String, service: Service },
+    /// Every mark (`UPDATE ... SET published_at`) the drainer `target`
+    /// sends waits in the database until `stalled` from now, past its
+    /// lease, as on a session stuck on I/O or a lock: its claims and
+    /// releases go on, other replicas reclaim its rows, and its marks land
+    /// late (a trigger the run installs, keyed by the session's
+    /// `application_name`).
+    StallMarks { target: String, stalled: Duration },
 }
 
 impl Fault {
@@ -72,6 +83,7 @@ impl Fault {
             Fault::TerminateBackends => "pg_terminate_backend",
             Fault::Blackhole { .. } => "blackhole",
             Fault::Cut { .. } => "cut",
+            Fault::StallMarks { .. } => "stall_marks",
         }
     }
 
@@ -82,6 +94,7 @@ impl Fault {
             Fault::Pause { stopped, .. } => *stopped,
             Fault::RestartBroker { down } => *down,
             Fault::Blackhole { held, .. } => *held,
+            Fault::StallMarks { stalled, .. } => *stalled,
             _ => Duration::ZERO,
         }
     }
@@ -117,6 +130,13 @@ impl std::fmt::Display for Fault {
             Fault::Cut { target, service } => {
                 write!(f, "cut {target} <-> {}", service.name())
             }
+            Fault::StallMarks { target, stalled } => {
+                write!(
+                    f,
+                    "{target}'s marks stall in the database for {}",
+                    s(stalled)
+                )
+            }
         }
     }
 }
@@ -128,12 +148,17 @@ pub struct Planned {
     pub fault: Fault,
 }
 
-/// The kinds, in the order the rotation starts from.
-const KINDS: [&str; 9] = [
+/// How many kinds lead the rotation in a fixed order.
+const FIRST: usize = 4;
+
+/// The kinds: the first [`FIRST`] in this order, then the rest shuffled.
+const KINDS: [&str; 11] = [
     "rabbitmq_restart",
     "postgres_restart",
-    "kill_drainer",
+    "stall_marks",
     "kill_subscriber",
+    "stall_drainer_db",
+    "kill_drainer",
     "sigstop",
     "close_all_connections",
     "blackhole",
@@ -151,12 +176,11 @@ pub fn plan(
     subscribers: &[String],
 ) -> Vec<Planned> {
     let mut rng = Rng::new(seed, "chaos faults");
-    // The two restarts first, the rest in a seeded order; then round again.
-    let mut rest: Vec<&str> = KINDS[2..].to_vec();
+    let mut rest: Vec<&str> = KINDS[FIRST..].to_vec();
     for i in (1..rest.len()).rev() {
         rest.swap(i, rng.below(i as u64 + 1) as usize);
     }
-    let rotation: Vec<&str> = KINDS[..2].iter().copied().chain(rest).collect();
+    let rotation: Vec<&str> = KINDS[..FIRST].iter().copied().chain(rest).collect();
     let slot = window / count.max(1) as u32;
     let pick = |rng: &mut Rng, from: &[String]| from[rng.below(from.len() as u64) as usize].clone();
     let mut planned = Vec::with_capacity(count);
@@ -175,6 +199,15 @@ pub fn plan(
             "kill_subscriber" => Fault::Kill {
                 target: pick(&mut rng, subscribers),
                 restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(4)),
+            },
+            "stall_drainer_db" => Fault::Blackhole {
+                target: pick(&mut rng, drainers),
+                service: Service::Postgres,
+                held: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
+            },
+            "stall_marks" => Fault::StallMarks {
+                target: pick(&mut rng, drainers),
+                stalled: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
             },
             "sigstop" => Fault::Pause {
                 target: pick(&mut rng, drainers),
@@ -223,7 +256,9 @@ mod tests {
         assert!(kinds.contains(&"rabbitmq_restart") && kinds.contains(&"postgres_restart"));
         assert!(a.windows(2).all(|w| w[0].at < w[1].at), "in time order");
         assert!(a.iter().all(|p| p.at < Duration::from_secs(60)));
-        let all = plan(3, 18, Duration::from_secs(60), &d, &s);
+        let stall = a.iter().any(|p| matches!(&p.fault, Fault::StallMarks { target, stalled } if target.starts_with("drainer-") && *stalled > LEASE_TTL));
+        assert!(stall, "a drainer's marks stall past its lease");
+        let all = plan(3, 20, Duration::from_secs(60), &d, &s);
         for kind in [
             "kill",
             "sigstop",
@@ -231,6 +266,7 @@ mod tests {
             "blackhole",
             "cut",
             "pg_terminate_backend",
+            "stall_marks",
         ] {
             assert!(
                 all.iter().any(|p| p.fault.kind() == kind),

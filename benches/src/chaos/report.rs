@@ -109,6 +109,7 @@ impl Report<'_> {
                 o.observed.redelivered,
             ),
             ("rows parked", o.parked.len() as u64),
+            ("rows marked published (the audit)", o.marks.len() as u64),
         ];
         for (what, n) in rows {
             let _ = writeln!(md, "| {what} | {n} |");
@@ -173,6 +174,7 @@ impl Report<'_> {
                 "duplicates_published": self.duplicates(),
                 "observer_redeliveries": o.observed.redelivered,
                 "parked": o.parked.len(),
+                "marks_audited": o.marks.len(),
                 "subscriptions": o.subscriptions.iter().map(|(name, s)| (name.clone(), serde_json::json!({
                     "effect_rows": s.effects.values().map(|n| u64::from(*n)).sum::<u64>(),
                     "distinct_effects": s.effects.len(),

@@ -87,10 +87,30 @@ impl Kind {
     }
 }
 
-/// The producer's domain table.
+/// The producer's domain table; the audit of every mark: for each row a
+/// statement sets `published_at` on, who held its claim then and who marked
+/// it (the marking session's `application_name`, which each drainer sets
+/// to its replica id; the `claimed_by` guard means the two are the same,
+/// even for a mark that arrives late); and the mark stall the
+/// `stall_marks` fault arms (a mark statement of a stalled replica waits,
+/// before it reads a row, until the stall's end).
 pub const ORDERS_DDL: &str = "CREATE TABLE chaos_orders (\
      id BIGSERIAL PRIMARY KEY, event_id UUID NOT NULL UNIQUE, kind TEXT NOT NULL, \
-     at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())";
+     at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()); \
+     CREATE TABLE chaos_marks (id UUID NOT NULL, claimed_by TEXT, marked_by TEXT NOT NULL); \
+     CREATE FUNCTION chaos_audit_mark() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+       INSERT INTO chaos_marks VALUES (NEW.id, OLD.claimed_by, current_setting('application_name')); \
+       RETURN NEW; END $$; \
+     CREATE TRIGGER chaos_audit_mark AFTER UPDATE OF published_at ON event_outbox \
+       FOR EACH ROW EXECUTE FUNCTION chaos_audit_mark(); \
+     CREATE TABLE chaos_stall (replica TEXT PRIMARY KEY, until TIMESTAMPTZ NOT NULL); \
+     CREATE FUNCTION chaos_stall_mark() RETURNS trigger LANGUAGE plpgsql AS $$ \
+       DECLARE u TIMESTAMPTZ; BEGIN \
+         SELECT until INTO u FROM chaos_stall WHERE replica = current_setting('application_name'); \
+         IF u > clock_timestamp() THEN PERFORM pg_sleep(extract(epoch FROM u - clock_timestamp())); END IF; \
+         RETURN NULL; END $$; \
+     CREATE TRIGGER chaos_stall_mark BEFORE UPDATE OF published_at ON event_outbox \
+       FOR EACH STATEMENT EXECUTE FUNCTION chaos_stall_mark()";
 
 /// A subscription's domain table: one row per effect, no key, so a double
 /// effect shows.
@@ -286,18 +306,26 @@ async fn write(
     Ok(())
 }
 
-/// `chaos drainer`: `CHAOS_DB`, `CHAOS_AMQP`, `CHAOS_REPLICA`.
+/// `chaos drainer`: `CHAOS_DB`, `CHAOS_AMQP`, `CHAOS_REPLICA`. Its
+/// sessions carry its replica id as `application_name`, for the marks'
+/// audit.
 pub async fn drainer() -> Result<(), BoxError> {
     let (url, amqp, replica) = (var("CHAOS_DB")?, var("CHAOS_AMQP")?, var("CHAOS_REPLICA")?);
+    let replica = format!("{replica}-{}", std::process::id());
+    let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+    let pool = PgPoolOptions::new()
+        .max_connections(6)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with(options.application_name(&replica));
     let config = DrainerConfig::builder()
-        .replica_id(format!("{replica}-{}", std::process::id()))
+        .replica_id(replica)
         .exchange(EXCHANGE)
         .tick_ms(100)
         .lease_ttl_secs(LEASE_TTL.as_secs())
         .confirm_timeout_secs(CONFIRM_TIMEOUT.as_secs())
         .max_attempts(DRAINER_MAX_ATTEMPTS)
         .build()?;
-    let handle = DrainerHandle::spawn(pool(&url, 6), LapinBroker::new(amqp), config);
+    let handle = DrainerHandle::spawn(pool, LapinBroker::new(amqp), config);
     terminated().await;
     tokio::time::timeout(Duration::from_secs(20), handle.shutdown())
         .await

@@ -205,6 +205,8 @@ struct World {
     slots: Slots,
     proxies: BTreeMap<String, Proxy>,
     args: Args,
+    /// The producer's database, unproxied (to arm mark stalls).
+    orders: PgPool,
 }
 
 impl World {
@@ -295,6 +297,23 @@ impl World {
             }
             Fault::Cut { target, service } => {
                 self.proxy(target, *service)?.cut();
+                Ok(())
+            }
+            Fault::StallMarks { target, stalled } => {
+                let pid = self.with_slot(target, |s| s.pid())?.ok_or("not running")?;
+                // The replica id the drainer set as its application_name.
+                let replica = format!("{target}-{pid}");
+                sqlx::query(
+                    "INSERT INTO chaos_stall (replica, until) \
+                     VALUES ($1, clock_timestamp() + make_interval(secs => $2)) \
+                     ON CONFLICT (replica) DO UPDATE SET until = excluded.until",
+                )
+                .bind(&replica)
+                .bind(stalled.as_secs_f64())
+                .execute(&self.orders)
+                .await
+                .map_err(|e| e.to_string())?;
+                tokio::time::sleep(*stalled).await;
                 Ok(())
             }
         }
@@ -528,6 +547,7 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
         slots: slots.clone(),
         proxies,
         args: args.clone(),
+        orders: orders.clone(),
     });
 
     // The observer, before anything is published.
