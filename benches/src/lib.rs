@@ -126,3 +126,41 @@ pub async fn claim_and_mark(
     let marked = store.outbox_mark_published(replica, &ids).await?;
     Ok((ids, marked))
 }
+
+/// Declares a durable topic exchange and a durable queue bound to all of
+/// it (`#`): the harness's queue, and the chaos run's observer.
+pub async fn declare_catch_all(
+    ch: &lapin::Channel,
+    exchange: &str,
+    queue: &str,
+) -> Result<(), lapin::Error> {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    ch.exchange_declare(
+        exchange.into(),
+        lapin::ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+}

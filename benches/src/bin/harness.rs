@@ -29,8 +29,7 @@ use std::time::{Duration, Instant};
 
 use benches::{claim_and_mark, envelope, fresh_database, prefill};
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+    BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
@@ -128,33 +127,7 @@ fn ms(d: Duration) -> f64 {
 
 async fn broker_topology(conn: &Connection) -> Result<(), Box<dyn std::error::Error>> {
     let ch = conn.create_channel().await?;
-    ch.exchange_declare(
-        EXCHANGE.into(),
-        lapin::ExchangeKind::Topic,
-        ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_declare(
-        QUEUE.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_bind(
-        QUEUE.into(),
-        EXCHANGE.into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
+    benches::declare_catch_all(&ch, EXCHANGE, QUEUE).await?;
     ch.queue_purge(QUEUE.into(), QueuePurgeOptions::default())
         .await?;
     Ok(())

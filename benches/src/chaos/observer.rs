@@ -12,12 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Connection, ConnectionProperties};
 use tokio::sync::watch;
 use uuid::Uuid;
 
@@ -39,33 +36,7 @@ pub struct Observed {
 pub async fn declare(amqp: &str, exchange: &str, queue: &str) -> Result<(), lapin::Error> {
     let conn = Connection::connect(amqp, ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
-    ch.exchange_declare(
-        exchange.into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_bind(
-        queue.into(),
-        exchange.into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
+    crate::declare_catch_all(&ch, exchange, queue).await?;
     let _ = conn.close(200, "OK".into()).await;
     Ok(())
 }
