@@ -136,8 +136,14 @@ marks! {
     HandlerUnavailable = "handler_unavailable",
     /// The handler panicked: caught, an attempt counts.
     HandlerPanicked = "handler_panicked",
-    /// The handler ran past its deadline: an attempt counts.
+    /// The handler ran past its deadline a second time for this delivery
+    /// while the database answered: an attempt counts.
     HandlerTimedOut = "handler_timed_out",
+    /// The handler ran past its deadline while the database answered, the
+    /// first time for this delivery: it runs once more (retried in place,
+    /// no attempt) in case its statements waited on a stall that had just
+    /// ended.
+    HandlerOverranOnce = "handler_overran_once",
     /// The handler ran past its deadline and the database did not answer
     /// a ping either: its own statements waited on the database, so no
     /// attempt counts.

@@ -7,10 +7,11 @@
 //!
 //! A transient failure comes in the three shapes a real handler fails in:
 //! an `Err`, a panic, or a stall past the subscriber's handler deadline.
-//! It records every run and what it came to (`HandlerRan`, before a panic
+//! An `Err` or a panic fails the event's first run; a stall its first two
+//! (the subscriber blames an overrun only when it repeats). It records every run and what it came to (`HandlerRan`, before a panic
 //! or a stall): the checker's budget rules count attempts against these.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -50,9 +51,11 @@ pub const POISON_PREFIX: &str = "poison.";
 /// The handler of one simulated subscription.
 pub struct SimHandler {
     subscription: String,
-    /// Events whose first attempt fails (one in `transient_one_in`, by id).
+    /// Events whose first run fails (one in `transient_one_in`, by id;
+    /// the first two if the failure is a stall).
     transient_one_in: u64,
-    failed_once: Mutex<BTreeSet<uuid::Uuid>>,
+    /// How many runs of each event failed on purpose.
+    failed: Mutex<BTreeMap<uuid::Uuid, u32>>,
     /// While set, events with a poison routing key fail every attempt.
     pub downstream_broken: Arc<AtomicBool>,
     hooks: Hooks,
@@ -67,7 +70,7 @@ impl SimHandler {
         Self {
             subscription: subscription.into(),
             transient_one_in,
-            failed_once: Mutex::default(),
+            failed: Mutex::default(),
             downstream_broken: Arc::new(AtomicBool::new(false)),
             hooks: Hooks::default(),
             trace: Trace::default(),
@@ -118,14 +121,21 @@ impl SimHandler {
         {
             return Err(HandlerError::msg("downstream refuses poison events"));
         }
-        // Deterministic in the event id (a v7 id's low bits are seeded).
-        let transient = self.transient_one_in > 0
-            && event
-                .id
-                .as_u64_pair()
-                .1
-                .is_multiple_of(self.transient_one_in)
-            && self.failed_once.lock().expect("lock").insert(event.id);
+        // Deterministic in the event id (a v7 id's low bits are seeded):
+        // whether it fails, and how (`shape`: an `Err`, a panic, a stall).
+        let low = event.id.as_u64_pair().1;
+        let shape = if self.transient_one_in > 0 {
+            (low / self.transient_one_in) % 3
+        } else {
+            0
+        };
+        let transient = self.transient_one_in > 0 && low.is_multiple_of(self.transient_one_in) && {
+            let mut failed = self.failed.lock().expect("lock");
+            let n = failed.entry(event.id).or_insert(0);
+            let failing_runs = if shape == 2 { 2 } else { 1 };
+            *n += 1;
+            *n <= failing_runs
+        };
         tx.effect(&self.subscription, event.id).await?;
         self.hooks
             .at(Point::MidHandler, &self.who, &self.trace)
@@ -134,7 +144,7 @@ impl SimHandler {
             // The three ways a handler fails, by the id's next bits: an
             // `Err`, a panic, or a stall past the subscriber's deadline.
             let failure = Err(HandlerError::msg("transient failure after the effect"));
-            match (event.id.as_u64_pair().1 / self.transient_one_in) % 3 {
+            match shape {
                 0 => return failure,
                 1 => {
                     self.ran(event, &failure);
