@@ -4,7 +4,7 @@ of the workspace, sweeps its scenarios on both engines, and reports how
 many seeds fail on each (the proof that the checker states the rule the
 bug breaks, on turmoil and on madsim).
 
-    python3 sim/bugs/reintroduce.py [--seeds 0..30] [--only SUBSTRING]
+    python3 sim/bugs/reintroduce.py [--seeds 0..30] [--only SUBSTRING[|...]]
         [--engines turmoil,madsim] [--work DIR] [--out FILE.md]
 
 The scratch copy is a git worktree of HEAD under --work (default
@@ -108,7 +108,8 @@ def main():
     a = ap.parse_args()
     engines = a.engines.split(",")
     catalogue = tomllib.load(open(os.path.join(ROOT, "sim", "bugs", "catalogue.toml"), "rb"))
-    bugs = [b for b in catalogue["bug"] if not a.only or a.only in b["name"]]
+    only = a.only.split("|") if a.only else None
+    bugs = [b for b in catalogue["bug"] if not only or any(o in b["name"] for o in only)]
     tree = worktree(a.work)
     target = os.path.join(a.work, "build")
     rows = []

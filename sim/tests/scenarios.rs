@@ -97,6 +97,7 @@ fn every_scenario_file_has_a_test_here() {
         "redelivery_storm",
         "replicas_racing",
         "reply_lost",
+        "slow_claims",
         "slow_database",
         "swarm",
     ];
@@ -182,6 +183,10 @@ fn rate_bounded_backlog() {
 #[test]
 fn hostile_deliveries() {
     check("hostile_deliveries");
+}
+#[test]
+fn slow_claims() {
+    check("slow_claims");
 }
 #[test]
 fn slow_database() {
