@@ -54,6 +54,15 @@ impl Args {
     }
 }
 
+/// How many events must have reached the broker before a fault planned
+/// `at` into a production `window` of `events` fires: its planned share.
+fn share_before(events: u64, at: Duration, window: Duration) -> usize {
+    if window.is_zero() {
+        return 0;
+    }
+    (events as f64 * (at.as_secs_f64() / window.as_secs_f64()).min(1.0)) as usize
+}
+
 /// `host:port` of a URL like `scheme://user:pass@host:port/...`.
 fn host_port(url: &str, default_port: u16) -> String {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
@@ -588,7 +597,8 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
     let window = Duration::from_secs_f64(args.events as f64 / args.rate);
     let planned = plan::plan(args.seed, args.faults, window, &drainers, &subscribers);
     println!(
-        "chaos: seed {}, {} events at {:.0}/s over {:.0} s, {} faults:",
+        "chaos: seed {}, {} events at {:.0}/s over {:.0} s, {} faults (each at its \
+         instant, or later once its share of the events reached the broker):",
         args.seed,
         args.events,
         args.rate,
@@ -597,9 +607,10 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
     );
     for (i, p) in planned.iter().enumerate() {
         println!(
-            "  {:>2}. at {:>6.1} s  {}",
+            "  {:>2}. at {:>6.1} s / {:>8} events  {}",
             i + 1,
             p.at.as_secs_f64(),
+            share_before(args.events, p.at, window),
             p.fault
         );
     }
@@ -615,13 +626,25 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
         .expect("slot")
         .start()?;
 
-    // The faults, each on its own task at its instant.
+    // The faults, each on its own task at its instant, or later, once its
+    // share of the events has reached the broker: a pipeline slower than
+    // the planned rate (a loaded machine, a long recovery) stretches the
+    // schedule instead of meeting every fault in its first part. The
+    // producer's end fires whatever is still waiting.
+    let producer_status: Arc<Mutex<Option<std::process::ExitStatus>>> = Arc::default();
     let injected: Arc<Mutex<Vec<Injected>>> = Arc::default();
     let mut faults = Vec::new();
     for p in planned.clone() {
         let (world, injected) = (world.clone(), injected.clone());
+        let (seen, producer_status) = (seen.clone(), producer_status.clone());
+        let share = share_before(args.events, p.at, window);
         faults.push(tokio::spawn(async move {
             tokio::time::sleep_until((production + p.at).into()).await;
+            while seen.lock().expect("observed").stored.len() < share
+                && producer_status.lock().expect("status").is_none()
+            {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
             let began = start.elapsed();
             println!("chaos: {:>6.1} s  {}", began.as_secs_f64(), p.fault);
             let trouble = world.inject(&p.fault).await.err();
@@ -640,7 +663,6 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
     // A process that exits by itself is a failure of the run (the
     // producer's exit is its end); it is restarted so the run goes on.
     let exits: Arc<Mutex<Vec<String>>> = Arc::default();
-    let producer_status: Arc<Mutex<Option<std::process::ExitStatus>>> = Arc::default();
     let (stop_watch, mut watching) = watch::channel(false);
     let watchdog = {
         let (slots, exits, producer_status) =
@@ -866,5 +888,21 @@ mod tests {
             ),
             "postgres://postgres@127.0.0.1:4001/postgres?sslmode=disable"
         );
+    }
+
+    #[test]
+    fn a_fault_waits_for_its_share_of_the_events() {
+        let window = Duration::from_secs(100);
+        assert_eq!(share_before(1_000_000, Duration::ZERO, window), 0);
+        assert_eq!(
+            share_before(1_000_000, Duration::from_secs(25), window),
+            250_000
+        );
+        assert_eq!(
+            share_before(1_000_000, Duration::from_secs(99), window),
+            990_000
+        );
+        assert_eq!(share_before(10, Duration::from_secs(200), window), 10);
+        assert_eq!(share_before(10, Duration::from_secs(1), Duration::ZERO), 0);
     }
 }
