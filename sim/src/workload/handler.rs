@@ -124,11 +124,7 @@ impl SimHandler {
         // Deterministic in the event id (a v7 id's low bits are seeded):
         // whether it fails, and how (`shape`: an `Err`, a panic, a stall).
         let low = event.id.as_u64_pair().1;
-        let shape = if self.transient_one_in > 0 {
-            (low / self.transient_one_in) % 3
-        } else {
-            0
-        };
+        let shape = low.checked_div(self.transient_one_in).unwrap_or(0) % 3;
         let transient = self.transient_one_in > 0 && low.is_multiple_of(self.transient_one_in) && {
             let mut failed = self.failed.lock().expect("lock");
             let n = failed.entry(event.id).or_insert(0);
