@@ -1007,8 +1007,8 @@ where
         stalled: &AtomicBool,
     ) -> std::convert::Infallible {
         loop {
-            let ping = with_deadline(&*self.clock, probe, self.store.inbox_ping()).await;
-            if !matches!(ping, Some(Ok(()))) {
+            let answer = with_deadline(&*self.clock, probe, self.store.inbox_ping()).await;
+            if !matches!(answer, Some(Ok(()))) {
                 stalled.store(true, Ordering::Relaxed);
             }
             self.clock.sleep(probe / 2).await;
