@@ -224,7 +224,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Arc::new(Ship),
         settings,
     ));
-    let inbox_janitor = InboxDrainer::spawn(pool.clone());
+    let inbox_janitor = InboxDrainer::spawn(pool.clone())?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let consuming = tokio::spawn({
         let subscriber = subscriber.clone();

@@ -19,6 +19,9 @@ pub const BATCH_SIZE_MAX: u32 = 10_000;
 pub const PIPELINE_DEPTH_MAX: u32 = 10_000;
 /// Upper bound on the retention, in days (a century).
 pub const RETENTION_DAYS_MAX: u64 = 36_500;
+/// Longest lease accepted, in seconds (a day): a crashed drainer's rows wait
+/// this long to be reclaimed, and PostgreSQL's timestamps bound it anyway.
+pub const LEASE_TTL_SECS_MAX: u64 = 86_400;
 
 /// Every variable [`DrainerConfig::from_env`] reads.
 pub mod vars {
@@ -309,16 +312,22 @@ impl crate::core::janitor::InboxJanitorSettings {
     /// assert_eq!(s.retention.as_secs(), 30 * 86_400);
     /// let e = InboxJanitorSettings::from_lookup(|_| Some("soon".into())).unwrap_err();
     /// assert!(e.to_string().starts_with("CANOPY_MQ_INBOX_RETENTION_DAYS=soon is invalid"));
+    /// let e = InboxJanitorSettings::from_lookup(|_| Some("0".into())).unwrap_err();
+    /// assert!(e.to_string().starts_with("CANOPY_MQ_INBOX_RETENTION_DAYS=0 is invalid"));
     /// ```
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
         let mut settings = Self::default();
         if let Some(v) = lookup(vars::INBOX_RETENTION_DAYS) {
             let days: u64 = parse(vars::INBOX_RETENTION_DAYS, &v)?;
-            if days > RETENTION_DAYS_MAX {
+            if days == 0 || days > RETENTION_DAYS_MAX {
                 return Err(ConfigError::Invalid {
                     var: vars::INBOX_RETENTION_DAYS,
                     value: v,
-                    rule: format!("must be <= {RETENTION_DAYS_MAX}"),
+                    rule: format!(
+                        "must be >= 1 and <= {RETENTION_DAYS_MAX} (the inbox's processed \
+                         rows are its deduplication: deleted at once, a redelivered \
+                         duplicate would take effect again)"
+                    ),
                 });
             }
             settings.retention = Duration::from_secs(days * 86_400);
@@ -593,6 +602,13 @@ impl DrainerConfigBuilder {
                 format!("must be > 0 and <= {PIPELINE_DEPTH_MAX}"),
             );
         }
+        if self.lease_ttl_secs > LEASE_TTL_SECS_MAX {
+            return invalid(
+                vars::LEASE_TTL_SECS,
+                &self.lease_ttl_secs,
+                format!("must be <= {LEASE_TTL_SECS_MAX} (a day)"),
+            );
+        }
         // One worst-case batch at the assumed per-publish latency (#478).
         let batch_worst_ms = u64::from(self.pipeline_depth) * ASSUMED_PUBLISH_LATENCY_MS;
         if self.lease_ttl_secs.saturating_mul(1000) < 3 * batch_worst_ms {
@@ -639,11 +655,17 @@ impl DrainerConfigBuilder {
                 format!("must be > 0 and <= {BATCH_SIZE_MAX}"),
             );
         }
-        if self.exchange.len() > crate::envelope::ROUTING_KEY_MAX_BYTES {
+        if self.exchange.is_empty() || self.exchange.len() > crate::envelope::ROUTING_KEY_MAX_BYTES
+        {
+            // The default exchange ("") confirms every publish and routes
+            // it by queue name: nothing bound to topics ever receives it,
+            // yet every row would be marked published.
             return invalid(
                 vars::EXCHANGE,
                 &self.exchange,
-                "must be at most 255 bytes".into(),
+                "must be 1 to 255 bytes (the default exchange \"\" routes by queue name, \
+                 so a topic subscription would never see an event it confirmed)"
+                    .into(),
             );
         }
         let replica_id = match self.replica_id {

@@ -113,14 +113,23 @@ pub enum StoreError {
     /// help; the input is to blame.
     #[error("store refused the data: {0}")]
     Refused(String),
+    /// The statement did not run: its transaction was aborted already by
+    /// an earlier statement's error (SQLSTATE 25P02), which whoever ran
+    /// that statement must have swallowed. Only a rollback helps.
+    #[error("transaction already aborted: {0}")]
+    Aborted(String),
 }
 
 impl StoreError {
     /// The one map from a PostgreSQL SQLSTATE to a store error, used by the
     /// production adapter and by the simulation's fake alike: class 22 (data
-    /// exception) is [`Refused`](Self::Refused); classes 08 (connection), 53
+    /// exception) is [`Refused`](Self::Refused); 25P02 (in a failed
+    /// transaction) is [`Aborted`](Self::Aborted); classes 08 (connection), 53
     /// (insufficient resources), 57P01–57P05 (shutdown, cannot connect now,
-    /// idle session timeout) and the transient conflicts 40001 and 40P01 are
+    /// idle session timeout), 25P03 (idle-in-transaction timeout), 57014 (a
+    /// statement cancelled, by `statement_timeout` or
+    /// `pg_cancel_backend`), 55P03 (a lock not had within `lock_timeout` or
+    /// `NOWAIT`) and the transient conflicts 40001 and 40P01 are
     /// [`Unavailable`](Self::Unavailable); anything else is a
     /// [`Statement`](Self::Statement) failure.
     ///
@@ -130,6 +139,8 @@ impl StoreError {
     ///                  StoreError::Refused(_)));
     /// assert!(matches!(StoreError::from_sqlstate("40001", "could not serialize".into()),
     ///                  StoreError::Unavailable(_)));
+    /// assert!(matches!(StoreError::from_sqlstate("57014", "statement timeout".into()),
+    ///                  StoreError::Unavailable(_)));
     /// assert!(matches!(StoreError::from_sqlstate("23505", "duplicate key".into()),
     ///                  StoreError::Statement(_)));
     /// ```
@@ -137,10 +148,13 @@ impl StoreError {
         let class = code.get(..2).unwrap_or("");
         match (class, code) {
             ("22", _) => Self::Refused(message),
+            (_, "25P02") => Self::Aborted(message),
             ("08" | "53", _)
-            | (_, "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "57P04" | "57P05") => {
-                Self::Unavailable(message)
-            }
+            | (
+                _,
+                "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "57P04" | "57P05" | "25P03"
+                | "57014" | "55P03",
+            ) => Self::Unavailable(message),
             _ => Self::Statement(message),
         }
     }

@@ -47,10 +47,10 @@ use uuid::Uuid;
 use crate::PgOutboxStore;
 use crate::admin;
 use crate::core::ports::{Clock, ConsumerBroker, InboxFilter, InboxStore, UnparkSelector};
+use crate::core::ports::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 use crate::core::stats::Readiness;
-use crate::core::subscriber::{Handler, ReplayOutcome, Subscriber};
+use crate::core::subscriber::{Handler, ReplayOutcome, ReplayPage, Subscriber};
 use crate::error::{ConfigError, StoreError};
-use crate::pg::inbox::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 
 /// Variable holding the admin bearer token.
 pub const ADMIN_TOKEN_VAR: &str = "CANOPY_MQ_ADMIN_TOKEN";
@@ -159,7 +159,7 @@ pub trait ReplayTarget: Send + Sync + 'static {
     fn replay<'a>(
         &'a self,
         filter: &'a InboxFilter,
-    ) -> BoxFuture<'a, Result<Vec<(Uuid, ReplayOutcome)>, StoreError>>;
+    ) -> BoxFuture<'a, Result<ReplayPage, StoreError>>;
 }
 
 impl<S, B, C, H> ReplayTarget for Subscriber<S, B, C, H>
@@ -167,7 +167,7 @@ where
     S: InboxStore,
     B: ConsumerBroker,
     C: Clock,
-    H: Handler<S::Tx>,
+    H: Handler<S::HandlerTx>,
 {
     fn subscription(&self) -> &str {
         &self.settings().spec.queue
@@ -176,8 +176,8 @@ where
     fn replay<'a>(
         &'a self,
         filter: &'a InboxFilter,
-    ) -> BoxFuture<'a, Result<Vec<(Uuid, ReplayOutcome)>, StoreError>> {
-        Box::pin(Subscriber::replay(self, filter))
+    ) -> BoxFuture<'a, Result<ReplayPage, StoreError>> {
+        Box::pin(Subscriber::replay_page(self, filter))
     }
 }
 
@@ -381,13 +381,15 @@ async fn replay(
         return error(StatusCode::NOT_FOUND, "no subscriber is mounted here");
     }
     let mut results = Vec::new();
-    let mut more = false;
+    let mut next = BTreeMap::new();
     for target in targets {
         match target.replay(&filter).await {
-            Ok(outcomes) => {
-                more |= outcomes.len() >= limit as usize;
+            Ok(page) => {
+                if let Some(cursor) = page.next {
+                    next.insert(target.subscription().to_owned(), cursor);
+                }
                 results.extend(
-                    outcomes
+                    page.results
                         .into_iter()
                         .map(|(event_id, outcome)| ReplayResult {
                             event_id,
@@ -409,8 +411,15 @@ async fn replay(
         }
     }
     tracing::info!(replayed = results.len(), "inbox rows replayed by operator");
-    // `more`: a subscription returned `limit` rows, so more may match.
-    Json(serde_json::json!({ "results": results, "limit": limit, "more": more })).into_response()
+    // `more`: rows past the limit match; `next`, per subscription, is the
+    // `after` that replays them (past the rows that failed again).
+    Json(serde_json::json!({
+        "results": results,
+        "limit": limit,
+        "more": !next.is_empty(),
+        "next": next,
+    }))
+    .into_response()
 }
 
 #[derive(Deserialize)]

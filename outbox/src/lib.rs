@@ -57,11 +57,13 @@ pub use config::{DrainerConfig, DrainerConfigBuilder};
 pub use core::drainer::{Drainer, TickReport};
 pub use core::janitor::InboxJanitorSettings;
 pub use core::ports::{
-    InboxFilter, InboxRow, OutboxStats, ParkedRow, SubscriptionSpec, UnparkSelector,
+    InboxCursor, InboxFilter, InboxRow, OutboxStats, ParkedRow, SubscriptionSpec, TxBounds,
+    UnparkSelector,
 };
 pub use core::stats::{OutboxHealth, Readiness, UnreadyReason};
 pub use core::subscriber::{
-    DeliveryOutcome, Handler, ReplayOutcome, Subscriber, SubscriberSettings, SubscriberStats,
+    DeliveryOutcome, Handler, ReplayOutcome, ReplayPage, Subscriber, SubscriberSettings,
+    SubscriberStats,
 };
 pub use envelope::{EnvelopeLimits, EventEnvelope};
 pub use error::{
@@ -69,7 +71,7 @@ pub use error::{
 };
 pub use migrate::{MIGRATOR, migrator};
 pub use pg::PgOutboxStore;
-pub use pg::inbox::{PgInboxStore, PgTx};
+pub use pg::inbox::{PgInboxStore, PgInboxTx, PgTx};
 pub use pg::publisher::Publisher;
 pub use runtime::{
     DrainerHandle, DrainerPorts, InboxDrainer, OsEntropy, PgCommitWakeup, SplitMix64, TokioClock,

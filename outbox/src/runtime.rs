@@ -18,6 +18,7 @@ use crate::core::ports::{
 };
 use crate::core::stats::{OutboxHealth, Readiness};
 use crate::core::{janitor, stats};
+use crate::error::ConfigError;
 use crate::pg::PgOutboxStore;
 use crate::pg::inbox::PgInboxStore;
 
@@ -343,9 +344,11 @@ pub struct InboxDrainer {
 }
 
 impl InboxDrainer {
-    /// Spawns the janitor with the default settings (7 days, hourly).
-    pub fn spawn(pool: sqlx::PgPool) -> Self {
-        Self::spawn_with(pool, InboxJanitorSettings::default())
+    /// Spawns the janitor with the settings of the environment
+    /// (`CANOPY_MQ_INBOX_RETENTION_DAYS`, default 7 days; hourly): fails,
+    /// naming the variable, on a value that breaks a rule.
+    pub fn spawn(pool: sqlx::PgPool) -> Result<Self, ConfigError> {
+        Ok(Self::spawn_with(pool, InboxJanitorSettings::from_env()?))
     }
 
     /// Spawns the janitor with `settings`.

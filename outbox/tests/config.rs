@@ -214,6 +214,51 @@ fn blank_replica_ids_and_oversized_exchanges_are_refused() {
 }
 
 #[test]
+fn the_default_exchange_and_endless_leases_are_refused_at_boot() {
+    // "" is the default exchange: it confirms every publish and routes by
+    // queue name, so no topic subscription would see an event marked
+    // published (issue 25).
+    assert_invalid(
+        &[(vars::EXCHANGE, "")],
+        vars::EXCHANGE,
+        "",
+        "default exchange",
+    );
+    // A lease past PostgreSQL's timestamps failed every claim at run time.
+    assert_invalid(
+        &[(vars::LEASE_TTL_SECS, "300000000000")],
+        vars::LEASE_TTL_SECS,
+        "300000000000",
+        "<= 86400",
+    );
+    assert!(from(&[(vars::LEASE_TTL_SECS, "86400")]).is_ok());
+}
+
+#[test]
+fn the_inbox_retention_refuses_zero_days() {
+    use outbox::InboxJanitorSettings;
+    let e = InboxJanitorSettings::from_lookup(|v| {
+        (v == vars::INBOX_RETENTION_DAYS).then(|| "0".to_owned())
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("deduplication"), "{e}");
+}
+
+#[test]
+fn a_slow_handler_is_never_cut_off_by_its_transactions_idle_bound() {
+    use outbox::TxBounds;
+    // A fixed minute idle in transaction failed every attempt of a valid
+    // handler given more than that (issue 25).
+    for secs in [1, 30, 59, 60, 61, 600, 3600] {
+        let deadline = Duration::from_secs(secs);
+        let b = TxBounds::for_handler(deadline);
+        assert!(b.idle >= Duration::from_secs(60));
+        assert!(b.idle > deadline * 2, "{secs} s: idle {:?}", b.idle);
+        assert!(b.statement > deadline && b.statement <= deadline + Duration::from_secs(1));
+    }
+}
+
+#[test]
 fn retention_is_bounded() {
     assert_invalid(
         &[(vars::RETENTION_DAYS, "40000")],

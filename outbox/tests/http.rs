@@ -290,24 +290,25 @@ impl outbox::http::ReplayTarget for EchoTarget {
         filter: &'a outbox::core::ports::InboxFilter,
     ) -> std::pin::Pin<
         Box<
-            dyn std::future::Future<
-                    Output = Result<
-                        Vec<(uuid::Uuid, outbox::core::subscriber::ReplayOutcome)>,
-                        outbox::StoreError,
-                    >,
-                > + Send
+            dyn std::future::Future<Output = Result<outbox::ReplayPage, outbox::StoreError>>
+                + Send
                 + 'a,
         >,
     > {
         *self.limit.lock().unwrap() = filter.limit;
-        let rows = filter
+        let results = filter
             .ids
             .iter()
             .flatten()
             .take(filter.limit.unwrap_or(100) as usize)
             .map(|id| (*id, outbox::core::subscriber::ReplayOutcome::Applied))
             .collect();
-        Box::pin(async move { Ok(rows) })
+        Box::pin(async move {
+            Ok(outbox::ReplayPage {
+                results,
+                next: None,
+            })
+        })
     }
 }
 
@@ -381,7 +382,8 @@ async fn the_admin_surface_edges_answer_in_json_with_the_right_status(pool: PgPo
     assert_eq!(status, StatusCode::OK, "{text}");
     assert_eq!(json["results"].as_array().unwrap().len(), 150);
     assert_eq!(*echo.limit.lock().unwrap(), Some(150));
-    // A filter that meets its limit says more may match.
+    // A replay by ids reaches every id listed: nothing more matches, even
+    // with a smaller limit asked for (issue 25: it said `more`).
     let (_, json, text) = call(
         &r,
         "POST",
@@ -392,7 +394,7 @@ async fn the_admin_surface_edges_answer_in_json_with_the_right_status(pool: PgPo
     .await;
     assert_eq!(
         (json["limit"].as_u64(), json["more"].as_bool()),
-        (Some(2), Some(true)),
+        (Some(2), Some(false)),
         "{text}"
     );
     // A database failure: 503 that names no database internals.

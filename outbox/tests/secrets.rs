@@ -76,6 +76,24 @@ fn every_address_shape_sqlx_and_lapin_accept_is_redacted() {
             format!("host=db password='{s} with spaces' sslpassword={s}"),
             "host=db password=*** sslpassword=***".to_owned(),
         ),
+        // libpq's own reading (issue 25): spaces around `=`, `;` inside an
+        // unquoted value, escaped quotes inside a quoted one.
+        (
+            format!("host=db password = {s} dbname=x"),
+            "host=db password = *** dbname=x".to_owned(),
+        ),
+        (
+            format!("host=db password=hun;{s} dbname=x"),
+            "host=db password=*** dbname=x".to_owned(),
+        ),
+        (
+            format!(r"host=db password='hun\'{s} 2' dbname=x"),
+            "host=db password=*** dbname=x".to_owned(),
+        ),
+        (
+            format!(r"password='a\\{s}' host=db"),
+            "password=*** host=db".to_owned(),
+        ),
         // A key that only ends in "password" is left alone.
         (
             "host=db mypassword=x".to_owned(),

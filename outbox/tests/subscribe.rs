@@ -531,7 +531,7 @@ async fn the_inbox_janitor_deletes_only_processed_rows_past_retention(pool: PgPo
         .unwrap();
     assert_eq!(left, ids[2..].to_vec());
     // The spawned janitor sweeps at once and stops when told.
-    let janitor = outbox::InboxDrainer::spawn(pool.clone());
+    let janitor = outbox::InboxDrainer::spawn(pool.clone()).unwrap();
     janitor.shutdown().await;
 }
 
@@ -753,4 +753,66 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
     }
     common::delete_subscription(&conn, &queue, &exchange).await;
     broker.close().await;
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_limited_replay_goes_on_past_rows_that_fail_again_and_says_when_nothing_is_left(
+    pool: PgPool,
+) {
+    let r = start(pool, false, true).await;
+    let events: Vec<EventEnvelope> = (0..3)
+        .map(|i| EventEnvelope::new("orders.created", serde_json::json!({ "order": i })))
+        .collect();
+    for e in &events {
+        r.publish_envelope(e).await;
+    }
+    r.until(30, |s| s.dead_lettered == 3).await;
+    // The downstream is still broken: every replayed row fails again. Two
+    // at a time, oldest first, `next` says where the rest begins (issue 25:
+    // a filtered replay met the same failing rows again every time).
+    let mut filter = InboxFilter {
+        dead_lettered_only: true,
+        limit: Some(2),
+        ..InboxFilter::default()
+    };
+    let first = r.subscriber.replay_page(&filter).await.unwrap();
+    assert_eq!(first.results.len(), 2);
+    assert!(
+        first
+            .results
+            .iter()
+            .all(|(_, o)| matches!(o, ReplayOutcome::Failed { .. }))
+    );
+    let next = first.next.expect("a third row matches");
+    filter.after = Some(next);
+    let second = r.subscriber.replay_page(&filter).await.unwrap();
+    let mut replayed: Vec<Uuid> = first
+        .results
+        .iter()
+        .chain(&second.results)
+        .map(|(id, _)| *id)
+        .collect();
+    replayed.sort();
+    let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
+    assert_eq!(replayed, ids, "each row once");
+    assert_eq!(second.next, None, "nothing more matches");
+    // A limit of exactly what matches says nothing is left either.
+    *r.always_fail.lock().unwrap() = false;
+    let all = InboxFilter {
+        dead_lettered_only: true,
+        limit: Some(3),
+        ..InboxFilter::default()
+    };
+    let page = r.subscriber.replay_page(&all).await.unwrap();
+    assert_eq!(page.results.len(), 3);
+    assert!(
+        page.results
+            .iter()
+            .all(|(_, o)| *o == ReplayOutcome::Applied)
+    );
+    assert_eq!(page.next, None);
+    for e in &events {
+        assert_eq!(r.effects(e.id).await, 1);
+    }
+    r.stop().await;
 }

@@ -27,6 +27,8 @@ pub struct Model {
     pub hostile_applies: BTreeSet<Uuid>,
     /// Envelope ids inside hostile messages it must never apply.
     pub hostile_rejected: BTreeSet<Uuid>,
+    /// Events whose effect takes a deferred unique key, and the key.
+    pub unique: BTreeMap<Uuid, String>,
 }
 
 impl Model {
@@ -39,6 +41,9 @@ impl Model {
                 Event::RolledBack { ids, .. } => m.rolled_back.extend(ids.iter().copied()),
                 Event::Unpublishable { id } => {
                     m.unpublishable.insert(*id);
+                }
+                Event::UniqueKeyed { id, key } => {
+                    m.unique.insert(*id, key.clone());
                 }
                 Event::Hostile {
                     kind,
@@ -77,6 +82,18 @@ impl Model {
             .copied()
             .chain(self.hostile_applies.iter().copied())
             .collect()
+    }
+
+    /// The publishable committed events that take a deferred unique key,
+    /// by key: of each key's events exactly one can take effect.
+    pub fn unique_groups(&self) -> BTreeMap<&str, BTreeSet<Uuid>> {
+        let mut groups: BTreeMap<&str, BTreeSet<Uuid>> = BTreeMap::new();
+        for id in self.publishable() {
+            if let Some(key) = self.unique.get(id) {
+                groups.entry(key.as_str()).or_default().insert(*id);
+            }
+        }
+        groups
     }
 
     /// The event a settled or delivered message stands for, if it stands
@@ -118,6 +135,11 @@ pub struct ConsumerFinal {
     pub overdue_processed: Vec<Uuid>,
     /// Messages in the subscription's dead-letter queue, by `message_id`.
     pub dead_letters: BTreeMap<Option<String>, u32>,
+    /// Inbox rows marked dead-lettered.
+    pub dead_lettered: BTreeSet<Uuid>,
+    /// The domain table's committed unique keys, and the event that took
+    /// each.
+    pub unique_keys: BTreeMap<String, Uuid>,
 }
 
 /// Where the oracle looks.
@@ -161,7 +183,7 @@ impl Oracle<'_> {
                     .is_none_or(|r| !crate::fakes::pg::outbox::unpublishable_key(&r.routing_key))
             })
             .chain(self.mq.hostile_applies().iter())
-            .all(|id| db.inbox.processed_ever(id));
+            .all(|id| db.inbox.processed_ever(id) || db.inbox.lost_its_unique_key(id));
         drop(db);
         must_apply && self.mq.hostiles_dead_lettered()
     }
@@ -225,6 +247,13 @@ impl Oracle<'_> {
                     .map(|r| r.event_id)
                     .collect(),
                 dead_letters,
+                dead_lettered: db
+                    .inbox
+                    .rows()
+                    .filter(|r| r.subscription == queue && r.dead_lettered_ms.is_some())
+                    .map(|r| r.event_id)
+                    .collect(),
+                unique_keys: db.inbox.unique_keys().clone(),
             });
         }
         fin

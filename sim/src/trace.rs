@@ -38,6 +38,9 @@ pub enum FaultKind {
     PgIdleTimeout,
     /// The fake PostgreSQL answered slowly (a window).
     PgSlow,
+    /// Another session held the handler's domain table locked (a window):
+    /// handler statements that write to it wait.
+    DomainLock,
     /// The fake RabbitMQ dropped a connection.
     MqDrop,
     /// The fake RabbitMQ nacked a publish.
@@ -81,6 +84,26 @@ pub enum HandlerResult {
     Failed,
     /// Its database was unavailable: no attempt may be counted.
     Unavailable,
+}
+
+/// How a statement that waited on a lock ended its wait at the fake
+/// PostgreSQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitEnd {
+    /// It got the lock and ran.
+    Acquired,
+    /// `statement_timeout` ended it (57014).
+    StatementTimeout,
+    /// `lock_timeout` ended it (55P03).
+    LockTimeout,
+    /// The server found it in a deadlock and failed it (40P01).
+    Deadlock,
+    /// `pg_cancel_backend` ended it (57014).
+    Cancelled,
+    /// `pg_terminate_backend` ended it and its session (57P01).
+    Terminated,
+    /// Its connection was closed while it waited (the server noticed).
+    ConnectionClosed,
 }
 
 /// What a replay of one row came to, as the operator saw it.
@@ -177,6 +200,9 @@ pub enum Event {
     RolledBack { client: String, ids: Vec<Uuid> },
     /// The workload wrote a row no broker can accept (bypassing validation).
     Unpublishable { id: Uuid },
+    /// The workload wrote an event whose effect takes `key` under the
+    /// domain table's deferred unique constraint.
+    UniqueKeyed { id: Uuid, key: String },
 
     // --- transactions as store clients see them (the adapters) -------------
     /// A client sent BEGIN.
@@ -269,6 +295,40 @@ pub enum Event {
         kind: HostileKind,
         message_id: Option<String>,
         envelope_id: Option<Uuid>,
+    },
+
+    // --- statements as the fake PostgreSQL ran them ---------------------------
+    /// A statement of session `session` (of `client`) began waiting on a
+    /// lock another session holds (`on` says which).
+    LockWait {
+        client: String,
+        session: u64,
+        on: String,
+    },
+    /// That wait ended.
+    LockWaitEnded {
+        client: String,
+        session: u64,
+        how: WaitEnd,
+    },
+    /// A client stopped waiting for the reply to a statement it had sent on
+    /// session `session` (its future was dropped: a deadline, a cancelled
+    /// call); the statement goes on at the server until it ends there.
+    RequestAbandoned { client: String, session: u64 },
+    /// A deferred constraint failed at `InboxCheck` or at COMMIT
+    /// (`at_commit`); `events` are the effects it blames (each effect whose
+    /// unique key an earlier effect had taken).
+    ConstraintFailed {
+        client: String,
+        events: Vec<Uuid>,
+        at_commit: bool,
+    },
+    /// `client` had the server end (`terminate`) or cancel the statement of
+    /// these sessions.
+    BackendSignalled {
+        client: String,
+        sessions: Vec<u64>,
+        terminate: bool,
     },
 
     // --- the consumer (handler, fake inbox, operator) ------------------------

@@ -124,11 +124,9 @@ pub enum PgRequest {
         client: String,
     },
     Begin,
-    /// `SET LOCAL idle_in_transaction_session_timeout`: the server ends the
-    /// session if the open transaction sits idle longer than this.
-    SetIdleInTxTimeout {
-        ms: u64,
-    },
+    /// `SET LOCAL …` in the open transaction (each setting given; they
+    /// end with the transaction, as `SET LOCAL` does).
+    SetLocal(TxSettings),
     Commit,
     Rollback,
     /// `publish_tx` / `publish_many_tx`: one statement inserting every row,
@@ -178,13 +176,36 @@ pub enum PgRequest {
         event_id: Uuid,
     },
     /// The simulated handler's domain write, in a transaction: committed
-    /// effects are what the checker counts.
+    /// effects are what the checker counts. It waits while another session
+    /// holds the domain table locked. `unique_key`, if any, is under a
+    /// deferred unique constraint (`UNIQUE … DEFERRABLE INITIALLY
+    /// DEFERRED`): a second effect with the same key fails the transaction
+    /// at its `InboxCheck` or its COMMIT, not here.
     Effect {
         subscription: String,
         event_id: Uuid,
+        unique_key: Option<String>,
+    },
+    /// `inbox_check.sql`: `SAVEPOINT canopy_check; SET CONSTRAINTS ALL
+    /// IMMEDIATE; ROLLBACK TO SAVEPOINT canopy_check; RELEASE …`: fails as
+    /// the COMMIT would (25P02 in an aborted transaction, 23505 on a
+    /// deferred unique key taken), leaving the constraints deferred.
+    InboxCheck,
+    /// `pg_terminate_backend` of every other session whose
+    /// `application_name` is this: answers how many were signalled.
+    Terminate {
+        application_name: String,
+    },
+    /// `pg_cancel_backend` of the same: a statement it is running fails
+    /// with 57014; an idle session is left as it is.
+    Cancel {
+        application_name: String,
     },
     /// `SAVEPOINT canopy_handler`, right after `InboxTryInsert`.
     InboxSavepoint,
+    /// `ROLLBACK TO SAVEPOINT canopy_handler`: the delivery's work undone
+    /// (an aborted transaction recovered), its inbox row and lock kept.
+    InboxUndoHandler,
     /// `inbox_record_failure`, in the handler's transaction: back to the
     /// savepoint, then attempts + 1, `last_error`, dead-lettered at the
     /// budget; takes effect at commit.
@@ -210,6 +231,8 @@ pub enum PgRequest {
         routing_key: Option<String>,
         dead_lettered_only: bool,
         limit: u32,
+        /// Rows after this one (received ms, event id) only.
+        after: Option<(u64, Uuid)>,
     },
     /// `inbox_delete_processed`.
     InboxDeleteProcessed {
@@ -218,6 +241,22 @@ pub enum PgRequest {
     },
     /// `inbox_ping` (`SELECT 1`): answers `Ok`.
     Ping,
+}
+
+/// `SET LOCAL` settings of one transaction; `None` leaves one as it was.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TxSettings {
+    /// `idle_in_transaction_session_timeout`: the server ends the session
+    /// (FATAL 25P03) when the transaction sits idle this long.
+    pub idle_in_tx_ms: Option<u64>,
+    /// `statement_timeout`: a statement still running this long after it
+    /// arrived fails with 57014.
+    pub statement_ms: Option<u64>,
+    /// `lock_timeout`: a statement waiting this long on a lock fails with
+    /// 55P03.
+    pub lock_ms: Option<u64>,
+    /// `application_name`, which `Terminate` and `Cancel` find sessions by.
+    pub application_name: Option<String>,
 }
 
 /// An inbox row as a delivery brings it.
@@ -290,6 +329,11 @@ pub struct WireParked {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum PgReply {
     Ok,
+    /// The reply to `Hello`: the session's number (PostgreSQL's backend
+    /// pid), which the trace names it by.
+    Session {
+        id: u64,
+    },
     Count(u64),
     Rows(Vec<WireRow>),
     Failed {

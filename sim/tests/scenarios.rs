@@ -87,6 +87,8 @@ fn every_scenario_file_has_a_test_here() {
         "crash_at_every_phase",
         "crash_between_publish_and_mark",
         "db_outage",
+        "deferred_constraint",
+        "handler_blocked_on_a_lock",
         "hostile_deliveries",
         "lease_expiry_mid_confirm",
         "overlapping_batches",
@@ -99,6 +101,7 @@ fn every_scenario_file_has_a_test_here() {
         "reply_lost",
         "slow_claims",
         "slow_database",
+        "swallowed_sql_error",
         "swarm",
     ];
     assert_eq!(names, listed, "add a test below for every scenario file");
@@ -191,4 +194,16 @@ fn slow_claims() {
 #[test]
 fn slow_database() {
     check("slow_database");
+}
+#[test]
+fn handler_blocked_on_a_lock() {
+    check("handler_blocked_on_a_lock");
+}
+#[test]
+fn deferred_constraint() {
+    check("deferred_constraint");
+}
+#[test]
+fn swallowed_sql_error() {
+    check("swallowed_sql_error");
 }

@@ -25,13 +25,15 @@ use sim::workload::numbered_envelope;
 const QUEUE: &str = "billing.orders";
 
 /// `QUEUE` bound to `bindings` on `canopy.events`: a budget of three,
-/// 64 KiB deliveries, the default handler deadline.
+/// 64 KiB deliveries, a handler deadline of a second (the handler's
+/// stalls are cut off soon).
 fn settings(bindings: &[&str], prefetch: u16, concurrency: u32) -> SubscriberSettings {
     let mut s = SubscriberSettings::new(QUEUE, bindings);
     s.spec.prefetch = prefetch;
     s.concurrency = concurrency;
     s.max_attempts = 3;
     s.max_body_bytes = 64 * 1024;
+    s.handler_timeout = Duration::from_secs(1);
     s
 }
 

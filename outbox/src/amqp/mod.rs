@@ -288,6 +288,11 @@ impl Future for LapinConfirm {
 ///     outbox::redact_url("host=db user=app password='s e c' dbname=orders"),
 ///     "host=db user=app password=*** dbname=orders"
 /// );
+/// assert_eq!(
+///     outbox::redact_url(r"host=db password = 'hun\'ter 2' dbname=orders"),
+///     "host=db password = *** dbname=orders"
+/// );
+/// assert_eq!(outbox::redact_url("password=hun;ter2 user=app"), "password=*** user=app");
 /// ```
 pub fn redact_url(url: &str) -> String {
     redact_pairs(&redact_userinfo(url))
@@ -314,7 +319,14 @@ fn secrets_of(address: &str) -> Vec<String> {
         found.push(address[colon + 1..at].to_owned());
     }
     for (from, to) in pair_values(address) {
-        found.push(address[from..to].trim_matches('\'').to_owned());
+        let value = &address[from..to];
+        found.push(value.to_owned());
+        if let Some(inner) = value.strip_prefix('\'') {
+            let inner = inner.strip_suffix('\'').unwrap_or(inner);
+            found.push(inner.to_owned());
+            // As libpq reads it (what an error message may quote).
+            found.push(inner.replace("\\'", "'").replace("\\\\", "\\"));
+        }
     }
     let decoded: Vec<String> = found.iter().map(|s| percent_decode(s)).collect();
     found.extend(decoded);
@@ -353,35 +365,58 @@ fn redact_userinfo(url: &str) -> String {
     }
 }
 
-/// The value spans of every `password=` / `sslpassword=` pair: the key
-/// after the start, `?`, `&`, `;` or whitespace; the value up to the next
-/// `&`, `;` or whitespace, or past the closing quote of a quoted value.
+/// The value spans of every `password` / `sslpassword` pair: the key
+/// after the start, `?`, `&`, `;` or whitespace, then `=` with optional
+/// whitespace around it (libpq's `key = value`). In a URL query (the key
+/// after `?` or `&`) an unquoted value runs to the next `&`, `#` or
+/// whitespace; elsewhere (a libpq connection string) to the next
+/// whitespace, as libpq reads it, `;` and `&` included. A quoted value runs
+/// to its closing quote, past `\'` and `\\` escapes.
 fn pair_values(text: &str) -> Vec<(usize, usize)> {
     let lower = text.to_ascii_lowercase();
     let mut spans: Vec<(usize, usize)> = Vec::new();
-    for key in ["sslpassword=", "password="] {
+    for key in ["sslpassword", "password"] {
         let mut from = 0;
         while let Some(i) = lower[from..].find(key).map(|i| i + from) {
             from = i + key.len();
-            let boundary = lower[..i]
-                .chars()
-                .next_back()
-                .is_none_or(|c| "?&;".contains(c) || c.is_whitespace());
-            if !boundary {
+            let before = lower[..i].chars().next_back();
+            let boundary = before.is_none_or(|c| "?&;".contains(c) || c.is_whitespace());
+            let in_query = before.is_some_and(|c| "?&".contains(c));
+            let rest = &text[from..];
+            let after_key = rest.len() - rest.trim_start().len();
+            if !boundary || !rest[after_key..].starts_with('=') {
                 continue;
             }
-            let value = &text[from..];
+            let value_at = from + after_key + 1;
+            let value = &text[value_at..];
+            let start = value_at + (value.len() - value.trim_start().len());
+            let value = &text[start..];
             let len = match value.strip_prefix('\'') {
-                Some(quoted) => quoted.find('\'').map_or(value.len(), |end| end + 2),
+                Some(quoted) => quoted_len(quoted).map_or(value.len(), |end| end + 2),
                 None => value
-                    .find(|c: char| "&;".contains(c) || c.is_whitespace())
+                    .find(|c: char| c.is_whitespace() || (in_query && "&#".contains(c)))
                     .unwrap_or(value.len()),
             };
-            spans.push((from, from + len));
+            spans.push((start, start + len));
         }
     }
     spans.sort();
     spans
+}
+
+/// Where the closing quote of a libpq quoted value is (`quoted` starts
+/// after the opening one), past `\` escapes.
+fn quoted_len(quoted: &str) -> Option<usize> {
+    let mut escaped = false;
+    for (i, c) in quoted.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '\'' => return Some(i),
+            _ => {}
+        }
+    }
+    None
 }
 
 fn redact_pairs(text: &str) -> String {

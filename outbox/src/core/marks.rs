@@ -156,6 +156,17 @@ marks! {
     /// A handler failed in a pass without savepoints: the transaction
     /// rolled back and runs again with them.
     BatchRerunWithSavepoints = "batch_rerun_with_savepoints",
+    /// A handler returned `Ok` but its work cannot commit: its transaction
+    /// was aborted by a statement whose error it swallowed, or what it
+    /// wrote breaks a deferred constraint. Found by delivery; an attempt
+    /// counts.
+    HandlerTxCannotCommit = "handler_tx_cannot_commit",
+    /// A COMMIT failed on the deliveries' own data after every delivery's
+    /// check passed: they run again, each in a transaction of its own.
+    BatchRerunAlone = "batch_rerun_alone",
+    /// The subscriber gave up on a handler's transaction mid-statement (a
+    /// deadline, a panic) and had the server end it.
+    HandlerTxAbandoned = "handler_tx_abandoned",
     /// The inbox was unavailable: the delivery is retried in place.
     InboxRetriedInPlace = "inbox_retried_in_place",
     /// A delivery was dead-lettered at its attempt budget.

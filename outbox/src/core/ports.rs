@@ -368,15 +368,86 @@ pub struct InboxFilter {
     /// At most this many rows, oldest first.
     #[serde(default)]
     pub limit: Option<u32>,
+    /// Only rows after this one in the listing's order: where the last
+    /// page stopped (a replay's `next`), so rows that failed again are not
+    /// met again.
+    #[serde(default)]
+    pub after: Option<InboxCursor>,
 }
+
+/// A place in the listing of inbox rows (oldest first: `received_at`, then
+/// `event_id`); a listing `after` it starts with the next row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InboxCursor {
+    /// When the row was received.
+    #[serde(with = "time::serde::rfc3339")]
+    pub received_at: time::OffsetDateTime,
+    /// Its event.
+    pub event_id: Uuid,
+}
+
+impl InboxCursor {
+    /// The place of `row`.
+    pub fn of(row: &InboxRow) -> Self {
+        Self {
+            received_at: row.received_at,
+            event_id: row.event_id,
+        }
+    }
+}
+
+/// Default number of rows one listing returns.
+pub const LIST_LIMIT_DEFAULT: u32 = 100;
+/// Largest number of rows one listing (or replay) returns.
+pub const LIST_LIMIT_MAX: u32 = 10_000;
 
 /// The inbox table.
 pub trait InboxStore: Send + Sync + 'static {
     /// A transaction: the handler's, holding the inbox row until it ends.
     type Tx: Send;
+    /// What a handler is given of the transaction: what the service's own
+    /// code writes with (in production, sqlx's `Transaction`).
+    type HandlerTx: Send;
 
-    /// Begins the handler's transaction.
-    fn inbox_begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+    /// The handler's view of `tx`.
+    fn handler_tx(tx: &mut Self::Tx) -> &mut Self::HandlerTx;
+
+    /// Begins the handler's transaction, bounded at the server by
+    /// `bounds` (the server ends it past them, whatever its client does).
+    fn inbox_begin(
+        &self,
+        bounds: TxBounds,
+    ) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// Whether the transaction can still commit what it holds so far: it
+    /// is not aborted (a statement of the handler failed, even if the
+    /// handler swallowed the error: PostgreSQL would answer the COMMIT with
+    /// a rollback and no error), and every deferred constraint holds for
+    /// what it wrote (`SET CONSTRAINTS ALL IMMEDIATE`, inside a savepoint
+    /// rolled back after, so the constraints stay deferred). An error that
+    /// is not [`StoreError::is_unavailable`] means the work written since
+    /// the last check cannot commit; the transaction is then aborted, and
+    /// [`inbox_record_failure`](Self::inbox_record_failure) still recovers
+    /// it to the delivery's savepoint.
+    fn inbox_check(&self, tx: &mut Self::Tx)
+    -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Rolls the transaction back to the latest savepoint
+    /// [`inbox_savepoint`](Self::inbox_savepoint) set: the work of the
+    /// delivery after it is undone (an aborted transaction recovered), its
+    /// inbox row and lock stay.
+    fn inbox_undo_handler(
+        &self,
+        tx: &mut Self::Tx,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Ends the transaction at the server whatever its connection is doing:
+    /// a statement of it may still run there (a handler's future was
+    /// dropped at its deadline, or panicked, mid-statement), which the
+    /// server does not notice; it is ended there (its locks released) and
+    /// the connection is never reused. Best effort: what cannot reach the
+    /// server is ended by the transaction's [`TxBounds`].
+    fn inbox_abandon(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
 
     /// Inserts the row if absent (`ON CONFLICT DO NOTHING`) and locks it,
     /// waiting for a concurrent transaction that holds it; then sets the
@@ -422,7 +493,9 @@ pub trait InboxStore: Send + Sync + 'static {
     fn inbox_commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Rolls the handler's transaction back (best effort: a broken
-    /// connection rolls back by itself).
+    /// connection rolls back by itself). A connection that still owes the
+    /// reply to a statement whose call gave up (its bound expired) is
+    /// handled as [`inbox_abandon`](Self::inbox_abandon) does.
     fn inbox_rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
 
     /// In the handler's transaction, after the handler failed: rolls its
@@ -461,6 +534,49 @@ pub trait InboxStore: Send + Sync + 'static {
     /// statements waited on a database that does not answer.
     fn inbox_ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
+
+/// The server's own bounds on one handler transaction, so that no
+/// statement or idle spell of it outlives the subscriber's interest in it
+/// even when nothing can reach the server to end it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TxBounds {
+    /// Longest the transaction may sit idle between statements
+    /// (`idle_in_transaction_session_timeout`): a consumer that vanished
+    /// mid-handler releases its inbox rows after this.
+    pub idle: Duration,
+    /// Longest one statement may run (`statement_timeout`).
+    pub statement: Duration,
+}
+
+/// The least idle-in-transaction bound of a handler transaction.
+pub const HANDLER_IDLE_IN_TX_MIN: Duration = Duration::from_secs(60);
+/// How long a handler's statement may run past the handler's deadline
+/// before the server itself ends it (should the subscriber's own end of it
+/// not reach the server).
+pub const STATEMENT_GRACE: Duration = Duration::from_secs(1);
+
+impl TxBounds {
+    /// The bounds of a transaction whose handler may run `handler_timeout`:
+    /// a statement may run the handler's deadline and
+    /// [`STATEMENT_GRACE`] (no statement of a handler can usefully run
+    /// longer); the transaction may sit idle at least
+    /// [`HANDLER_IDLE_IN_TX_MIN`], and longer than a handler's whole run
+    /// and the subscriber's check of the database after it (a slow valid
+    /// handler doing other work between statements is never cut off).
+    pub fn for_handler(handler_timeout: Duration) -> Self {
+        Self {
+            idle: HANDLER_IDLE_IN_TX_MIN.max(handler_timeout * 2 + STORE_CALL_TIMEOUT),
+            statement: handler_timeout + STATEMENT_GRACE,
+        }
+    }
+}
+
+/// Bound on one store call (acquiring a connection and running its
+/// statements), part of every store port's contract: a database that stops
+/// answering (a black-holed connection, a wedged server) would otherwise
+/// hold the caller until TCP gives up, which takes many minutes; on expiry
+/// the call fails as [`StoreError::Unavailable`].
+pub const STORE_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a subscription consumes, and how its dead-letter queue is named.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -62,8 +62,9 @@ use tracing::{Instrument, Span, field::Empty};
 use super::drainer::LAST_ERROR_MAX_CHARS;
 use super::marks::{Mark, Marks};
 use super::ports::{
-    AttemptRecord, Clock, ConsumerBroker, Delivery, DeliverySource, InboxEntry, InboxFilter,
-    InboxStore, InsertOutcome, SubscriptionSpec,
+    AttemptRecord, Clock, ConsumerBroker, Delivery, DeliverySource, InboxCursor, InboxEntry,
+    InboxFilter, InboxRow, InboxStore, InsertOutcome, LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX,
+    SubscriptionSpec, TxBounds,
 };
 use super::{sleep_or_shutdown, truncate_chars, with_deadline};
 use crate::envelope::EventEnvelope;
@@ -183,6 +184,18 @@ impl DeliveryOutcome {
     }
 }
 
+/// Rows a replay reads from the inbox at a time.
+pub const REPLAY_PAGE: usize = 100;
+
+/// What a replay did, and where more rows match.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ReplayPage {
+    /// Each row replayed, oldest first, and what it came to.
+    pub results: Vec<(uuid::Uuid, ReplayOutcome)>,
+    /// Where the rest begins (the filter's `after`), if more rows match.
+    pub next: Option<InboxCursor>,
+}
+
 /// What a replay of one inbox row did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
@@ -282,7 +295,7 @@ where
     S: InboxStore,
     B: ConsumerBroker,
     C: Clock,
-    H: Handler<S::Tx>,
+    H: Handler<S::HandlerTx>,
 {
     /// Builds a subscriber from its ports, its handler and its settings.
     pub fn new(
@@ -686,23 +699,21 @@ where
         tracing::debug!(queue = %self.settings.spec.queue, error = %e, "ack/nack lost with the channel");
     }
 
-    /// Applies `items` in one transaction, repeated while the database is
-    /// unavailable; fills in the outcome of each. A delivery whose data the
-    /// inbox refuses is decided (dead-lettered) and the rest run again
-    /// without it; at shutdown, what is undecided is requeued.
+    /// Applies `items` until each is decided: in one transaction while
+    /// that works, escalating when it does not (see [`Escalation`]), and
+    /// repeated with a backoff while the database is unavailable. Fills in
+    /// the outcome of each; a delivery whose data the inbox refuses is
+    /// decided (dead-lettered) and the rest run again without it; at
+    /// shutdown, what is undecided is requeued.
     async fn apply_until_decided(
         &self,
         items: &[Item<'_>],
         outcomes: &mut [Option<DeliveryOutcome>],
         shutdown: &watch::Receiver<bool>,
     ) {
-        let queue = &self.settings.spec.queue;
         let mut backoff = RETRY_BACKOFF_MIN;
         let mut shutdown = shutdown.clone();
-        // Handler failures a pass without savepoints met, by slot: recorded
-        // by the next pass (with savepoints) without running them again.
-        let mut failed: BTreeMap<usize, String> = BTreeMap::new();
-        let mut savepoints = false;
+        let mut escalation = Escalation::default();
         loop {
             let live: Vec<&Item<'_>> = items
                 .iter()
@@ -711,55 +722,30 @@ where
             if live.is_empty() {
                 return;
             }
-            let pass = if savepoints {
-                Pass::Savepoints { failed: &failed }
-            } else {
-                Pass::Optimistic
-            };
-            let error = match self.apply(&live, self.settings.max_attempts, pass).await {
+            let group = escalation.group(&live);
+            let pass = escalation.pass();
+            let failure = match self.apply(group, self.settings.max_attempts, pass).await {
                 Ok(applied) => {
-                    for (item, applied) in live.into_iter().zip(applied) {
+                    for (item, applied) in group.iter().zip(applied) {
                         outcomes[item.slot] = Some(self.outcome_of(item, applied));
                     }
-                    return;
-                }
-                Err(BatchFailure::HandlerFailed { index, error }) => {
-                    self.marks.hit(Mark::BatchRerunWithSavepoints);
-                    failed.insert(live[index].slot, error);
-                    savepoints = true;
                     continue;
                 }
-                Err(BatchFailure::Refused { index, reason }) => {
-                    let item = live[index];
-                    self.marks.hit(Mark::Unstorable);
-                    if live.len() > 1 {
-                        self.marks.hit(Mark::BatchRerunWithoutRefused);
-                    }
-                    let _entered = item.span.enter();
-                    tracing::error!(
-                        queue = %queue,
-                        event_id = %item.entry.event_id,
-                        error = %reason,
-                        "the inbox refuses this delivery's data; dead-lettering it"
-                    );
-                    outcomes[item.slot] = Some(DeliveryOutcome::Unstorable { reason });
+                Err(failure) => failure,
+            };
+            let error = match escalation.after(group, failure, &self.marks) {
+                Next::Again => continue,
+                Next::Refused { index, reason } => {
+                    let item = group[index];
+                    outcomes[item.slot] = Some(self.refused(item, reason, live.len()));
                     continue;
                 }
-                Err(BatchFailure::Store(e)) => {
-                    // The pass may have committed the failures it recorded
-                    // (a commit whose reply was lost): recording them again
-                    // would count one failure twice. Their handlers run
-                    // again instead, and the inbox shows what committed.
-                    // Found by the simulation (producer_and_consumer_swarm,
-                    // seed 48).
-                    failed.clear();
-                    e
-                }
+                Next::RetryInPlace(e) => e,
             };
             self.marks.hit(Mark::InboxRetriedInPlace);
             tracing::warn!(
-                queue = %queue,
-                deliveries = live.len(),
+                queue = %self.settings.spec.queue,
+                deliveries = group.len(),
                 error = %error,
                 "inbox unavailable; retrying the deliveries in place"
             );
@@ -772,6 +758,22 @@ where
             }
             backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
         }
+    }
+
+    /// A delivery whose data the inbox refused: dead-lettered at once.
+    fn refused(&self, item: &Item<'_>, reason: String, batch: usize) -> DeliveryOutcome {
+        self.marks.hit(Mark::Unstorable);
+        if batch > 1 {
+            self.marks.hit(Mark::BatchRerunWithoutRefused);
+        }
+        let _entered = item.span.enter();
+        tracing::error!(
+            queue = %self.settings.spec.queue,
+            event_id = %item.entry.event_id,
+            error = %reason,
+            "the inbox refuses this delivery's data; dead-lettering it"
+        );
+        DeliveryOutcome::Unstorable { reason }
     }
 
     /// The outcome of one applied delivery.
@@ -799,62 +801,96 @@ where
     }
 
     /// BEGIN; per item, in its span: try_insert, then the handler and mark
-    /// processed; COMMIT. Every outcome takes effect with the commit: a
-    /// commit whose outcome is unknown is retried like any store error, and
-    /// the next attempt finds what did commit. Any failure rolls the whole
-    /// transaction back, a handler's included in an optimistic pass; with
-    /// savepoints, a failed handler (or one `pass` knows failed) rolls back
-    /// to its item's savepoint and its attempt is recorded against
-    /// `max_attempts`.
+    /// processed; a check that the work can commit if a handler wrote
+    /// last; COMMIT. Every outcome takes effect with the commit: a commit
+    /// whose outcome is unknown is retried like any store error, and the
+    /// next attempt finds what did commit. Any failure ends the whole
+    /// transaction (at the server, when a handler was given up on
+    /// mid-statement), a handler's included in an optimistic pass; with
+    /// savepoints, a failed handler (or one `pass` knows failed, or one
+    /// whose work the check finds cannot commit) rolls back to its item's
+    /// savepoint and its attempt is recorded against `max_attempts`.
     async fn apply(
         &self,
         items: &[&Item<'_>],
         max_attempts: u32,
         pass: Pass<'_>,
     ) -> Result<Vec<Applied>, BatchFailure> {
+        let bounds = TxBounds::for_handler(self.settings.handler_timeout);
         let mut tx = self
             .store
-            .inbox_begin()
+            .inbox_begin(bounds)
             .await
             .map_err(BatchFailure::Store)?;
         let mut applied = Vec::with_capacity(items.len());
+        let mut handler_wrote_last = false;
+        // The slot of the item whose handler ran last with an `Ok`: our own
+        // statements never swallow an error, so a transaction found aborted
+        // after it was aborted by it.
+        let mut last_ok: Option<usize> = None;
         for (index, item) in items.iter().enumerate() {
             let one = self
                 .apply_one(&mut tx, item, max_attempts, pass)
                 .instrument(item.span.clone())
                 .await;
             match one {
-                Ok(a) => applied.push(a),
-                Err(e) => {
-                    self.store.inbox_rollback(tx).await;
-                    return Err(match e {
-                        Abort::Store(StoreError::Refused(reason)) => {
-                            BatchFailure::Refused { index, reason }
-                        }
-                        Abort::Store(e) => BatchFailure::Store(e),
-                        Abort::Handler(error) => BatchFailure::HandlerFailed { index, error },
-                    });
+                Ok((a, wrote_last)) => {
+                    if matches!(a, Applied::Processed) {
+                        last_ok = Some(item.slot);
+                    }
+                    applied.push(a);
+                    handler_wrote_last = wrote_last;
+                }
+                Err(abort) => {
+                    let failures = failures_of(items, &applied);
+                    if abort.leaves_statement_running() {
+                        self.marks.hit(Mark::HandlerTxAbandoned);
+                        self.store.inbox_abandon(tx).await;
+                    } else {
+                        self.store.inbox_rollback(tx).await;
+                    }
+                    let last_ok = last_ok.map(|slot| (slot, &self.marks));
+                    return Err(abort.into_failure(index, item.slot, failures, last_ok));
                 }
             }
         }
-        self.store
-            .inbox_commit(tx)
-            .await
-            .map_err(BatchFailure::Store)?;
+        // A handler's statement that failed, its error swallowed, leaves
+        // the transaction aborted, and PostgreSQL answers its COMMIT with a
+        // rollback and no error: never take that for committed. Any later
+        // statement of ours would have failed, so only a handler that
+        // wrote last needs the check.
+        if handler_wrote_last && let Err(e) = self.store.inbox_check(&mut tx).await {
+            let mut failures = failures_of(items, &applied);
+            self.store.inbox_rollback(tx).await;
+            if let (StoreError::Aborted(_), Some(slot)) = (&e, last_ok) {
+                self.marks.hit(Mark::HandlerTxCannotCommit);
+                failures.push((slot, cannot_commit(&e)));
+                return Err(BatchFailure::HandlerFailed { failures });
+            }
+            return Err(BatchFailure::of_transaction(e, failures));
+        }
+        if let Err(e) = self.store.inbox_commit(tx).await {
+            return Err(BatchFailure::of_transaction(
+                e,
+                failures_of(items, &applied),
+            ));
+        }
         if items.len() > 1 {
             self.marks.hit(Mark::BatchCommitted);
         }
         Ok(applied)
     }
 
-    /// One item of [`apply`](Self::apply), in its transaction.
+    /// One item of [`apply`](Self::apply), in its transaction: what it came
+    /// to, and whether its handler's statements were the transaction's
+    /// last (nothing of ours ran after them to show they left it usable).
     async fn apply_one(
         &self,
         tx: &mut S::Tx,
         item: &Item<'_>,
         max_attempts: u32,
         pass: Pass<'_>,
-    ) -> Result<Applied, Abort> {
+    ) -> Result<(Applied, bool), Abort> {
         let entry = &item.entry;
         let inserted = self.store.inbox_try_insert(tx, entry).await?;
         self.marks.hit(match inserted {
@@ -863,7 +899,7 @@ where
             InsertOutcome::AlreadyProcessed => Mark::AlreadyProcessed,
         });
         if inserted == InsertOutcome::AlreadyProcessed {
-            return Ok(Applied::Duplicate);
+            return Ok((Applied::Duplicate, false));
         }
         let known = match pass {
             Pass::Optimistic => None,
@@ -873,57 +909,131 @@ where
             }
         };
         let failure = match known {
-            // Its failure is known from the pass that rolled back: one
+            // Its failure is known from a pass that rolled back: one
             // failure, one attempt, one handler run.
             Some(text) => text.clone(),
-            None => match self.run_handler(tx, item.envelope, &item.overran).await {
-                Ok(()) => {
+            None => match self.handle_one(tx, item, pass).await? {
+                None => {
                     // A row this transaction inserted carries its mark already.
                     if inserted != InsertOutcome::Inserted {
-                        self.store.inbox_mark_processed(tx, entry).await?;
+                        match self.store.inbox_mark_processed(tx, entry).await {
+                            Ok(()) => {}
+                            // Its handler left the transaction aborted.
+                            Err(e @ StoreError::Aborted(_)) => {
+                                self.marks.hit(Mark::HandlerTxCannotCommit);
+                                return Err(Abort::Handler(cannot_commit(&e)));
+                            }
+                            Err(e) => return Err(e.into()),
+                        }
                     }
-                    return Ok(Applied::Processed);
+                    let wrote_last =
+                        inserted == InsertOutcome::Inserted && matches!(pass, Pass::Optimistic);
+                    return Ok((Applied::Processed, wrote_last));
                 }
-                Err(error) if error.is_unavailable() => {
-                    // The handler's database is unavailable: nobody's fault,
-                    // no attempt counts; retried in place like the inbox's own.
-                    self.marks.hit(Mark::HandlerUnavailable);
-                    return Err(StoreError::Unavailable(error.message().to_owned()).into());
-                }
-                Err(error) => {
-                    self.marks.hit(Mark::HandlerFailed);
-                    tracing::debug!(event_id = %entry.event_id, error = %error, "handler failed");
-                    truncate_chars(error.message(), LAST_ERROR_MAX_CHARS)
-                }
+                Some(text) => text,
             },
         };
-        if let Pass::Optimistic = pass {
-            return Err(Abort::Handler(failure));
-        }
         let record = self
             .store
             .inbox_record_failure(tx, entry, &failure, max_attempts)
             .await?;
-        Ok(Applied::Failed(record, failure))
+        Ok((Applied::Failed(record, failure), false))
+    }
+
+    /// Runs one item's handler: `None` if its work stands; the failure to
+    /// record (with savepoints) if the handler failed or, with savepoints,
+    /// if its work cannot commit; an `Abort` for what ends the transaction
+    /// (database trouble, a handler given up on, any handler failure in an
+    /// optimistic pass).
+    async fn handle_one(
+        &self,
+        tx: &mut S::Tx,
+        item: &Item<'_>,
+        pass: Pass<'_>,
+    ) -> Result<Option<String>, Abort> {
+        let savepoints = matches!(pass, Pass::Savepoints { .. });
+        let failure = match self.run_handler(tx, item.envelope, &item.overran).await {
+            Ok(()) if !savepoints => return Ok(None),
+            // Found by delivery: can what its handler wrote commit?
+            Ok(()) => return self.check_own_work(tx, item).await,
+            Err(f) => f,
+        };
+        let HandlerFailure { error, abandoned } = failure;
+        if error.is_unavailable() {
+            // The handler's database is unavailable (or the overrun was its
+            // stall): nobody's fault, no attempt counts; retried in place
+            // like the inbox's own.
+            self.marks.hit(Mark::HandlerUnavailable);
+            let e = StoreError::Unavailable(error.message().to_owned());
+            return Err(if abandoned {
+                Abort::Abandoned { failure: None, e }
+            } else {
+                Abort::Store(e)
+            });
+        }
+        self.marks.hit(Mark::HandlerFailed);
+        tracing::debug!(event_id = %item.entry.event_id, error = %error, "handler failed");
+        let text = storable(error.message());
+        if abandoned {
+            // Its statement may still run at the server: the transaction
+            // ends there, and the failure is recorded in the next one.
+            return Err(Abort::Abandoned {
+                failure: Some(text),
+                e: StoreError::Unavailable("handler given up on".into()),
+            });
+        }
+        match pass {
+            Pass::Optimistic => Err(Abort::Handler(text)),
+            Pass::Savepoints { .. } => Ok(Some(text)),
+        }
+    }
+
+    /// After a handler's `Ok`, with savepoints: `None` if the transaction
+    /// can still commit; the failure to record if it cannot because of
+    /// this delivery's work. A check that fails once that work is undone
+    /// blames work before it (a constraint trigger, which waits for no
+    /// other writer, can fail on an earlier delivery's row that another
+    /// transaction's commit made a duplicate since its check): the
+    /// transaction cannot commit for a reason of another delivery's, found
+    /// by running each alone.
+    async fn check_own_work(
+        &self,
+        tx: &mut S::Tx,
+        item: &Item<'_>,
+    ) -> Result<Option<String>, Abort> {
+        let e = match self.store.inbox_check(tx).await {
+            Ok(()) => return Ok(None),
+            Err(e) if e.is_unavailable() => return Err(Abort::Store(e)),
+            Err(e) => e,
+        };
+        self.store.inbox_undo_handler(tx).await?;
+        if let Err(again) = self.store.inbox_check(tx).await {
+            return Err(Abort::Store(again));
+        }
+        self.marks.hit(Mark::HandlerTxCannotCommit);
+        tracing::debug!(event_id = %item.entry.event_id, error = %e,
+            "the handler returned Ok but its work cannot commit");
+        Ok(Some(cannot_commit(&e)))
     }
 
     /// Runs the handler under its deadline with a panic caught: a handler
     /// that panics or overruns has failed, like one that returns `Err`, so
     /// its work is rolled back and the attempt counts (a poison event thus
-    /// reaches the dead-letter queue instead of taking every worker down).
-    /// A panic is only caught where panics unwind (not under
-    /// `panic = "abort"`). An overrun is the handler's only when the
-    /// database answers a ping at its deadline and the delivery's handler
-    /// has overrun so once already (`overran`, set by the first, which is
-    /// retried in place like database trouble).
+    /// reaches the dead-letter queue instead of taking every worker down);
+    /// either leaves the transaction with a statement perhaps still
+    /// running (`abandoned`). A panic is only caught where panics unwind
+    /// (not under `panic = "abort"`). An overrun is the handler's only when
+    /// the database answers a ping at its deadline and the delivery's
+    /// handler has overrun so once already (`overran`, set by the first,
+    /// which is retried in place like database trouble).
     async fn run_handler(
         &self,
         tx: &mut S::Tx,
         envelope: &EventEnvelope,
         overran: &AtomicBool,
-    ) -> Result<(), HandlerError> {
+    ) -> Result<(), HandlerFailure> {
         let limit = self.settings.handler_timeout;
-        let guarded = CatchUnwind(Box::pin(self.handler.handle(tx, envelope)));
+        let guarded = CatchUnwind(Box::pin(self.handler.handle(S::handler_tx(tx), envelope)));
         let started = self.clock.now();
         // A run after an overrun is watched: the database is pinged all
         // along (every half of `probe`), and one ping slower than `probe`
@@ -945,57 +1055,72 @@ where
             metric::LABEL => self.settings.spec.queue.clone()
         )
         .record(self.clock.now().saturating_sub(started).as_secs_f64());
+        let abandoned = |error| HandlerFailure {
+            error,
+            abandoned: true,
+        };
         match ran {
-            Some(Ok(result)) => result,
+            Some(Ok(result)) => result.map_err(|error| HandlerFailure {
+                error,
+                abandoned: false,
+            }),
             Some(Err(panic)) => {
                 self.marks.hit(Mark::HandlerPanicked);
-                Err(HandlerError::msg(format!("handler panicked: {panic}")))
+                Err(abandoned(HandlerError::msg(format!(
+                    "handler panicked: {panic}"
+                ))))
             }
-            None => {
-                // A handler whose own statements waited on a database that
-                // does not answer overran through no fault of its own: ask
-                // the database (on a connection of its own, within the same
-                // limit) before blaming the handler.
-                let ping = with_deadline(&*self.clock, limit, self.store.inbox_ping()).await;
-                let deadline = limit.as_secs_f64();
-                if stalled.load(Ordering::Relaxed) {
-                    self.marks.hit(Mark::HandlerStalledOnDatabase);
-                    return Err(HandlerError::unavailable(format!(
-                        "handler ran past its deadline of {deadline} s while the database \
-                         stalled (a ping took over {} s)",
-                        probe.as_secs_f64()
-                    )));
-                }
-                if !matches!(ping, Some(Ok(()))) {
-                    self.marks.hit(Mark::HandlerStalledOnDatabase);
-                    let why = match ping {
-                        Some(Err(e)) => e.to_string(),
-                        _ => format!("no answer within {deadline} s"),
-                    };
-                    return Err(HandlerError::unavailable(format!(
-                        "handler ran past its deadline of {deadline} s while the database \
-                         did not answer ({why})"
-                    )));
-                }
-                if !overran.swap(true, Ordering::Relaxed) {
-                    // The database answers now, but the handler's own
-                    // statements may have waited on a stall that ended
-                    // just as it overran: run it once more, watched,
-                    // before blaming it. Found by the simulation
-                    // (slow_database's short stalls: 34 of 40 seeds failed
-                    // without the second run, 5 of 300 without its watch).
-                    self.marks.hit(Mark::HandlerOverranOnce);
-                    return Err(HandlerError::unavailable(format!(
-                        "handler ran past its deadline of {deadline} s; the database answers \
-                         now, so it runs once more before the overrun counts"
-                    )));
-                }
-                self.marks.hit(Mark::HandlerTimedOut);
-                Err(HandlerError::msg(format!(
-                    "handler ran past its deadline of {deadline} s"
-                )))
-            }
+            None => Err(abandoned(self.overrun(overran, &stalled, probe).await)),
         }
+    }
+
+    /// Why a handler ran past its deadline, as far as the database can
+    /// tell: a handler whose own statements waited on a database that does
+    /// not answer overran through no fault of its own, so the database is
+    /// asked (on a connection of its own, within the same limit) before
+    /// the handler is blamed.
+    async fn overrun(
+        &self,
+        overran: &AtomicBool,
+        stalled: &AtomicBool,
+        probe: Duration,
+    ) -> HandlerError {
+        let limit = self.settings.handler_timeout;
+        let ping = with_deadline(&*self.clock, limit, self.store.inbox_ping()).await;
+        let deadline = limit.as_secs_f64();
+        if stalled.load(Ordering::Relaxed) {
+            self.marks.hit(Mark::HandlerStalledOnDatabase);
+            return HandlerError::unavailable(format!(
+                "handler ran past its deadline of {deadline} s while the database \
+                 stalled (a ping took over {} s)",
+                probe.as_secs_f64()
+            ));
+        }
+        if !matches!(ping, Some(Ok(()))) {
+            self.marks.hit(Mark::HandlerStalledOnDatabase);
+            let why = match ping {
+                Some(Err(e)) => e.to_string(),
+                _ => format!("no answer within {deadline} s"),
+            };
+            return HandlerError::unavailable(format!(
+                "handler ran past its deadline of {deadline} s while the database \
+                 did not answer ({why})"
+            ));
+        }
+        if !overran.swap(true, Ordering::Relaxed) {
+            // The database answers now, but the handler's own statements
+            // may have waited on a stall that ended just as it overran:
+            // run it once more, watched, before blaming it. Found by the
+            // simulation (slow_database's short stalls: 34 of 40 seeds
+            // failed without the second run, 5 of 300 without its watch).
+            self.marks.hit(Mark::HandlerOverranOnce);
+            return HandlerError::unavailable(format!(
+                "handler ran past its deadline of {deadline} s; the database answers \
+                 now, so it runs once more before the overrun counts"
+            ));
+        }
+        self.marks.hit(Mark::HandlerTimedOut);
+        HandlerError::msg(format!("handler ran past its deadline of {deadline} s"))
     }
 
     /// Pings the database every half of `probe` (each on a connection of
@@ -1016,15 +1141,25 @@ where
     }
 
     /// Re-runs the handler, with the inbox's semantics, for unprocessed
-    /// rows of this subscription matching `filter`, each given a fresh
-    /// budget right before its own attempt (so a replay cut short leaves the
-    /// rows it did not reach as they were: still dead-lettered, still
-    /// findable). No broker is involved: a dead-lettered delivery stays in
-    /// `<queue>.dlq` for the record; its effect comes from here.
+    /// rows of this subscription matching `filter` (up to its limit), each
+    /// given a fresh budget right before its own attempt (so a replay cut
+    /// short leaves the rows it did not reach as they were: still
+    /// dead-lettered, still findable). No broker is involved: a
+    /// dead-lettered delivery stays in `<queue>.dlq` for the record; its
+    /// effect comes from here. See [`replay_page`](Self::replay_page) for
+    /// where to go on from.
     pub async fn replay(
         &self,
         filter: &InboxFilter,
     ) -> Result<Vec<(uuid::Uuid, ReplayOutcome)>, StoreError> {
+        self.replay_page(filter).await.map(|page| page.results)
+    }
+
+    /// [`replay`](Self::replay), saying where more rows match: `next` is
+    /// the place to pass as the filter's `after` for the rest (rows that
+    /// failed again are then not met again), `None` when no more rows
+    /// matched. Rows are read [`REPLAY_PAGE`] at a time, not all at once.
+    pub async fn replay_page(&self, filter: &InboxFilter) -> Result<ReplayPage, StoreError> {
         let queue = &self.settings.spec.queue;
         let span = tracing::info_span!(
             "outbox.replay",
@@ -1034,69 +1169,99 @@ where
         self.replay_rows(filter).instrument(span).await
     }
 
-    async fn replay_rows(
-        &self,
-        filter: &InboxFilter,
-    ) -> Result<Vec<(uuid::Uuid, ReplayOutcome)>, StoreError> {
-        let mut filter = filter.clone();
-        filter.subscription = Some(self.settings.spec.queue.clone());
-        let rows = self.store.inbox_list_unprocessed(&filter).await?;
-        Span::current().record("outbox.rows", rows.len());
-        let mut out = Vec::with_capacity(rows.len());
-        for row in rows {
-            let outcome = match EventEnvelope::decode_delivery(&row.payload) {
-                Err(reason) => ReplayOutcome::Undecodable { reason },
-                Ok(envelope) => {
-                    let entry = InboxEntry {
-                        event_id: row.event_id,
-                        subscription: &row.subscription,
-                        routing_key: &row.routing_key,
-                        payload: &row.payload,
-                        fresh_budget: true,
-                    };
-                    // A budget of 1: a row whose handler fails again is in no
-                    // queue any more, so it stays dead-lettered until the
-                    // next replay, or nothing would ever run it again. Found
-                    // by the simulation (producer_and_consumer_swarm, seed 43).
-                    let item = Item {
-                        slot: 0,
-                        entry,
-                        envelope: &envelope,
-                        span: Span::current(),
-                        // A replay has no retry in place: its first overrun
-                        // with the database answering is the handler's.
-                        overran: AtomicBool::new(true),
-                    };
-                    let none = BTreeMap::new();
-                    let pass = Pass::Savepoints { failed: &none };
-                    let applied = self.apply(&[&item], 1, pass).await.map_err(|e| match e {
-                        BatchFailure::Refused { reason, .. } => StoreError::Refused(reason),
-                        BatchFailure::Store(e) => e,
-                        BatchFailure::HandlerFailed { .. } => {
-                            unreachable!("a pass with savepoints records handler failures")
-                        }
-                    })?;
-                    match applied.into_iter().next().expect("one item, one outcome") {
-                        Applied::Processed => {
-                            self.marks.hit(Mark::ReplayApplied);
-                            self.counters
-                                .count(&DeliveryOutcome::Processed, &self.settings.spec.queue);
-                            ReplayOutcome::Applied
-                        }
-                        Applied::Duplicate => {
-                            self.marks.hit(Mark::ReplayAlreadyProcessed);
-                            ReplayOutcome::AlreadyProcessed
-                        }
-                        Applied::Failed(_, error) => {
-                            self.marks.hit(Mark::ReplayFailedAgain);
-                            ReplayOutcome::Failed { error }
-                        }
-                    }
-                }
-            };
-            out.push((row.event_id, outcome));
+    async fn replay_rows(&self, filter: &InboxFilter) -> Result<ReplayPage, StoreError> {
+        let limit = filter
+            .limit
+            .unwrap_or(LIST_LIMIT_DEFAULT)
+            .clamp(1, LIST_LIMIT_MAX) as usize;
+        let mut page = filter.clone();
+        page.subscription = Some(self.settings.spec.queue.clone());
+        let mut results = Vec::new();
+        loop {
+            let want = (limit - results.len()).min(REPLAY_PAGE);
+            // One row more than wanted says whether more match.
+            page.limit = Some(want as u32 + 1);
+            let mut rows = self.store.inbox_list_unprocessed(&page).await?;
+            let more = rows.len() > want;
+            rows.truncate(want);
+            let last = rows.last().map(InboxCursor::of);
+            for row in rows {
+                let outcome = self.replay_row(&row).await?;
+                results.push((row.event_id, outcome));
+            }
+            Span::current().record("outbox.rows", results.len());
+            if !more || results.len() >= limit {
+                let next = if more { last } else { None };
+                return Ok(ReplayPage { results, next });
+            }
+            page.after = last;
         }
-        Ok(out)
+    }
+
+    /// One stored row replayed.
+    async fn replay_row(&self, row: &InboxRow) -> Result<ReplayOutcome, StoreError> {
+        let envelope = match EventEnvelope::decode_delivery(&row.payload) {
+            Err(reason) => return Ok(ReplayOutcome::Undecodable { reason }),
+            Ok(envelope) => envelope,
+        };
+        let item = Item {
+            slot: 0,
+            entry: InboxEntry {
+                event_id: row.event_id,
+                subscription: &row.subscription,
+                routing_key: &row.routing_key,
+                payload: &row.payload,
+                fresh_budget: true,
+            },
+            envelope: &envelope,
+            span: Span::current(),
+            // A replay has no retry in place: its first overrun with the
+            // database answering is the handler's.
+            overran: AtomicBool::new(true),
+        };
+        Ok(self.replay_outcome(self.replay_one(&item).await?))
+    }
+
+    /// One replayed row, escalated like a delivery until decided, but
+    /// never retried in place: database trouble is the operator's answer.
+    /// A budget of 1: a row whose handler fails again is in no queue any
+    /// more, so it stays dead-lettered until the next replay, or nothing
+    /// would ever run it again. Found by the simulation
+    /// (producer_and_consumer_swarm, seed 43).
+    async fn replay_one(&self, item: &Item<'_>) -> Result<Applied, StoreError> {
+        let mut escalation = Escalation::starting(Level::Savepoints);
+        let group = [item];
+        loop {
+            let failure = match self.apply(&group, 1, escalation.pass()).await {
+                Ok(mut applied) => return Ok(applied.pop().expect("one item, one outcome")),
+                Err(failure) => failure,
+            };
+            match escalation.after(&group, failure, &self.marks) {
+                Next::Again => {}
+                Next::Refused { reason, .. } => return Err(StoreError::Refused(reason)),
+                Next::RetryInPlace(e) => return Err(e),
+            }
+        }
+    }
+
+    /// What a replayed row's attempt came to, counted.
+    fn replay_outcome(&self, applied: Applied) -> ReplayOutcome {
+        match applied {
+            Applied::Processed => {
+                self.marks.hit(Mark::ReplayApplied);
+                self.counters
+                    .count(&DeliveryOutcome::Processed, &self.settings.spec.queue);
+                ReplayOutcome::Applied
+            }
+            Applied::Duplicate => {
+                self.marks.hit(Mark::ReplayAlreadyProcessed);
+                ReplayOutcome::AlreadyProcessed
+            }
+            Applied::Failed(_, error) => {
+                self.marks.hit(Mark::ReplayFailedAgain);
+                ReplayOutcome::Failed { error }
+            }
+        }
     }
 }
 
@@ -1113,16 +1278,104 @@ enum Applied {
     Failed(AttemptRecord, String),
 }
 
+/// The failures recorded so far in a transaction: (slot, error).
+fn failures_of(items: &[&Item<'_>], applied: &[Applied]) -> Vec<(usize, String)> {
+    items
+        .iter()
+        .zip(applied)
+        .filter_map(|(item, a)| match a {
+            Applied::Failed(_, error) => Some((item.slot, error.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A handler's failure, and whether its future was dropped mid-run (a
+/// deadline, a panic), so a statement of it may still run at the server.
+struct HandlerFailure {
+    error: HandlerError,
+    abandoned: bool,
+}
+
+/// Text fit for `last_error`: bounded, and without the NUL character
+/// PostgreSQL's `text` refuses (it would make the record itself fail).
+fn storable(text: &str) -> String {
+    truncate_chars(text, LAST_ERROR_MAX_CHARS).replace('\0', "\u{FFFD}")
+}
+
+/// The recorded failure of a handler whose `Ok` cannot commit.
+fn cannot_commit(e: &StoreError) -> String {
+    storable(&format!(
+        "the handler returned Ok but its transaction cannot commit: {e}"
+    ))
+}
+
 /// Why one delivery ended its transaction.
 enum Abort {
     Store(StoreError),
     /// Its handler failed with this error in an optimistic pass.
     Handler(String),
+    /// Its handler was given up on mid-run: the transaction must end at the
+    /// server. `failure` is the handler's failure to record, if the
+    /// overrun or panic counts; otherwise it was database trouble (`e`).
+    Abandoned {
+        failure: Option<String>,
+        e: StoreError,
+    },
 }
 
 impl From<StoreError> for Abort {
     fn from(e: StoreError) -> Self {
         Self::Store(e)
+    }
+}
+
+impl Abort {
+    /// Whether a statement of the transaction may still run at the server.
+    fn leaves_statement_running(&self) -> bool {
+        matches!(self, Self::Abandoned { .. })
+    }
+
+    /// The transaction's failure, for the delivery at `index` (its `slot`),
+    /// given the `failures` recorded before it in the same transaction.
+    /// `last_ok` is the slot of the item whose handler last returned `Ok`
+    /// in the transaction (and the marks), which an aborted transaction
+    /// blames.
+    fn into_failure(
+        self,
+        index: usize,
+        slot: usize,
+        mut failures: Vec<(usize, String)>,
+        last_ok: Option<(usize, &Marks)>,
+    ) -> BatchFailure {
+        match self {
+            Self::Store(StoreError::Refused(reason)) => BatchFailure::Refused { index, reason },
+            // Our statement found the transaction aborted: the handler that
+            // ran last swallowed its statement's error.
+            Self::Store(e @ StoreError::Aborted(_)) if last_ok.is_some() => {
+                let (culprit, marks) = last_ok.expect("checked");
+                marks.hit(Mark::HandlerTxCannotCommit);
+                failures.push((culprit, cannot_commit(&e)));
+                BatchFailure::HandlerFailed { failures }
+            }
+            Self::Store(e) if e.is_unavailable() => BatchFailure::Store(e),
+            // A statement of ours failed for no reason of the database's:
+            // a handler left the transaction aborted, or its data broke
+            // something; the next pass finds which.
+            Self::Store(e) => BatchFailure::Culpable {
+                error: e.to_string(),
+                failures,
+            },
+            Self::Handler(text)
+            | Self::Abandoned {
+                failure: Some(text),
+                ..
+            } => {
+                failures.push((slot, text));
+                BatchFailure::HandlerFailed { failures }
+            }
+            Self::Abandoned { failure: None, e } => BatchFailure::Store(e),
+        }
     }
 }
 
@@ -1132,20 +1385,165 @@ enum Pass<'a> {
     /// No savepoints (one round trip less per delivery): a handler failure
     /// ends the pass, to be run again with savepoints.
     Optimistic,
-    /// A savepoint after each delivery's inbox row; a handler that fails
+    /// A savepoint after each delivery's inbox row and a check after each
+    /// handler's `Ok`; a handler that fails, or whose work cannot commit,
     /// rolls back to it and its attempt is recorded. The failures in
     /// `failed` (by slot) are recorded without running their handler again.
     Savepoints { failed: &'a BTreeMap<usize, String> },
 }
 
-/// Why a transaction of deliveries rolled back.
+/// Why a transaction of deliveries did not commit.
 enum BatchFailure {
     /// The inbox refused the data of the delivery at this index.
     Refused { index: usize, reason: String },
-    /// An optimistic pass met a handler failure at this index.
-    HandlerFailed { index: usize, error: String },
-    /// Database trouble: nobody's fault.
+    /// A handler failed (in an optimistic pass, or given up on mid-run):
+    /// these failures, by slot, are known; the transaction rolled back.
+    HandlerFailed { failures: Vec<(usize, String)> },
+    /// The transaction could not commit for a reason of the deliveries'
+    /// own (not the database's availability): a check, a statement of
+    /// ours or the COMMIT failed. It did not commit; `failures` were met
+    /// on the way.
+    Culpable {
+        error: String,
+        failures: Vec<(usize, String)>,
+    },
+    /// Database trouble: nobody's fault; the commit's outcome may be
+    /// unknown.
     Store(StoreError),
+}
+
+impl BatchFailure {
+    /// A check or a COMMIT of the whole transaction failed with `e`.
+    fn of_transaction(e: StoreError, failures: Vec<(usize, String)>) -> Self {
+        if e.is_unavailable() {
+            Self::Store(e)
+        } else {
+            Self::Culpable {
+                error: e.to_string(),
+                failures,
+            }
+        }
+    }
+}
+
+/// How far a group of deliveries has escalated to be decided.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    /// One transaction, no savepoints, one check before the COMMIT when a
+    /// handler wrote last.
+    #[default]
+    Optimistic,
+    /// One transaction, a savepoint and a check per delivery: a failure is
+    /// found by delivery and rolled back alone.
+    Savepoints,
+    /// Each delivery in a transaction of its own (with savepoints): a
+    /// COMMIT failed on the deliveries' data after every check passed.
+    Alone,
+}
+
+/// What the next transaction of a group of deliveries is, given how the
+/// last ones failed: the escalation that keeps retrying in place bounded
+/// to database trouble. A handler failure reruns with savepoints (the
+/// failure known, its handler not run again); a transaction that cannot
+/// commit on the deliveries' own data (a check, a statement of ours or the
+/// COMMIT failed, not for the database's availability) reruns with a check
+/// per delivery, then each delivery alone, and a delivery alone whose
+/// transaction cannot commit has failed: its failure is recorded in the
+/// next. Only database trouble, and a failure no delivery can be blamed for
+/// (a delivery's mere failure record does not commit), is retried in place.
+#[derive(Default)]
+struct Escalation {
+    level: Level,
+    /// Handler failures known, by slot: recorded by the next pass without
+    /// running their handlers again.
+    failed: BTreeMap<usize, String>,
+}
+
+/// What to do after a failed transaction.
+enum Next {
+    /// Run the next transaction (as [`Escalation::pass`] says).
+    Again,
+    /// The inbox refused the data of the group's delivery at `index`.
+    Refused { index: usize, reason: String },
+    /// Database trouble (or trouble no delivery is to blame for): retry in
+    /// place after a backoff.
+    RetryInPlace(StoreError),
+}
+
+impl Escalation {
+    fn starting(level: Level) -> Self {
+        Self {
+            level,
+            failed: BTreeMap::new(),
+        }
+    }
+
+    /// The deliveries of the next transaction, of those still undecided.
+    fn group<'i, 'a>(&self, live: &'i [&'i Item<'a>]) -> &'i [&'i Item<'a>] {
+        match self.level {
+            Level::Alone => &live[..1],
+            _ => live,
+        }
+    }
+
+    /// How the next transaction runs.
+    fn pass(&self) -> Pass<'_> {
+        match self.level {
+            Level::Optimistic => Pass::Optimistic,
+            _ => Pass::Savepoints {
+                failed: &self.failed,
+            },
+        }
+    }
+
+    /// Takes in how the transaction of `group` failed.
+    fn after(&mut self, group: &[&Item<'_>], failure: BatchFailure, marks: &Marks) -> Next {
+        match failure {
+            BatchFailure::Refused { index, reason } => Next::Refused { index, reason },
+            BatchFailure::HandlerFailed { failures } => {
+                if self.level == Level::Optimistic {
+                    marks.hit(Mark::BatchRerunWithSavepoints);
+                    self.level = Level::Savepoints;
+                }
+                self.failed.extend(failures);
+                Next::Again
+            }
+            BatchFailure::Culpable { error, failures } => {
+                // It did not commit: what it met is known.
+                self.failed.extend(failures);
+                match (self.level, group) {
+                    (Level::Optimistic, _) => {
+                        marks.hit(Mark::BatchRerunWithSavepoints);
+                        self.level = Level::Savepoints;
+                    }
+                    (_, [_, _, ..]) => {
+                        marks.hit(Mark::BatchRerunAlone);
+                        self.level = Level::Alone;
+                    }
+                    (_, [one]) if !self.failed.contains_key(&one.slot) => {
+                        marks.hit(Mark::HandlerTxCannotCommit);
+                        let e = StoreError::Statement(error);
+                        self.failed.insert(one.slot, cannot_commit(&e));
+                    }
+                    // Not even its failure record commits: not the
+                    // delivery's doing.
+                    _ => return Next::RetryInPlace(StoreError::Statement(error)),
+                }
+                Next::Again
+            }
+            BatchFailure::Store(e) => {
+                // The transaction may have committed the failures it
+                // recorded (a commit whose reply was lost): recording them
+                // again would count one failure twice. Their handlers run
+                // again instead, and the inbox shows what committed. Found
+                // by the simulation (producer_and_consumer_swarm, seed 48).
+                for item in group {
+                    self.failed.remove(&item.slot);
+                }
+                Next::RetryInPlace(e)
+            }
+        }
+    }
 }
 
 /// A delivery decoded (or not), with its span.

@@ -4,9 +4,9 @@ use std::time::Duration;
 
 use sqlx::{PgPool, Postgres, Row};
 
-use super::{bounded, delete_expired, map_err, sql};
+use super::{STORE_CALL_TIMEOUT, bounded, delete_expired, map_err, sql};
 use crate::core::ports::{
-    AttemptRecord, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome,
+    AttemptRecord, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome, TxBounds,
 };
 use crate::error::StoreError;
 
@@ -14,36 +14,134 @@ use crate::error::StoreError;
 /// receives in production.
 pub type PgTx = sqlx::Transaction<'static, Postgres>;
 
-/// Idle-in-transaction bound of a handler transaction: a consumer that
-/// vanishes mid-handler (partitioned, killed without a TCP reset) would
-/// otherwise hold its inbox row lock until TCP keepalive gives up (hours),
-/// blocking every redelivery of that event elsewhere. Only time *between*
-/// statements counts, so a handler doing SQL is never cut off by it.
-pub const HANDLER_IDLE_IN_TX_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+pub use crate::core::ports::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 
-/// Default and largest number of rows one listing or replay returns.
-pub const LIST_LIMIT_DEFAULT: u32 = 100;
-/// See [`LIST_LIMIT_DEFAULT`].
-pub const LIST_LIMIT_MAX: u32 = 10_000;
+/// Connections of the control pool (pings, ending abandoned transactions):
+/// apart from the handlers' pool, so a pool that handlers exhausted cannot
+/// keep the subscriber from asking the database or ending what it gave up.
+const CONTROL_CONNECTIONS: u32 = 2;
+
+/// A handler transaction of [`PgInboxStore`]: sqlx's transaction, the tag
+/// it runs under at the server (`application_name`), and whether a
+/// statement of it may still be running there (a call gave up on it).
+pub struct PgInboxTx {
+    tx: PgTx,
+    tag: String,
+    abandoned: bool,
+}
+
+impl std::fmt::Debug for PgInboxTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgInboxTx")
+            .field("tag", &self.tag)
+            .field("abandoned", &self.abandoned)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgInboxTx {
+    /// The `application_name` the transaction runs under at the server,
+    /// while it lasts (`canopy-inbox-…`): what an operator sees in
+    /// `pg_stat_activity`, and what [`InboxStore::inbox_abandon`] ends it by.
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// Its sqlx transaction and its "a call gave up" mark, apart.
+    fn parts(&mut self) -> (&mut PgTx, &mut bool) {
+        (&mut self.tx, &mut self.abandoned)
+    }
+}
+
+impl std::ops::Deref for PgInboxTx {
+    type Target = PgTx;
+    fn deref(&self) -> &PgTx {
+        &self.tx
+    }
+}
+
+impl std::ops::DerefMut for PgInboxTx {
+    fn deref_mut(&mut self) -> &mut PgTx {
+        &mut self.tx
+    }
+}
 
 /// The inbox store on a PostgreSQL pool: handler transactions come from the
-/// pool, and failed attempts are recorded on another pooled connection.
+/// pool; pings and the ending of abandoned transactions run on a small
+/// control pool of its own (same connect options, opened lazily).
 #[derive(Debug, Clone)]
 pub struct PgInboxStore {
     pool: PgPool,
+    control: PgPool,
 }
 
 impl PgInboxStore {
     /// Wraps a pool. The `event_inbox` migration must have been applied (see
     /// [`crate::migrate`]).
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        let control = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(CONTROL_CONNECTIONS)
+            .min_connections(0)
+            .acquire_timeout(STORE_CALL_TIMEOUT)
+            .connect_lazy_with((*pool.connect_options()).clone());
+        Self { pool, control }
     }
 
     /// The pool it uses.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+
+    /// Statements of a transaction bounded by the store call's bound: on
+    /// expiry one may still run at the server, and `abandoned` says so.
+    async fn in_tx<T>(
+        abandoned: &mut bool,
+        fut: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(STORE_CALL_TIMEOUT, fut).await {
+            Ok(r) => r,
+            Err(_) => {
+                *abandoned = true;
+                Err(timed_out())
+            }
+        }
+    }
+
+    /// Ends the transaction tagged `tag` at the server (on the control
+    /// pool), bounded; false if that could not be done.
+    async fn terminate(&self, tag: &str) -> bool {
+        let done = bounded(async {
+            sqlx::query_scalar::<_, i64>(sql::INBOX_TERMINATE)
+                .bind(tag)
+                .fetch_one(&self.control)
+                .await
+                .map_err(map_err)
+        })
+        .await;
+        match done {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not end an abandoned handler transaction; \
+                    its statement_timeout will");
+                false
+            }
+        }
+    }
+}
+
+fn timed_out() -> StoreError {
+    StoreError::Unavailable(format!(
+        "no answer from the database within {} s",
+        STORE_CALL_TIMEOUT.as_secs()
+    ))
+}
+
+/// The begin statement for `bounds`, under `tag`.
+fn begin_statement(bounds: TxBounds, tag: &str) -> String {
+    sql::INBOX_BEGIN
+        .replace("{idle_ms}", &bounds.idle.as_millis().to_string())
+        .replace("{statement_ms}", &bounds.statement.as_millis().to_string())
+        .replace("{tag}", tag)
 }
 
 fn payload_text<'a>(entry: &InboxEntry<'a>) -> Result<&'a str, StoreError> {
@@ -52,25 +150,71 @@ fn payload_text<'a>(entry: &InboxEntry<'a>) -> Result<&'a str, StoreError> {
 }
 
 impl InboxStore for PgInboxStore {
-    type Tx = PgTx;
+    type Tx = PgInboxTx;
+    type HandlerTx = PgTx;
 
-    async fn inbox_begin(&self) -> Result<PgTx, StoreError> {
-        bounded(async {
+    fn handler_tx(tx: &mut PgInboxTx) -> &mut PgTx {
+        &mut tx.tx
+    }
+
+    async fn inbox_begin(&self, bounds: TxBounds) -> Result<PgInboxTx, StoreError> {
+        // A tag of hex digits only: it is spliced into the statement.
+        let tag = format!("canopy-inbox-{}", uuid::Uuid::now_v7().simple());
+        let statement = begin_statement(bounds, &tag);
+        let tx = bounded(async {
             self.pool
-                .begin_with(sql::INBOX_BEGIN)
+                .begin_with(sqlx::AssertSqlSafe(statement))
                 .await
                 .map_err(map_err)
+        })
+        .await?;
+        Ok(PgInboxTx {
+            tx,
+            tag,
+            abandoned: false,
+        })
+    }
+
+    async fn inbox_check(&self, tx: &mut PgInboxTx) -> Result<(), StoreError> {
+        let (tx, abandoned) = tx.parts();
+        Self::in_tx(abandoned, async {
+            sqlx::raw_sql(sql::INBOX_CHECK)
+                .execute(&mut **tx)
+                .await
+                .map_err(map_err)
+                .map(drop)
         })
         .await
     }
 
+    async fn inbox_undo_handler(&self, tx: &mut PgInboxTx) -> Result<(), StoreError> {
+        let (tx, abandoned) = tx.parts();
+        Self::in_tx(abandoned, async {
+            sqlx::raw_sql(sql::INBOX_ROLLBACK_HANDLER)
+                .execute(&mut **tx)
+                .await
+                .map_err(map_err)
+                .map(drop)
+        })
+        .await
+    }
+
+    async fn inbox_abandon(&self, tx: PgInboxTx) {
+        // The server ends the session; sqlx then finds the connection
+        // closed and does not pool it again. Until then it is held here, so
+        // the tag names only this transaction.
+        self.terminate(&tx.tag).await;
+        drop(tx);
+    }
+
     async fn inbox_try_insert(
         &self,
-        tx: &mut PgTx,
+        tx: &mut PgInboxTx,
         entry: &InboxEntry<'_>,
     ) -> Result<InsertOutcome, StoreError> {
         let payload = payload_text(entry)?;
-        bounded(async {
+        let (tx, abandoned) = tx.parts();
+        Self::in_tx(abandoned, async {
             let done = sqlx::query(sql::INBOX_TRY_INSERT)
                 .bind(entry.event_id)
                 .bind(entry.subscription)
@@ -119,8 +263,9 @@ impl InboxStore for PgInboxStore {
         .await
     }
 
-    async fn inbox_savepoint(&self, tx: &mut PgTx) -> Result<(), StoreError> {
-        bounded(async {
+    async fn inbox_savepoint(&self, tx: &mut PgInboxTx) -> Result<(), StoreError> {
+        let (tx, abandoned) = tx.parts();
+        Self::in_tx(abandoned, async {
             sqlx::raw_sql(sql::INBOX_SAVEPOINT)
                 .execute(&mut **tx)
                 .await
@@ -132,10 +277,11 @@ impl InboxStore for PgInboxStore {
 
     async fn inbox_mark_processed(
         &self,
-        tx: &mut PgTx,
+        tx: &mut PgInboxTx,
         entry: &InboxEntry<'_>,
     ) -> Result<(), StoreError> {
-        bounded(async {
+        let (tx, abandoned) = tx.parts();
+        Self::in_tx(abandoned, async {
             sqlx::query(sql::INBOX_MARK_PROCESSED)
                 .bind(entry.event_id)
                 .bind(entry.subscription)
@@ -147,23 +293,47 @@ impl InboxStore for PgInboxStore {
         .await
     }
 
-    async fn inbox_commit(&self, tx: PgTx) -> Result<(), StoreError> {
-        bounded(async { tx.commit().await.map_err(map_err) }).await
+    async fn inbox_commit(&self, tx: PgInboxTx) -> Result<(), StoreError> {
+        let PgInboxTx { tx, tag, abandoned } = tx;
+        if abandoned {
+            self.terminate(&tag).await;
+            return Err(StoreError::Unavailable(
+                "the transaction was given up on before its commit".into(),
+            ));
+        }
+        match tokio::time::timeout(STORE_CALL_TIMEOUT, tx.commit()).await {
+            Ok(done) => done.map_err(map_err),
+            Err(_) => {
+                // The COMMIT may still wait at the server (a deferred
+                // check waiting for another writer): end it there.
+                self.terminate(&tag).await;
+                Err(timed_out())
+            }
+        }
     }
 
-    async fn inbox_rollback(&self, tx: PgTx) {
-        // A failure here means the connection is gone, which rolls back too.
-        let _ = bounded(async { tx.rollback().await.map_err(map_err) }).await;
+    async fn inbox_rollback(&self, tx: PgInboxTx) {
+        if tx.abandoned {
+            return self.inbox_abandon(tx).await;
+        }
+        let PgInboxTx { tx, tag, .. } = tx;
+        // A failure means the connection is gone (which rolls back too) or
+        // stuck behind a statement: end the transaction at the server.
+        let done = tokio::time::timeout(STORE_CALL_TIMEOUT, tx.rollback()).await;
+        if !matches!(done, Ok(Ok(()))) {
+            self.terminate(&tag).await;
+        }
     }
 
     async fn inbox_record_failure(
         &self,
-        tx: &mut PgTx,
+        tx: &mut PgInboxTx,
         entry: &InboxEntry<'_>,
         error: &str,
         max_attempts: u32,
     ) -> Result<AttemptRecord, StoreError> {
-        bounded(async {
+        let (tx, abandoned) = tx.parts();
+        Self::in_tx(abandoned, async {
             sqlx::raw_sql(sql::INBOX_ROLLBACK_HANDLER)
                 .execute(&mut **tx)
                 .await
@@ -202,6 +372,8 @@ impl InboxStore for PgInboxStore {
                 .bind(f.routing_key.as_deref())
                 .bind(f.dead_lettered_only)
                 .bind(i64::from(limit))
+                .bind(f.after.map(|c| c.received_at))
+                .bind(f.after.map(|c| c.event_id))
                 .fetch_all(&self.pool)
                 .await
                 .map_err(map_err)?;
@@ -233,7 +405,7 @@ impl InboxStore for PgInboxStore {
     async fn inbox_ping(&self) -> Result<(), StoreError> {
         bounded(async {
             sqlx::query(sql::INBOX_PING)
-                .execute(&self.pool)
+                .execute(&self.control)
                 .await
                 .map(drop)
                 .map_err(map_err)

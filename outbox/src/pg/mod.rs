@@ -32,6 +32,8 @@ pub(crate) mod sql {
     pub const INSERT: &str = include_str!("sql/outbox_insert.sql");
     pub const INSERT_MANY: &str = include_str!("sql/outbox_insert_many.sql");
     pub const INBOX_BEGIN: &str = include_str!("sql/inbox_begin.sql");
+    pub const INBOX_CHECK: &str = include_str!("sql/inbox_check.sql");
+    pub const INBOX_TERMINATE: &str = include_str!("sql/inbox_terminate.sql");
     pub const INBOX_TRY_INSERT: &str = include_str!("sql/inbox_try_insert.sql");
     pub const INBOX_LOCK: &str = include_str!("sql/inbox_lock.sql");
     pub const INBOX_MARK_PROCESSED: &str = include_str!("sql/inbox_mark_processed.sql");
@@ -48,12 +50,11 @@ pub(crate) mod sql {
 /// drainer listens on (see `runtime::DrainerHandle`).
 pub const WAKEUP_CHANNEL: &str = "canopy_outbox";
 
-/// Bound on one store call (acquiring a connection and running its
-/// statements). A database that stops answering (a black-holed connection, a
-/// wedged server) would otherwise hold the drainer's tick until TCP gives up,
-/// which takes many minutes; on expiry the call fails as `Unavailable` and the
-/// tick's claims are released or expire as with any store error.
-pub const STORE_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on one store call (the ports' contract,
+/// [`crate::core::ports::STORE_CALL_TIMEOUT`]): on expiry the call fails as
+/// `Unavailable` and the drainer's claims are released or expire as with
+/// any store error.
+pub use crate::core::ports::STORE_CALL_TIMEOUT;
 
 pub(crate) async fn bounded<T>(
     fut: impl std::future::Future<Output = Result<T, StoreError>>,

@@ -5,62 +5,295 @@
 //! connection of its own (the subscriber handles several deliveries at
 //! once), bounded by the same idle-in-transaction timeout, with a savepoint
 //! after the inbox insert (and a replay's budget reset before it) and
-//! failure records inside it; listings and sweeps run on another
+//! failure records inside it; listings, sweeps and pings run on another
 //! connection, outside any handler transaction.
+//!
+//! The pool is as unkind as sqlx's, because the subscriber's correctness
+//! under overruns depends on it: at most [`POOL_MAX`] connections, a
+//! checkout waits up to [`ACQUIRE_TIMEOUT`] for one; a request whose caller
+//! stops waiting (its future dropped by a deadline, or its own bound
+//! expired) leaves the connection owing that reply, and the next request on
+//! it first waits for the owed reply (sqlx's `wait_until_ready`); a
+//! transaction dropped unfinished goes back to the pool through a task
+//! that waits for what the connection owes and rolls it back (sqlx's
+//! `return_to_pool`), holding its place in the pool all the while.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use outbox::StoreError;
 use outbox::core::ports::{
-    AttemptRecord, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome,
+    AttemptRecord, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome, TxBounds,
 };
 use time::OffsetDateTime;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use uuid::Uuid;
 
 use super::hooks::{Hooks, Point};
-use super::net::{PgClient, connect_pg, request, unexpected};
-use crate::trace::Trace;
-use crate::wire::{PgReply, PgRequest, WireInboxEntry, WireInsertOutcome};
+use super::net::{PgClient, STORE_REQUEST_TIMEOUT, connect_pg_session, unexpected};
+use crate::trace::{Event, Trace};
+use crate::wire::{
+    PgReply, PgRequest, TxSettings, WireInboxEntry, WireInsertOutcome, read_frame, write_frame,
+};
 
-/// Idle-in-transaction bound of a handler transaction (as the sqlx adapter
-/// sets it): a consumer that vanishes mid-handler releases its inbox row
-/// lock after this, so a redelivery elsewhere is not blocked for hours.
-pub const HANDLER_IDLE_IN_TX_TIMEOUT: Duration = outbox::pg::inbox::HANDLER_IDLE_IN_TX_TIMEOUT;
 /// Default and largest number of rows one listing returns.
-const LIST_LIMIT_DEFAULT: u32 = outbox::pg::inbox::LIST_LIMIT_DEFAULT;
-const LIST_LIMIT_MAX: u32 = outbox::pg::inbox::LIST_LIMIT_MAX;
+use outbox::core::ports::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
+/// Most handler connections one consumer replica holds (sqlx's default
+/// `max_connections`).
+pub const POOL_MAX: usize = 10;
+/// How long a checkout waits for a free connection before it fails (sqlx's
+/// default `acquire_timeout`, reported as `PoolTimedOut`).
+pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a connection going back to the pool may wait for the replies
+/// it owes before it is closed as broken: the stand-in for TCP's
+/// retransmissions giving up (turmoil's partitions lose bytes for good).
+pub const RETURN_GIVE_UP: Duration = Duration::from_secs(30);
 
-/// A handler transaction: one connection, held until commit or rollback.
+/// One pooled connection: a session at the fake, and how many replies it
+/// owes for requests whose callers stopped waiting.
+struct Conn {
+    stream: crate::engine::net::TcpStream,
+    session: u64,
+    owed: u32,
+}
+
+/// Why a request on a connection failed.
+enum CallError {
+    /// The connection is broken (closed, reset): it is closed.
+    Broken(String),
+    /// No reply within the bound: the connection stays, owing the reply.
+    TimedOut,
+}
+
+/// Records a request its caller stopped waiting for, when dropped armed.
+struct Abandon<'a> {
+    client: &'a str,
+    session: u64,
+    trace: &'a Trace,
+    armed: bool,
+}
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.trace.now(Event::RequestAbandoned {
+                client: self.client.to_owned(),
+                session: self.session,
+            });
+        }
+    }
+}
+
+impl Conn {
+    /// Reads one owed or awaited reply.
+    async fn read(&mut self) -> Result<PgReply, CallError> {
+        match read_frame::<_, PgReply>(&mut self.stream).await {
+            Ok(Some(reply)) => {
+                self.owed -= 1;
+                Ok(reply)
+            }
+            Ok(None) => Err(CallError::Broken("connection closed by the server".into())),
+            Err(e) => Err(CallError::Broken(format!("connection lost: {e}"))),
+        }
+    }
+
+    /// Waits for every reply owed, then sends `req` and waits for its
+    /// reply, all within the store call's bound.
+    async fn call(
+        &mut self,
+        req: &PgRequest,
+        client: &str,
+        trace: &Trace,
+    ) -> Result<PgReply, CallError> {
+        let mut abandon = Abandon {
+            client,
+            session: self.session,
+            trace,
+            armed: false,
+        };
+        let io = async {
+            while self.owed > 0 {
+                self.read().await?;
+            }
+            self.owed += 1;
+            abandon.armed = true;
+            write_frame(&mut self.stream, req)
+                .await
+                .map_err(|e| CallError::Broken(format!("connection lost: {e}")))?;
+            self.read().await
+        };
+        let result = tokio::time::timeout(STORE_REQUEST_TIMEOUT, io)
+            .await
+            .unwrap_or(Err(CallError::TimedOut));
+        if result.is_ok() || matches!(result, Err(CallError::Broken(_))) {
+            abandon.armed = false;
+        }
+        result
+    }
+
+    /// Waits for what it owes, and rolls back an open transaction: what
+    /// sqlx does to a connection coming back to its pool.
+    async fn settle(&mut self, open: bool) -> bool {
+        while self.owed > 0 {
+            if self.read().await.is_err() {
+                return false;
+            }
+        }
+        if !open {
+            return true;
+        }
+        self.owed += 1;
+        if write_frame(&mut self.stream, &PgRequest::Rollback)
+            .await
+            .is_err()
+        {
+            return false;
+        }
+        // Rolled back (or nothing was open after all, which PostgreSQL
+        // answers alike).
+        matches!(self.read().await, Ok(PgReply::Ok))
+    }
+}
+
+/// A connection on its way back to the pool, with its place.
+struct Returning {
+    conn: Conn,
+    open: bool,
+    permit: OwnedSemaphorePermit,
+}
+
+/// The handler connections of one consumer replica.
+struct Pool {
+    client: String,
+    trace: Trace,
+    idle: Mutex<Vec<Conn>>,
+    places: Arc<Semaphore>,
+    /// Connections dropped unfinished go to the returner task.
+    returning: OnceLock<mpsc::UnboundedSender<Returning>>,
+    /// Transactions begun, for their tags.
+    begun: std::sync::atomic::AtomicU64,
+}
+
+impl Pool {
+    /// The task that brings dropped connections back (started on first
+    /// use, on the consumer's host): each waits for what it owes, rolls
+    /// back, and goes back idle, or is closed; its place frees only then.
+    fn returner(self: &Arc<Self>) -> &mpsc::UnboundedSender<Returning> {
+        self.returning.get_or_init(|| {
+            let (tx, mut rx) = mpsc::unbounded_channel::<Returning>();
+            let pool = Arc::downgrade(self);
+            tokio::spawn(async move {
+                while let Some(mut r) = rx.recv().await {
+                    let pool = pool.clone();
+                    tokio::spawn(async move {
+                        let back = tokio::time::timeout(RETURN_GIVE_UP, r.conn.settle(r.open))
+                            .await
+                            .unwrap_or(false);
+                        if back && let Some(pool) = pool.upgrade() {
+                            pool.idle.lock().expect("idle").push(r.conn);
+                        }
+                        drop(r.permit);
+                    });
+                }
+            });
+            tx
+        })
+    }
+}
+
+/// A handler transaction: one pooled connection and its place in the pool,
+/// held until commit or rollback. Dropped unfinished, it goes back to the
+/// pool only once what it owes has come (sqlx's `return_to_pool`).
 pub struct SimTx {
-    conn: Option<crate::engine::net::TcpStream>,
+    conn: Option<Conn>,
+    permit: Option<OwnedSemaphorePermit>,
+    pool: Arc<Pool>,
+    /// BEGIN was answered and no COMMIT or ROLLBACK yet.
+    open: bool,
+    /// Its `application_name` (what `inbox_abandon` ends it by).
+    tag: String,
 }
 
 impl SimTx {
-    /// Sends one request in the transaction. A transport failure drops the
-    /// connection, which rolls the transaction back at the server.
+    /// Sends one request in the transaction. A broken connection is
+    /// closed, which rolls the transaction back at the server; one that
+    /// did not answer in time stays, owing the reply.
     pub async fn call(&mut self, req: PgRequest) -> Result<PgReply, StoreError> {
-        request(&mut self.conn, &req).await
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(StoreError::Unavailable("connection lost".into()));
+        };
+        match conn.call(&req, &self.pool.client, &self.pool.trace).await {
+            Ok(PgReply::Error(e)) => Err(e.into_store_error()),
+            Ok(reply) => Ok(reply),
+            Err(CallError::Broken(e)) => {
+                self.conn = None;
+                self.open = false;
+                Err(StoreError::Unavailable(e))
+            }
+            Err(CallError::TimedOut) => Err(StoreError::Unavailable("request timed out".into())),
+        }
     }
 
-    /// The simulated handler's domain write for `event_id`.
-    pub async fn effect(&mut self, subscription: &str, event_id: Uuid) -> Result<(), StoreError> {
+    /// The simulated handler's domain write for `event_id` (under the
+    /// domain table's deferred unique constraint when `unique_key` is set).
+    pub async fn effect(
+        &mut self,
+        subscription: &str,
+        event_id: Uuid,
+        unique_key: Option<String>,
+    ) -> Result<(), StoreError> {
         self.call(PgRequest::Effect {
             subscription: subscription.to_owned(),
             event_id,
+            unique_key,
         })
         .await
         .map(drop)
+    }
+
+    /// The session the transaction runs on, if its connection lives.
+    pub fn session(&self) -> Option<u64> {
+        self.conn.as_ref().map(|c| c.session)
+    }
+
+    /// The `application_name` it runs under (what a terminate or cancel
+    /// finds it by).
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// Whether its connection still owes the reply to a request whose
+    /// caller stopped waiting (that statement may run on at the server).
+    pub fn owes(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| c.owed > 0)
+    }
+}
+
+impl Drop for SimTx {
+    fn drop(&mut self) {
+        let (Some(conn), Some(permit)) = (self.conn.take(), self.permit.take()) else {
+            return;
+        };
+        if conn.owed == 0 && !self.open {
+            self.pool.idle.lock().expect("idle").push(conn);
+            return;
+        }
+        let returning = Returning {
+            conn,
+            open: self.open,
+            permit,
+        };
+        // A send fails only once the returner is gone with its host: the
+        // connection closes with it.
+        let _ = self.pool.returner().send(returning);
     }
 }
 
 /// The inbox store of one consumer replica.
 pub struct SimInboxStore {
-    client: String,
-    idle: Mutex<Vec<crate::engine::net::TcpStream>>,
+    pool: Arc<Pool>,
     side: PgClient,
     hooks: Hooks,
-    trace: Trace,
 }
 
 impl SimInboxStore {
@@ -69,10 +302,15 @@ impl SimInboxStore {
         let client = client.into();
         Self {
             side: PgClient::new(format!("{client}/side"), trace.clone()),
-            client,
-            idle: Mutex::default(),
+            pool: Arc::new(Pool {
+                client,
+                trace,
+                idle: Mutex::default(),
+                places: Arc::new(Semaphore::new(POOL_MAX)),
+                returning: OnceLock::new(),
+                begun: std::sync::atomic::AtomicU64::new(0),
+            }),
             hooks: Hooks::default(),
-            trace,
         }
     }
 
@@ -82,21 +320,56 @@ impl SimInboxStore {
         self
     }
 
-    async fn checkout(&self) -> Result<crate::engine::net::TcpStream, StoreError> {
-        if let Some(s) = self.idle.lock().expect("idle").pop() {
-            return Ok(s);
-        }
-        connect_pg(&self.client).await
-    }
-
-    fn checkin(&self, tx: SimTx) {
-        if let Some(s) = tx.conn {
-            self.idle.lock().expect("idle").push(s);
-        }
+    /// A connection and its place: an idle one, or a new one once a place
+    /// is free (within [`ACQUIRE_TIMEOUT`]).
+    async fn checkout(&self) -> Result<SimTx, StoreError> {
+        self.pool.returner();
+        let permit =
+            tokio::time::timeout(ACQUIRE_TIMEOUT, self.pool.places.clone().acquire_owned())
+                .await
+                .map_err(|_| {
+                    StoreError::Unavailable(
+                        "pool timed out while waiting for an open connection".into(),
+                    )
+                })?
+                .expect("the pool's semaphore is never closed");
+        let idle = self.pool.idle.lock().expect("idle").pop();
+        let conn = match idle {
+            Some(conn) => conn,
+            None => {
+                let (stream, session) = connect_pg_session(&self.pool.client).await?;
+                Conn {
+                    stream,
+                    session,
+                    owed: 0,
+                }
+            }
+        };
+        let n = self
+            .pool
+            .begun
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(SimTx {
+            conn: Some(conn),
+            permit: Some(permit),
+            pool: self.pool.clone(),
+            open: false,
+            tag: format!("canopy-inbox-{}-{n}", self.pool.client),
+        })
     }
 
     async fn side_call(&self, req: PgRequest) -> Result<PgReply, StoreError> {
         self.side.call(req).await
+    }
+
+    /// Ends the transaction tagged `tag` at the server, from the side
+    /// connection (as the sqlx adapter does from its control pool).
+    async fn terminate(&self, tag: &str) {
+        let _ = self
+            .side_call(PgRequest::Terminate {
+                application_name: tag.to_owned(),
+            })
+            .await;
     }
 }
 
@@ -118,19 +391,54 @@ fn sim_time(ms: u64) -> OffsetDateTime {
     OffsetDateTime::UNIX_EPOCH + Duration::from_millis(ms)
 }
 
+fn sim_ms(t: OffsetDateTime) -> u64 {
+    u64::try_from((t - OffsetDateTime::UNIX_EPOCH).whole_milliseconds()).unwrap_or(0)
+}
+
 impl InboxStore for SimInboxStore {
     type Tx = SimTx;
+    type HandlerTx = SimTx;
 
-    async fn inbox_begin(&self) -> Result<SimTx, StoreError> {
-        let mut tx = SimTx {
-            conn: Some(self.checkout().await?),
-        };
-        tx.call(PgRequest::Begin).await?;
-        tx.call(PgRequest::SetIdleInTxTimeout {
-            ms: HANDLER_IDLE_IN_TX_TIMEOUT.as_millis() as u64,
-        })
+    fn handler_tx(tx: &mut SimTx) -> &mut SimTx {
+        tx
+    }
+
+    async fn inbox_begin(&self, bounds: TxBounds) -> Result<SimTx, StoreError> {
+        let mut tx = self.checkout().await?;
+        // Open from the moment BEGIN is sent: one whose reply never came
+        // may have opened a transaction, which the pool's return must roll
+        // back (sqlx's begin queues a ROLLBACK if it is dropped midway).
+        tx.open = true;
+        if let Err(e) = tx.call(PgRequest::Begin).await {
+            if !tx.owes() {
+                // Answered (with an error): no transaction began.
+                tx.open = false;
+            }
+            return Err(e);
+        }
+        tx.call(PgRequest::SetLocal(TxSettings {
+            idle_in_tx_ms: Some(bounds.idle.as_millis() as u64),
+            statement_ms: Some(bounds.statement.as_millis() as u64),
+            lock_ms: None,
+            application_name: Some(tx.tag.clone()),
+        }))
         .await?;
         Ok(tx)
+    }
+
+    async fn inbox_check(&self, tx: &mut SimTx) -> Result<(), StoreError> {
+        tx.call(PgRequest::InboxCheck).await.map(drop)
+    }
+
+    async fn inbox_undo_handler(&self, tx: &mut SimTx) -> Result<(), StoreError> {
+        tx.call(PgRequest::InboxUndoHandler).await.map(drop)
+    }
+
+    async fn inbox_abandon(&self, tx: SimTx) {
+        // Held until the server ended it, so the tag names only it; then
+        // the pool's return finds the connection closed.
+        self.terminate(&tx.tag).await;
+        drop(tx);
     }
 
     async fn inbox_try_insert(
@@ -172,17 +480,42 @@ impl InboxStore for SimInboxStore {
     }
 
     async fn inbox_commit(&self, mut tx: SimTx) -> Result<(), StoreError> {
-        tx.call(PgRequest::Commit).await?;
-        self.checkin(tx);
+        if tx.owes() {
+            self.inbox_abandon(tx).await;
+            return Err(StoreError::Unavailable(
+                "the transaction was given up on before its commit".into(),
+            ));
+        }
+        let done = tx.call(PgRequest::Commit).await;
+        if !matches!(done, Err(StoreError::Unavailable(_))) {
+            // Answered (committed, or failed and rolled back): it ended.
+            tx.open = false;
+        } else if tx.owes() {
+            // The COMMIT may still wait at the server: end it there.
+            self.inbox_abandon(tx).await;
+            return done.map(drop);
+        }
+        done?;
+        drop(tx);
         self.hooks
-            .at(Point::AfterCommit, &self.client, &self.trace)
+            .at(Point::AfterCommit, &self.pool.client, &self.pool.trace)
             .await;
         Ok(())
     }
 
     async fn inbox_rollback(&self, mut tx: SimTx) {
-        if tx.call(PgRequest::Rollback).await.is_ok() {
-            self.checkin(tx);
+        if tx.owes() {
+            return self.inbox_abandon(tx).await;
+        }
+        // As the sqlx adapter: ROLLBACK, under the store call's bound; if
+        // that fails the transaction is ended at the server.
+        match tx.call(PgRequest::Rollback).await {
+            Ok(_) => tx.open = false,
+            Err(_) => {
+                let tag = tx.tag.clone();
+                drop(tx);
+                self.terminate(&tag).await;
+            }
         }
     }
 
@@ -225,6 +558,7 @@ impl InboxStore for SimInboxStore {
                 routing_key: f.routing_key.clone(),
                 dead_lettered_only: f.dead_lettered_only,
                 limit,
+                after: f.after.map(|c| (sim_ms(c.received_at), c.event_id)),
             })
             .await?
         {

@@ -114,16 +114,24 @@ impl PgClient {
 
 /// Opens a connection to the fake PostgreSQL and names `client` on it.
 pub(crate) async fn connect_pg(client: &str) -> Result<crate::engine::net::TcpStream, StoreError> {
+    connect_pg_session(client).await.map(|(s, _)| s)
+}
+
+/// [`connect_pg`], with the number of the session it opened.
+pub(crate) async fn connect_pg_session(
+    client: &str,
+) -> Result<(crate::engine::net::TcpStream, u64), StoreError> {
     let mut s = connect("pg", PG_PORT)
         .await
         .map_err(StoreError::Unavailable)?;
     let hello = PgRequest::Hello {
         client: client.to_owned(),
     };
-    exchange(&mut s, &hello)
-        .await
-        .map_err(StoreError::Unavailable)?;
-    Ok(s)
+    match exchange(&mut s, &hello).await {
+        Ok(PgReply::Session { id }) => Ok((s, id)),
+        Ok(other) => Err(unexpected(other)),
+        Err(e) => Err(StoreError::Unavailable(e)),
+    }
 }
 
 /// Sends one request on the connection in `slot`. A refused statement is a

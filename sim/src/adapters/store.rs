@@ -69,9 +69,10 @@ impl SimStore {
         let mut replies = self
             .pg
             .in_tx(vec![
-                PgRequest::SetIdleInTxTimeout {
-                    ms: CLAIM_IDLE_IN_TX_TIMEOUT.as_millis() as u64,
-                },
+                PgRequest::SetLocal(crate::wire::TxSettings {
+                    idle_in_tx_ms: Some(CLAIM_IDLE_IN_TX_TIMEOUT.as_millis() as u64),
+                    ..Default::default()
+                }),
                 PgRequest::Claim {
                     replica: p.replica_id.to_owned(),
                     batch_size: p.batch_size,

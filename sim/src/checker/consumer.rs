@@ -45,8 +45,43 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     rejected(ctx, out);
     keyed(ctx, out);
     acked_after_commit(ctx, out);
-    let expected = ctx.model.expected_effects();
+    let mut expected = ctx.model.expected_effects();
+    for (key, events) in ctx.model.unique_groups() {
+        unique_key(key, &events, fin, &mut expected, out);
+    }
     exactly_once(&expected, &fin.effects, &after_retention, "", out);
+}
+
+/// Of the events whose effect takes deferred unique key `key`, exactly one
+/// takes effect (the first to commit: it is held to exactly once with the
+/// rest of `expected`); the others can never commit theirs, so each must
+/// end dead-lettered (decided at its budget), not retried forever.
+fn unique_key(
+    key: &str,
+    events: &std::collections::BTreeSet<Uuid>,
+    fin: &crate::model::ConsumerFinal,
+    expected: &mut std::collections::BTreeSet<Uuid>,
+    out: &mut Findings,
+) {
+    let winner = fin.unique_keys.get(key).filter(|w| events.contains(w));
+    if winner.is_none() {
+        // None of them took effect (or a stranger took the key): keep them
+        // all expected, so `exactly_once_effect` names each.
+        return;
+    }
+    for id in events.iter().filter(|id| Some(*id) != winner) {
+        expected.remove(id);
+        if !fin.dead_lettered.contains(id) {
+            out.add(
+                Invariant::EveryDeliveryDecided,
+                None,
+                format!(
+                    "{id} can never take effect (its unique key {key} is taken) \
+                     but is not dead-lettered"
+                ),
+            );
+        }
+    }
 }
 
 /// Each of `expected` took effect exactly once in `effects` (less those
@@ -181,6 +216,13 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
                 result: HandlerResult::Failed,
                 ..
             } => *handler_failures.entry(*event_id).or_insert(0) += 1,
+            // The handler's work cannot commit: its data breaks a deferred
+            // constraint (its `Ok` notwithstanding).
+            Event::ConstraintFailed { events, .. } => {
+                for id in events {
+                    *handler_failures.entry(*id).or_insert(0) += 1;
+                }
+            }
             Event::InboxReset { ids } => {
                 replaying.extend(ids.iter().copied());
                 for id in ids {

@@ -21,6 +21,7 @@
 //!   rows, and do delete them.
 //! - [`consumer`]: exactly-once effect (#433), the attempt budget, replay,
 //!   and hostile deliveries.
+//! - [`statements`]: a statement its client gave up on ends at the server.
 //! - [`expectations`]: what a scenario's faults must make happen.
 //! - [`marks`]: the coverage marks agree with the trace, so a scenario's
 //!   `[expect] reach` list cannot be met by a mark that lies.
@@ -35,6 +36,7 @@ mod expectations;
 mod leases;
 mod marks;
 mod retention;
+mod statements;
 mod timing;
 mod transactions;
 
@@ -144,6 +146,11 @@ invariants! {
     KeyedByEnvelopeId = "keyed_by_envelope_id",
     /// A delivery is acked only after its event's processed mark committed (#433 step 4: commit, then ack).
     AckAfterCommit = "ack_after_commit",
+    /// Every event delivered is decided in the end: applied, or dead-lettered at its budget; none is retried in place forever.
+    EveryDeliveryDecided = "every_delivery_decided",
+    // --- statements
+    /// A statement that waits on a lock when its client stops waiting for it ends at the server soon after (its locks and pooled connection come back).
+    AbandonedStatementEnds = "abandoned_statement_ends",
     // --- expectations
     /// What the scenario's faults must make happen did happen.
     ScenarioExpectation = "scenario_expectation",
@@ -233,6 +240,9 @@ pub struct Limits {
     pub consumer_max_attempts: u32,
     /// Inbox retention.
     pub inbox_retention: Duration,
+    /// Subscriber: how soon after its client gave up on it a statement
+    /// waiting at the server must end.
+    pub abandoned_statement_bound: Duration,
 }
 
 /// Slack on timing rules: a timer fires at the first step after its
@@ -293,6 +303,7 @@ pub fn check(
     timing::check(&ctx, &mut out);
     retention::check(&ctx, &mut out);
     consumer::check(&ctx, &mut out);
+    statements::check(&ctx, &mut out);
     expectations::check(&ctx, &mut out);
     marks::check(&ctx, &mut out);
     let duplicates = fin

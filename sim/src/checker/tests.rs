@@ -33,6 +33,7 @@ fn limits() -> Limits {
         retention: Duration::from_secs(3),
         consumer_max_attempts: 3,
         inbox_retention: Duration::from_secs(30),
+        abandoned_statement_bound: Duration::from_millis(1500),
     }
 }
 
@@ -53,6 +54,11 @@ impl Run {
 
     fn with(mut self, f: impl FnOnce(&mut FinalState)) -> Self {
         f(&mut self.fin);
+        self
+    }
+
+    fn without(mut self, drop: impl Fn(&Event) -> bool) -> Self {
+        self.events.retain(|(_, e)| !drop(e));
         self
     }
 
@@ -1036,8 +1042,108 @@ fn polls_that_keep_the_cadence_pass() {
 }
 
 /// A violating trace for every invariant (some for several ways to break it).
+/// Events 1 and 2 both take deferred unique key `unique.0`; 1 took it.
+fn unique_losers() -> Run {
+    consumer()
+        .at(
+            5,
+            Event::UniqueKeyed {
+                id: id(1),
+                key: s("unique.0"),
+            },
+        )
+        .at(
+            6,
+            Event::UniqueKeyed {
+                id: id(2),
+                key: s("unique.0"),
+            },
+        )
+        .at(
+            7,
+            Event::Committed {
+                client: s("w"),
+                ids: vec![id(2)],
+            },
+        )
+        .with(|f| {
+            f.stored.insert(id(2), 1);
+            let c = f.consumer.as_mut().unwrap();
+            c.unique_keys.insert(s("unique.0"), id(1));
+        })
+}
+
+/// A statement of session 5 waits on a lock from 200 ms; its client gives
+/// up on it at 300 ms; the wait ends at `ended` ms.
+fn abandoned_wait(ended: u64) -> Run {
+    consumer()
+        .at(
+            200,
+            Event::LockWait {
+                client: s("c#1"),
+                session: 5,
+                on: s("domain table"),
+            },
+        )
+        .at(
+            300,
+            Event::RequestAbandoned {
+                client: s("c#1"),
+                session: 5,
+            },
+        )
+        .at(
+            ended,
+            Event::LockWaitEnded {
+                client: s("c#1"),
+                session: 5,
+                how: crate::trace::WaitEnd::Terminated,
+            },
+        )
+}
+
+fn statement_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    vec![
+        // The loser of a unique key neither took effect nor was
+        // dead-lettered: retried forever.
+        (I::EveryDeliveryDecided, unique_losers()),
+        // Ended 2 s after its client gave up (the bound is 1.5 s).
+        (I::AbandonedStatementEnds, abandoned_wait(2300)),
+        // Never ended at all.
+        (
+            I::AbandonedStatementEnds,
+            abandoned_wait(2300)
+                .without(|e| matches!(e, Event::LockWaitEnded { .. }))
+                .at(3000, Event::Heal),
+        ),
+    ]
+}
+
+#[test]
+fn a_unique_key_loser_dead_lettered_and_a_wait_ended_in_time_pass() {
+    let v = unique_losers()
+        .with(|f| {
+            f.consumer.as_mut().unwrap().dead_lettered.insert(id(2));
+        })
+        .verdict();
+    assert!(
+        !v.counts.contains_key(&Invariant::EveryDeliveryDecided),
+        "{:#?}",
+        v.violations
+    );
+    assert!(
+        !v.counts.contains_key(&Invariant::ExactlyOnceEffect),
+        "{:#?}",
+        v.violations
+    );
+    let v = abandoned_wait(1300).verdict();
+    assert!(v.ok(), "{:#?}", v.violations);
+}
+
 fn cases() -> Vec<(Invariant, Run)> {
     [
+        statement_cases(),
         delivery_and_attempt_cases(),
         lease_cases(),
         timing_cases(),

@@ -75,6 +75,12 @@ pub enum Fault {
     /// handlers fail until it heals, so those deliveries dead-letter; the
     /// operator replays them after the heal.
     Downstream { at_secs: f64, for_secs: f64 },
+    /// Another session holds the handler's domain table locked (`LOCK
+    /// TABLE … IN SHARE MODE`): every handler's write waits past its
+    /// deadline, the database answering all along. The overruns are the
+    /// handlers' (they count attempts); the waiting statements must end at
+    /// the server when the subscriber gives up on them.
+    DomainLock { at_secs: f64, for_secs: f64 },
     /// The broker delivers hostile messages to the subscription, about
     /// `per_sec` a second, of the listed kinds (all kinds if none listed).
     Hostile {
@@ -111,7 +117,8 @@ impl Fault {
             | Fault::Hostile {
                 at_secs, for_secs, ..
             }
-            | Fault::Downstream { at_secs, for_secs } => (*at_secs, *for_secs),
+            | Fault::Downstream { at_secs, for_secs }
+            | Fault::DomainLock { at_secs, for_secs } => (*at_secs, *for_secs),
             Fault::Crash {
                 at_secs,
                 restart_after_secs,
@@ -131,7 +138,8 @@ impl Fault {
             | Fault::Pg { for_secs, .. }
             | Fault::Mq { for_secs, .. }
             | Fault::Hostile { for_secs, .. }
-            | Fault::Downstream { for_secs, .. } => *for_secs = len,
+            | Fault::Downstream { for_secs, .. }
+            | Fault::DomainLock { for_secs, .. } => *for_secs = len,
             Fault::Crash {
                 restart_after_secs, ..
             } => *restart_after_secs = len,
@@ -159,6 +167,7 @@ impl Fault {
             }
             Fault::Mq { .. } => FaultKind::MqDrop,
             Fault::Downstream { .. } => FaultKind::Downstream,
+            Fault::DomainLock { .. } => FaultKind::DomainLock,
             Fault::Hostile { .. } => FaultKind::Hostile,
         }
     }

@@ -103,6 +103,14 @@ pub struct Workload {
     /// with a routing key no broker accepts (empty, or over 255 bytes).
     #[serde(default)]
     pub unpublishable_ratio: f64,
+    /// Fraction of envelopes whose routing key is `unique.<n>` or
+    /// `trigger.<n>` (n one of a few): their effects write it under the
+    /// domain table's deferred unique constraint or deferred constraint
+    /// trigger, so of the events sharing a key the first to
+    /// commit takes effect and the others can never commit theirs (they
+    /// are dead-lettered at their budget, and replays fail again).
+    #[serde(default)]
+    pub unique_ratio: f64,
 }
 
 fn one_to_three() -> [u32; 2] {
@@ -226,7 +234,12 @@ impl Scenario {
         if w.interval_ms[0] > w.interval_ms[1] {
             return Err("workload.interval_ms must be [min, max]".into());
         }
-        for p in [w.rollback_ratio, w.poison_ratio, w.unpublishable_ratio] {
+        for p in [
+            w.rollback_ratio,
+            w.poison_ratio,
+            w.unpublishable_ratio,
+            w.unique_ratio,
+        ] {
             if !(0.0..=1.0).contains(&p) {
                 return Err("ratios must be within [0, 1]".into());
             }
@@ -241,14 +254,15 @@ impl Scenario {
             }
             f.check()?;
         }
-        let consumer_faults = self
-            .faults
-            .iter()
-            .any(|f| matches!(f, Fault::Downstream { .. } | Fault::Hostile { .. }))
-            || self
-                .swarm
-                .as_ref()
-                .is_some_and(|s| s.families.iter().any(|f| f.needs_consumers()));
+        let consumer_faults = self.faults.iter().any(|f| {
+            matches!(
+                f,
+                Fault::Downstream { .. } | Fault::Hostile { .. } | Fault::DomainLock { .. }
+            )
+        }) || self
+            .swarm
+            .as_ref()
+            .is_some_and(|s| s.families.iter().any(|f| f.needs_consumers()));
         if consumer_faults && self.topology.consumers == 0 {
             return Err("consumer faults need topology.consumers >= 1".into());
         }

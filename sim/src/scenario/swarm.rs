@@ -58,6 +58,8 @@ pub enum Family {
     Downstream,
     /// The broker delivers hostile messages.
     Hostile,
+    /// Another session locks the consumers' domain table.
+    DomainLock,
 }
 
 /// Where and when one occurrence happens.
@@ -86,6 +88,7 @@ impl Family {
                 | Family::DuplicateDelivery
                 | Family::Downstream
                 | Family::Hostile
+                | Family::DomainLock
         )
     }
 
@@ -173,6 +176,7 @@ impl Family {
                 for_secs,
             },
             Family::Downstream => Fault::Downstream { at_secs, for_secs },
+            Family::DomainLock => Fault::DomainLock { at_secs, for_secs },
             Family::Hostile => Fault::Hostile {
                 per_sec: 0.5,
                 kinds: None,

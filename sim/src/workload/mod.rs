@@ -15,6 +15,7 @@ use outbox::{EnvelopeLimits, EventEnvelope};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use self::handler::{TRIGGER_PREFIX, UNIQUE_PREFIX};
 use crate::adapters::PgClient;
 use crate::scenario::Workload;
 use crate::trace::{Event, Trace};
@@ -22,6 +23,9 @@ use crate::wire::{NewRow, PgRequest};
 
 /// Most attempts at one transaction before the workload moves on.
 const TX_RETRIES_MAX: u32 = 50;
+
+/// How many distinct `unique.<n>` routing keys the workload draws from.
+pub const UNIQUE_KEYS: u32 = 4;
 
 /// The Unix time (ms) of the simulation's zero, for UUID v7 ids:
 /// 2026-01-01.
@@ -47,14 +51,29 @@ pub async fn run(
         let mut rows = Vec::with_capacity(count as usize);
         for k in 0..count {
             let poison = spec.poison_ratio > 0.0 && rng.random_bool(spec.poison_ratio);
-            let key = if poison {
-                "poison.event"
-            } else {
-                "domain.event"
+            let unique = (!poison && spec.unique_ratio > 0.0 && rng.random_bool(spec.unique_ratio))
+                .then(|| {
+                    let prefix = if rng.random_bool(0.5) {
+                        UNIQUE_PREFIX
+                    } else {
+                        TRIGGER_PREFIX
+                    };
+                    format!("{prefix}{}", rng.random_range(0..UNIQUE_KEYS))
+                });
+            let key = match &unique {
+                Some(key) => key.as_str(),
+                None if poison => "poison.event",
+                None => "domain.event",
             };
             let mut env = envelope(&mut rng, key, n, k);
+            if let Some(key) = &unique {
+                trace.now(Event::UniqueKeyed {
+                    id: env.id,
+                    key: key.clone(),
+                });
+            }
             // Now and then the longest routing key a broker accepts.
-            if !poison && rng.random_bool(0.02) {
+            if !poison && unique.is_none() && rng.random_bool(0.02) {
                 env.routing_key = format!(
                     "domain.{}",
                     "k".repeat(ROUTING_KEY_MAX_BYTES - "domain.".len())

@@ -28,6 +28,8 @@ pub struct Env {
     pub drainers: u32,
     /// The consumers' downstream refuses `poison.` events while set.
     pub downstream_broken: Arc<AtomicBool>,
+    /// Another session holds the consumers' domain table locked while set.
+    pub domain_locked: Arc<AtomicBool>,
     /// Set at the heal: the operator starts replaying dead letters.
     pub healed: Arc<AtomicBool>,
     /// The subscribers' `max_body_bytes` (hostile bodies are sized to it).
@@ -58,6 +60,7 @@ impl Env {
             trace,
             drainers,
             downstream_broken: Arc::default(),
+            domain_locked: Arc::default(),
             healed: Arc::default(),
             delivery_limit,
             hostile: Vec::new(),
@@ -145,6 +148,10 @@ impl Env {
                 }
             }
             Fault::Downstream { .. } => self.downstream_broken.store(start, Ordering::SeqCst),
+            Fault::DomainLock { .. } => {
+                self.domain_locked.store(start, Ordering::SeqCst);
+                self.pg.set_domain_lock(start);
+            }
             Fault::CrashPoint { point, prob, .. } => {
                 for (_, hooks) in &self.hooks {
                     hooks.set_crash(*point, if start { *prob } else { 0.0 });
@@ -246,6 +253,8 @@ impl Env {
             self.apply(sim, i, &faults[i], false);
         }
         self.downstream_broken.store(false, Ordering::SeqCst);
+        self.domain_locked.store(false, Ordering::SeqCst);
+        self.pg.set_domain_lock(false);
         self.healed.store(true, Ordering::SeqCst);
         for (_, hooks) in &self.hooks {
             hooks.clear();

@@ -143,6 +143,7 @@ pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: 
     let janitor = inbox_janitor_settings(s);
     let transient = s.config.consumer_transient_one_in.unwrap_or(0);
     let (downstream, healed) = (env.downstream_broken.clone(), env.healed.clone());
+    let domain_locked = env.domain_locked.clone();
     let incarnation = Arc::new(AtomicU32::new(0));
     let name = host.clone();
     sim.host(name.as_str(), move || {
@@ -154,6 +155,7 @@ pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: 
         let handler = Arc::new(
             SimHandler::new(CONSUMER_QUEUE, transient)
                 .with_downstream(downstream.clone())
+                .with_domain_lock(domain_locked.clone())
                 .with_hooks(hooks.clone(), who.clone(), trace.clone()),
         );
         let marks = TraceMarks::marks(who.clone(), trace.clone());

@@ -121,6 +121,9 @@ pub fn limits(s: &Scenario) -> Limits {
         retention: d.retention,
         consumer_max_attempts: subscriber_settings(s).max_attempts,
         inbox_retention: inbox_janitor_settings(s).retention,
+        // The subscriber pings the database (within the handler's
+        // deadline) before it ends an overrun handler's statement.
+        abandoned_statement_bound: subscriber_settings(s).handler_timeout + Duration::from_secs(1),
     }
 }
 

@@ -7,15 +7,24 @@ use std::future::Future;
 use std::time::Duration;
 
 use outbox::core::janitor::{InboxJanitorSettings, sweep_inbox};
-use outbox::core::ports::{AttemptRecord, InboxEntry, InboxFilter, InboxStore, InsertOutcome};
-use outbox::{EventEnvelope, PgInboxStore, PgTx, StoreError};
-use sim::adapters::{SimInboxStore, SimTx};
+use outbox::core::ports::{
+    AttemptRecord, InboxEntry, InboxFilter, InboxStore, InsertOutcome, TxBounds,
+};
+use outbox::{EventEnvelope, HandlerError, PgInboxStore, PgInboxTx, StoreError};
+use sim::adapters::{PgClient, SimInboxStore, SimTx};
 use sim::fakes::pg::{self, PgState};
 use sim::trace::Trace;
+use sim::wire::PgRequest;
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::harness::in_sim;
+
+/// The bounds every body's transactions run under: a handler deadline of
+/// five seconds.
+fn bounds() -> TxBounds {
+    TxBounds::for_handler(Duration::from_secs(5))
+}
 
 /// One side of the suite.
 trait InboxArm {
@@ -30,6 +39,31 @@ trait InboxArm {
     async fn failing_statement(&self, tx: &mut <Self::S as InboxStore>::Tx);
     /// Committed effects of `id`.
     async fn effects(&self, id: Uuid) -> u32;
+    /// The handler's domain write, its error returned as the handler
+    /// would see it.
+    async fn try_effect(
+        &self,
+        tx: &mut <Self::S as InboxStore>::Tx,
+        id: Uuid,
+    ) -> Result<(), HandlerError>;
+    /// The domain write of `id` taking `key` under a deferred unique
+    /// constraint (`key` starts with `unique.`).
+    async fn keyed_effect(
+        &self,
+        tx: &mut <Self::S as InboxStore>::Tx,
+        id: Uuid,
+        key: &str,
+    ) -> Result<(), HandlerError>;
+    /// Another session takes (or frees) the domain table's lock, as `LOCK
+    /// TABLE … IN SHARE MODE` in an open transaction.
+    async fn hold_domain_lock(&self, held: bool);
+    /// `SET LOCAL lock_timeout` in the transaction.
+    async fn set_lock_timeout(&self, tx: &mut <Self::S as InboxStore>::Tx, ms: u64);
+    /// The transaction's `application_name`.
+    fn tag(tx: &<Self::S as InboxStore>::Tx) -> String;
+    /// `pg_cancel_backend` of the session running under `tag`, from
+    /// another session.
+    async fn cancel(&self, tag: &str);
     /// Moves a row's `processed_at` `secs` into the past.
     async fn backdate_processed(&self, id: Uuid, secs: u64);
 }
@@ -38,6 +72,7 @@ struct Real {
     store: PgInboxStore,
     other: PgInboxStore,
     pool: PgPool,
+    locker: tokio::sync::Mutex<Option<sqlx::Transaction<'static, sqlx::Postgres>>>,
 }
 
 impl InboxArm for Real {
@@ -48,16 +83,16 @@ impl InboxArm for Real {
     fn other(&self) -> &PgInboxStore {
         &self.other
     }
-    async fn effect(&self, tx: &mut PgTx, id: Uuid) {
+    async fn effect(&self, tx: &mut PgInboxTx, id: Uuid) {
         sqlx::query("INSERT INTO effects (event_id) VALUES ($1)")
             .bind(id)
-            .execute(&mut **tx)
+            .execute(&mut ***tx)
             .await
             .unwrap();
     }
-    async fn failing_statement(&self, tx: &mut PgTx) {
+    async fn failing_statement(&self, tx: &mut PgInboxTx) {
         let e = sqlx::query("SELECT 1/0")
-            .execute(&mut **tx)
+            .execute(&mut ***tx)
             .await
             .unwrap_err();
         assert!(e.to_string().contains("division by zero"), "{e}");
@@ -69,6 +104,62 @@ impl InboxArm for Real {
             .await
             .unwrap();
         n as u32
+    }
+    async fn try_effect(&self, tx: &mut PgInboxTx, id: Uuid) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO effects (event_id) VALUES ($1)")
+            .bind(id)
+            .execute(&mut ***tx)
+            .await?;
+        Ok(())
+    }
+    async fn keyed_effect(
+        &self,
+        tx: &mut PgInboxTx,
+        id: Uuid,
+        key: &str,
+    ) -> Result<(), HandlerError> {
+        self.try_effect(tx, id).await?;
+        sqlx::query("INSERT INTO keyed (k, event_id) VALUES ($1, $2)")
+            .bind(key)
+            .bind(id)
+            .execute(&mut ***tx)
+            .await?;
+        Ok(())
+    }
+    async fn hold_domain_lock(&self, held: bool) {
+        let mut locker = self.locker.lock().await;
+        if held {
+            let mut tx = self.pool.begin().await.unwrap();
+            sqlx::raw_sql("LOCK TABLE effects, keyed IN SHARE MODE")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            *locker = Some(tx);
+        } else if let Some(tx) = locker.take() {
+            tx.rollback().await.unwrap();
+        }
+    }
+    async fn set_lock_timeout(&self, tx: &mut PgInboxTx, ms: u64) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SET LOCAL lock_timeout = '{ms}ms'"
+        )))
+        .execute(&mut ***tx)
+        .await
+        .unwrap();
+    }
+    fn tag(tx: &PgInboxTx) -> String {
+        tx.tag().to_owned()
+    }
+    async fn cancel(&self, tag: &str) {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) FROM \
+             (SELECT pid FROM pg_stat_activity WHERE application_name = $1) AS t",
+        )
+        .bind(tag)
+        .fetch_one(&self.pool)
+        .await
+        .unwrap();
+        assert_eq!(n, 1, "one session runs under {tag}");
     }
     async fn backdate_processed(&self, id: Uuid, secs: u64) {
         sqlx::query(
@@ -87,6 +178,8 @@ struct Fake {
     store: SimInboxStore,
     other: SimInboxStore,
     state: PgState,
+    /// Another client, for what another session does.
+    outside: PgClient,
 }
 
 impl InboxArm for Fake {
@@ -98,7 +191,7 @@ impl InboxArm for Fake {
         &self.other
     }
     async fn effect(&self, tx: &mut SimTx, id: Uuid) {
-        tx.effect("q", id).await.unwrap();
+        tx.effect("q", id, None).await.unwrap();
     }
     async fn failing_statement(&self, tx: &mut SimTx) {
         let e = tx
@@ -120,6 +213,36 @@ impl InboxArm for Fake {
     async fn backdate_processed(&self, id: Uuid, secs: u64) {
         self.state.lock().inbox.backdate_processed(id, secs * 1000);
     }
+    async fn try_effect(&self, tx: &mut SimTx, id: Uuid) -> Result<(), HandlerError> {
+        Ok(tx.effect("q", id, None).await?)
+    }
+    async fn keyed_effect(&self, tx: &mut SimTx, id: Uuid, key: &str) -> Result<(), HandlerError> {
+        Ok(tx.effect("q", id, Some(key.to_owned())).await?)
+    }
+    async fn hold_domain_lock(&self, held: bool) {
+        self.state.set_domain_lock(held);
+    }
+    async fn set_lock_timeout(&self, tx: &mut SimTx, ms: u64) {
+        tx.call(PgRequest::SetLocal(sim::wire::TxSettings {
+            lock_ms: Some(ms),
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+    }
+    fn tag(tx: &SimTx) -> String {
+        tx.tag().to_owned()
+    }
+    async fn cancel(&self, tag: &str) {
+        let n = self
+            .outside
+            .call(PgRequest::Cancel {
+                application_name: tag.to_owned(),
+            })
+            .await
+            .unwrap();
+        assert!(matches!(n, sim::wire::PgReply::Count(1)), "{n:?}");
+    }
 }
 
 fn with_fake<F, Fut>(body: F)
@@ -136,8 +259,9 @@ where
         move || async move {
             body(Fake {
                 store: SimInboxStore::new("consumer-a", trace.clone()),
-                other: SimInboxStore::new("consumer-b", trace),
+                other: SimInboxStore::new("consumer-b", trace.clone()),
                 state,
+                outside: PgClient::new("outside", trace),
             })
             .await;
         },
@@ -153,10 +277,15 @@ where
         .execute(&pool)
         .await
         .unwrap();
+    sqlx::query("CREATE TABLE keyed (k TEXT NOT NULL UNIQUE DEFERRABLE INITIALLY DEFERRED, event_id UUID NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
     body(Real {
         store: PgInboxStore::new(pool.clone()),
         other: PgInboxStore::new(pool.clone()),
         pool,
+        locker: tokio::sync::Mutex::new(None),
     })
     .await;
 }
@@ -196,7 +325,7 @@ async fn apply<A: InboxArm>(arm: &A, store: &A::S, e: &Event) -> InsertOutcome {
 
 /// [`apply`] of an entry as given.
 async fn apply_entry<A: InboxArm>(arm: &A, store: &A::S, entry: &InboxEntry<'_>) -> InsertOutcome {
-    let mut tx = store.inbox_begin().await.unwrap();
+    let mut tx = store.inbox_begin(bounds()).await.unwrap();
     let outcome = store.inbox_try_insert(&mut tx, entry).await.unwrap();
     if outcome != InsertOutcome::AlreadyProcessed {
         arm.effect(&mut tx, entry.event_id).await;
@@ -212,7 +341,7 @@ async fn reset<S: InboxStore>(store: &S, entry: &InboxEntry<'_>) -> InsertOutcom
         fresh_budget: true,
         ..*entry
     };
-    let mut tx = store.inbox_begin().await.unwrap();
+    let mut tx = store.inbox_begin(bounds()).await.unwrap();
     let outcome = store.inbox_try_insert(&mut tx, &replay).await.unwrap();
     store.inbox_commit(tx).await.unwrap();
     outcome
@@ -227,7 +356,7 @@ async fn fail<A: InboxArm>(
     key: &str,
     max_attempts: u32,
 ) -> AttemptRecord {
-    let mut tx = store.inbox_begin().await.unwrap();
+    let mut tx = store.inbox_begin(bounds()).await.unwrap();
     store
         .inbox_try_insert(&mut tx, &entry(e, key))
         .await
@@ -257,7 +386,7 @@ async fn a_replays_fresh_budget_takes_effect_only_with_its_commit<A: InboxArm>(a
         ..InboxFilter::default()
     };
     // A replay cut short (rolled back) leaves the row dead-lettered.
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     assert_eq!(
         s.inbox_try_insert(&mut tx, &replay).await.unwrap(),
         InsertOutcome::InFlightRetry { attempts: 0 }
@@ -271,7 +400,7 @@ async fn a_replays_fresh_budget_takes_effect_only_with_its_commit<A: InboxArm>(a
         [(e.id, 1)]
     );
     // A replay whose handler fails again: a budget of one from zero.
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     s.inbox_try_insert(&mut tx, &replay).await.unwrap();
     s.inbox_savepoint(&mut tx).await.unwrap();
     arm.effect(&mut tx, e.id).await;
@@ -303,7 +432,7 @@ async fn two_subscriptions_each_take_an_events_effect<A: InboxArm>(arm: A) {
     let e = event("k");
     let s = arm.store();
     for subscription in ["q", "q2"] {
-        let mut tx = s.inbox_begin().await.unwrap();
+        let mut tx = s.inbox_begin(bounds()).await.unwrap();
         let entry = entry_of(subscription, &e, "k");
         assert_eq!(
             s.inbox_try_insert(&mut tx, &entry).await.unwrap(),
@@ -318,7 +447,7 @@ async fn two_subscriptions_each_take_an_events_effect<A: InboxArm>(arm: A) {
     // A failure recorded for one subscription leaves the other's row alone.
     let f = event("k");
     fail(&arm, s, &f, "k", 1).await;
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     assert_eq!(
         s.inbox_try_insert(&mut tx, &entry_of("q2", &f, "k"))
             .await
@@ -327,7 +456,7 @@ async fn two_subscriptions_each_take_an_events_effect<A: InboxArm>(arm: A) {
     );
     s.inbox_rollback(tx).await;
     // A duplicate is recognised per subscription.
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     assert_eq!(
         s.inbox_try_insert(&mut tx, &entry_of("q2", &e, "k"))
             .await
@@ -355,7 +484,7 @@ async fn a_committed_event_is_already_processed_the_second_time<A: InboxArm>(arm
 async fn a_rolled_back_attempt_leaves_only_its_recorded_failure<A: InboxArm>(arm: A) {
     let e = event("k");
     let s = arm.store();
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     assert_eq!(
         s.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap(),
         InsertOutcome::Inserted
@@ -384,7 +513,7 @@ async fn a_rolled_back_attempt_leaves_only_its_recorded_failure<A: InboxArm>(arm
         );
         assert_eq!(arm.effects(e.id).await, 0, "the effect rolled back");
     }
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     assert_eq!(
         s.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap(),
         InsertOutcome::InFlightRetry { attempts: 4 }
@@ -413,13 +542,13 @@ async fn a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome<A: Inbox
     let e = event("k");
     let (a, b) = (arm.store(), arm.other());
     // A holds the row; B's insert waits until A commits, then finds it done.
-    let mut tx = a.inbox_begin().await.unwrap();
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
     assert_eq!(
         a.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap(),
         InsertOutcome::Inserted
     );
     let second = async {
-        let mut tx = b.inbox_begin().await.unwrap();
+        let mut tx = b.inbox_begin(bounds()).await.unwrap();
         let o = b.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
         b.inbox_commit(tx).await.unwrap();
         o
@@ -438,10 +567,10 @@ async fn a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome<A: Inbox
 
     // A second event: A rolls back, so B inserts it afresh.
     let f = event("k");
-    let mut tx = a.inbox_begin().await.unwrap();
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
     a.inbox_try_insert(&mut tx, &entry(&f, "k")).await.unwrap();
     let second = async {
-        let mut tx = b.inbox_begin().await.unwrap();
+        let mut tx = b.inbox_begin(bounds()).await.unwrap();
         let o = b.inbox_try_insert(&mut tx, &entry(&f, "k")).await.unwrap();
         b.inbox_rollback(tx).await;
         o
@@ -520,7 +649,7 @@ async fn replay_listing_filters_orders_and_resets_the_budget<A: InboxArm>(arm: A
 async fn a_ping_answers_beside_an_open_handler_transaction<A: InboxArm>(arm: A) {
     let s = arm.store();
     let e = event("k");
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     let outcome = s.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
     assert_eq!(outcome, InsertOutcome::Inserted);
     s.inbox_ping().await.unwrap();
@@ -569,7 +698,7 @@ async fn a_handler_statement_that_failed_is_undone_and_the_attempt_still_recorde
     // attempt.
     let e = event("k");
     let s = arm.store();
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     s.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
     s.inbox_savepoint(&mut tx).await.unwrap();
     arm.effect(&mut tx, e.id).await;
@@ -627,7 +756,7 @@ async fn the_inbox_refuses_what_postgresql_refuses<A: InboxArm>(arm: A) {
             payload: payload.as_bytes(),
             fresh_budget: false,
         };
-        let mut tx = s.inbox_begin().await.unwrap();
+        let mut tx = s.inbox_begin(bounds()).await.unwrap();
         let outcome = s.inbox_try_insert(&mut tx, &entry).await;
         s.inbox_rollback(tx).await;
         match outcome {
@@ -646,7 +775,7 @@ async fn a_batch_commits_together_and_a_failed_handler_rolls_back_only_its_own_w
     // which rolls back its own work only; the other two commit with it.
     let (e1, e2, e3) = (event("k"), event("k"), event("k"));
     let s = arm.store();
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     for e in [&e1, &e2, &e3] {
         assert_eq!(
             s.inbox_try_insert(&mut tx, &entry(e, "k")).await.unwrap(),
@@ -704,7 +833,7 @@ async fn a_second_delivery_of_an_event_in_one_transaction_sees_the_first<A: Inbo
     let (e1, e2, e3) = (event("k"), event("k"), event("k"));
     let s = arm.store();
     assert_eq!(fail(&arm, s, &e3, "k", 5).await.attempts, 1);
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     // Inserted and processed here: the second delivery is a duplicate.
     assert_eq!(
         s.inbox_try_insert(&mut tx, &entry(&e1, "k")).await.unwrap(),
@@ -778,7 +907,7 @@ async fn a_refused_delivery_aborts_its_batch<A: InboxArm>(arm: A) {
     // later statements fail, and nothing of the batch takes effect.
     let (e1, e2) = (event("k"), event("k"));
     let s = arm.store();
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     s.inbox_try_insert(&mut tx, &entry(&e1, "k")).await.unwrap();
     arm.effect(&mut tx, e1.id).await;
     s.inbox_mark_processed(&mut tx, &entry(&e1, "k"))
@@ -806,7 +935,7 @@ async fn a_new_row_is_processed_with_its_commit_unless_its_handler_failed<A: Inb
     // the handler succeeds, and a failure record clears the mark.
     let (ok, failed) = (event("k"), event("k"));
     let s = arm.store();
-    let mut tx = s.inbox_begin().await.unwrap();
+    let mut tx = s.inbox_begin(bounds()).await.unwrap();
     for e in [&ok, &failed] {
         assert_eq!(
             s.inbox_try_insert(&mut tx, &entry(e, "k")).await.unwrap(),
@@ -837,6 +966,228 @@ async fn a_new_row_is_processed_with_its_commit_unless_its_handler_failed<A: Inb
     assert_eq!(arm.effects(failed.id).await, 1);
 }
 
+// ---- what real PostgreSQL does that a kind fake would not ------------------
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// A fresh transaction of `store` that tries to take `e`'s inbox row:
+/// `None` if it still waits after `wait` (it is then given up on and ended).
+async fn takes_row<S: InboxStore>(store: &S, e: &Event, wait: Duration) -> Option<InsertOutcome> {
+    let mut tx = store.inbox_begin(bounds()).await.unwrap();
+    let outcome = tokio::time::timeout(wait, store.inbox_try_insert(&mut tx, &entry(e, "k"))).await;
+    store.inbox_rollback(tx).await;
+    outcome.ok().map(|o| o.unwrap())
+}
+
+async fn a_statement_waiting_on_a_lock_runs_on_after_its_client_gives_up_until_it_is_ended<
+    A: InboxArm,
+>(
+    arm: A,
+) {
+    let e = event("k");
+    let (a, b) = (arm.store(), arm.other());
+    arm.hold_domain_lock(true).await;
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    assert_eq!(
+        a.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap(),
+        InsertOutcome::Inserted
+    );
+    // The handler's write waits on the lock, and its client gives up on it
+    // (a deadline drops the future).
+    let gave_up = tokio::time::timeout(ms(300), arm.try_effect(&mut tx, e.id)).await;
+    assert!(gave_up.is_err(), "the write waits on the lock");
+    // The server runs it on, inside the transaction that holds the inbox
+    // row: another transaction's insert of the event waits on that row.
+    assert_eq!(takes_row(b, &e, ms(500)).await, None);
+    // Ended at the server, its locks go; the lock it waited on never came.
+    a.inbox_abandon(tx).await;
+    assert_eq!(
+        takes_row(b, &e, Duration::from_secs(3)).await,
+        Some(InsertOutcome::Inserted)
+    );
+    arm.hold_domain_lock(false).await;
+    assert_eq!(arm.effects(e.id).await, 0);
+}
+
+async fn statement_and_lock_timeouts_end_a_wait_with_their_sqlstates<A: InboxArm>(arm: A) {
+    let (e, f) = (event("k"), event("k"));
+    let a = arm.store();
+    arm.hold_domain_lock(true).await;
+    let short = TxBounds {
+        idle: Duration::from_secs(60),
+        statement: ms(400),
+    };
+    let mut tx = a.inbox_begin(short).await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(5), arm.try_effect(&mut tx, e.id))
+        .await
+        .expect("statement_timeout ends the wait");
+    let err = ended.unwrap_err();
+    assert!(
+        err.is_unavailable() && err.message().contains("statement timeout"),
+        "{err}"
+    );
+    a.inbox_rollback(tx).await;
+
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&f, "k")).await.unwrap();
+    arm.set_lock_timeout(&mut tx, 300).await;
+    let ended = tokio::time::timeout(Duration::from_secs(5), arm.try_effect(&mut tx, f.id))
+        .await
+        .expect("lock_timeout ends the wait");
+    let err = ended.unwrap_err();
+    assert!(
+        err.is_unavailable() && err.message().contains("lock timeout"),
+        "{err}"
+    );
+    a.inbox_rollback(tx).await;
+    arm.hold_domain_lock(false).await;
+    assert_eq!(arm.effects(e.id).await + arm.effects(f.id).await, 0);
+}
+
+async fn a_statement_cancelled_from_another_session_fails_its_transaction<A: InboxArm>(arm: A) {
+    let e = event("k");
+    let a = arm.store();
+    arm.hold_domain_lock(true).await;
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
+    let tag = A::tag(&tx);
+    let cancel = async {
+        tokio::time::sleep(ms(300)).await;
+        arm.cancel(&tag).await;
+    };
+    let (written, ()) = futures_lite::future::zip(arm.try_effect(&mut tx, e.id), cancel).await;
+    let err = written.unwrap_err();
+    assert!(
+        err.is_unavailable() && err.message().contains("user request"),
+        "{err}"
+    );
+    // The transaction is aborted: the check says so.
+    assert!(!a.inbox_check(&mut tx).await.unwrap_err().is_unavailable());
+    a.inbox_rollback(tx).await;
+    arm.hold_domain_lock(false).await;
+}
+
+async fn a_transaction_idle_past_its_bound_is_ended_by_the_server<A: InboxArm>(arm: A) {
+    let e = event("k");
+    let (a, b) = (arm.store(), arm.other());
+    let short = TxBounds {
+        idle: ms(300),
+        statement: Duration::from_secs(5),
+    };
+    let mut tx = a.inbox_begin(short).await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
+    tokio::time::sleep(ms(900)).await;
+    // Its row lock went with the session.
+    assert_eq!(
+        takes_row(b, &e, Duration::from_secs(2)).await,
+        Some(InsertOutcome::Inserted)
+    );
+    let err = arm.try_effect(&mut tx, e.id).await.unwrap_err();
+    assert!(err.is_unavailable(), "{err}");
+    a.inbox_rollback(tx).await;
+}
+
+async fn a_deferred_constraint_fails_at_the_check_or_at_the_commit<A: InboxArm>(arm: A) {
+    let (e1, e2, e3) = (event("k"), event("k"), event("k"));
+    let a = arm.store();
+    let key = "unique.k";
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&e1, "k")).await.unwrap();
+    arm.keyed_effect(&mut tx, e1.id, key).await.unwrap();
+    a.inbox_check(&mut tx).await.unwrap();
+    a.inbox_commit(tx).await.unwrap();
+
+    // The write itself passes (the constraint is deferred); the check fails
+    // on the deliveries' data, not for the database's availability; undone
+    // to its savepoint, the transaction can commit the failure record.
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&e2, "k")).await.unwrap();
+    a.inbox_savepoint(&mut tx).await.unwrap();
+    arm.keyed_effect(&mut tx, e2.id, key).await.unwrap();
+    let err = a.inbox_check(&mut tx).await.unwrap_err();
+    assert!(!err.is_unavailable(), "{err}");
+    a.inbox_undo_handler(&mut tx).await.unwrap();
+    a.inbox_check(&mut tx).await.unwrap();
+    let record = a
+        .inbox_record_failure(&mut tx, &entry(&e2, "k"), "key taken", 3)
+        .await
+        .unwrap();
+    assert_eq!(record.attempts, 1);
+    a.inbox_commit(tx).await.unwrap();
+
+    // A check passed leaves the constraint deferred (later work is not held
+    // to it early), and without a check the COMMIT fails and keeps nothing.
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&e3, "k")).await.unwrap();
+    a.inbox_check(&mut tx).await.unwrap();
+    arm.keyed_effect(&mut tx, e3.id, key).await.unwrap();
+    let err = a.inbox_commit(tx).await.unwrap_err();
+    assert!(!err.is_unavailable(), "{err}");
+    assert_eq!(arm.effects(e1.id).await, 1);
+    assert_eq!(arm.effects(e2.id).await + arm.effects(e3.id).await, 0);
+    assert_eq!(apply(&arm, a, &e3).await, InsertOutcome::Inserted);
+}
+
+async fn an_aborted_transaction_commits_nothing_and_says_nothing<A: InboxArm>(arm: A) {
+    let (e, f) = (event("k"), event("k"));
+    let a = arm.store();
+    // A handler statement fails and the handler swallows the error.
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&e, "k")).await.unwrap();
+    arm.effect(&mut tx, e.id).await;
+    arm.failing_statement(&mut tx).await;
+    // The COMMIT answers like a successful one...
+    a.inbox_commit(tx).await.unwrap();
+    // ...and nothing committed: not the effect, not the inbox row.
+    assert_eq!(arm.effects(e.id).await, 0);
+    assert_eq!(apply(&arm, a, &e).await, InsertOutcome::Inserted);
+    // The check is what tells.
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    a.inbox_try_insert(&mut tx, &entry(&f, "k")).await.unwrap();
+    arm.failing_statement(&mut tx).await;
+    let err = a.inbox_check(&mut tx).await.unwrap_err();
+    assert!(!err.is_unavailable(), "{err}");
+    a.inbox_rollback(tx).await;
+}
+
+async fn a_listing_resumes_after_its_cursor<A: InboxArm>(arm: A) {
+    let a = arm.store();
+    let events: Vec<Event> = (0..3).map(|_| event("k")).collect();
+    for e in &events {
+        fail(&arm, a, e, "k", 1).await;
+    }
+    let list = |after, limit| InboxFilter {
+        dead_lettered_only: true,
+        limit: Some(limit),
+        after,
+        ..InboxFilter::default()
+    };
+    let all = a.inbox_list_unprocessed(&list(None, 10)).await.unwrap();
+    assert_eq!(all.len(), 3);
+    let first = a.inbox_list_unprocessed(&list(None, 1)).await.unwrap();
+    let cursor = outbox::InboxCursor::of(&first[0]);
+    let rest = a
+        .inbox_list_unprocessed(&list(Some(cursor), 10))
+        .await
+        .unwrap();
+    let ids = |rows: &[outbox::InboxRow]| rows.iter().map(|r| r.event_id).collect::<Vec<_>>();
+    assert_eq!(
+        ids(&rest),
+        ids(&all[1..]),
+        "strictly after the cursor, in order"
+    );
+    let last = outbox::InboxCursor::of(&all[2]);
+    assert!(
+        a.inbox_list_unprocessed(&list(Some(last), 10))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
 conformance!(postgres: with_real, fake: with_fake;
 
     a_committed_event_is_already_processed_the_second_time,
@@ -853,4 +1204,11 @@ conformance!(postgres: with_real, fake: with_fake;
     a_refused_delivery_aborts_its_batch,
     a_new_row_is_processed_with_its_commit_unless_its_handler_failed,
     a_ping_answers_beside_an_open_handler_transaction,
+    a_statement_waiting_on_a_lock_runs_on_after_its_client_gives_up_until_it_is_ended,
+    statement_and_lock_timeouts_end_a_wait_with_their_sqlstates,
+    a_statement_cancelled_from_another_session_fails_its_transaction,
+    a_transaction_idle_past_its_bound_is_ended_by_the_server,
+    a_deferred_constraint_fails_at_the_check_or_at_the_commit,
+    an_aborted_transaction_commits_nothing_and_says_nothing,
+    a_listing_resumes_after_its_cursor,
 );

@@ -17,6 +17,19 @@
 //! mark the row dead-lettered at the budget, taking effect at commit;
 //! replay listing, budget reset and the retention sweep. A row whose data
 //! PostgreSQL would refuse (see `jsonb.rs`) is refused with its SQLSTATE.
+//!
+//! The handler's domain table: an effect row per delivery, which waits
+//! while another session holds the table locked (the `DomainLock` fault),
+//! and, for effects with a key, a deferred check that no two rows share
+//! the key: the insert never fails, the check does, at `InboxCheck` (`SET
+//! CONSTRAINTS ALL IMMEDIATE`) or at COMMIT. A `unique.` key is under a
+//! deferred unique constraint (`UNIQUE … DEFERRABLE INITIALLY DEFERRED`):
+//! its check waits first for any other open transaction that wrote the same
+//! key (PostgreSQL's recheck waits for the writer to end) and fails with
+//! 23505. A `trigger.` key is under a deferred constraint trigger that
+//! counts the rows it can see: it waits for nobody, so two transactions can
+//! both pass their checks and the second to commit fails at its COMMIT,
+//! with the trigger's `RAISE` (P0001).
 //! The server sessions live in `mod.rs`; this module is their inbox logic.
 
 use std::collections::BTreeMap;
@@ -90,9 +103,25 @@ pub struct Inbox {
     locks: BTreeMap<Key, u64>,
     /// Committed handler effects per (subscription, event).
     effects: BTreeMap<(String, Uuid), u32>,
+    /// Committed unique keys of the domain table, and the event that took
+    /// each.
+    unique_keys: BTreeMap<String, Uuid>,
+    /// Unique keys written by open transactions: key → session → count.
+    uncommitted_keys: BTreeMap<String, BTreeMap<u64, u32>>,
+    /// Another session holds the domain table locked (`DomainLock`):
+    /// effect writes wait.
+    pub domain_locked: bool,
     /// Every event ever marked processed (the janitor deletes rows; the
     /// world's quiescence needs to know what took effect).
     processed_ever: std::collections::BTreeSet<Uuid>,
+}
+
+/// One effect row an open transaction wrote to the domain table.
+#[derive(Debug, Clone)]
+struct EffectRow {
+    subscription: String,
+    event_id: Uuid,
+    unique_key: Option<String>,
 }
 
 /// An open transaction's inbox work, applied at commit.
@@ -100,7 +129,7 @@ pub struct Inbox {
 pub struct InboxTx {
     inserts: Vec<InboxRow>,
     processed: Vec<Key>,
-    effects: Vec<(String, Uuid)>,
+    effects: Vec<EffectRow>,
     locked: Vec<Key>,
     /// Failed attempts recorded on rows this transaction locked (not
     /// inserted): (row, attempts, error, dead-lettered).
@@ -156,17 +185,23 @@ impl InboxTx {
     }
 
     /// `ROLLBACK TO SAVEPOINT`: everything since it goes, row locks taken
-    /// since included (returned, for the caller to release); the savepoint
-    /// stays.
-    fn rollback_to_savepoint(&mut self) -> Option<Vec<Key>> {
+    /// since included (returned, for the caller to release, with the
+    /// unique keys of the effects undone); the savepoint stays.
+    fn rollback_to_savepoint(&mut self) -> Option<(Vec<Key>, Vec<String>)> {
         let sp = self.savepoint.clone()?;
         self.inserts = sp.inserts;
         self.processed.truncate(sp.processed);
-        self.effects.truncate(sp.effects);
+        let undone = self.effects.split_off(sp.effects);
         self.failures.truncate(sp.failures);
         self.resets.truncate(sp.resets);
         self.insert_failures.truncate(sp.insert_failures);
-        Some(self.locked.split_off(sp.locked))
+        let keys = undone.into_iter().filter_map(|e| e.unique_key).collect();
+        Some((self.locked.split_off(sp.locked), keys))
+    }
+
+    /// Unique keys its effects wrote.
+    fn unique_keys(&self) -> impl Iterator<Item = &String> {
+        self.effects.iter().filter_map(|e| e.unique_key.as_ref())
     }
 
     /// The state of row `k` as this transaction sees it, if the transaction
@@ -226,14 +261,107 @@ impl Inbox {
         }
     }
 
-    /// Whether `req` must wait for a row another session holds.
-    pub fn blocked(&self, req: &PgRequest, session: u64) -> bool {
+    /// Whether `req` (of `session`, whose open transaction is `tx`) must
+    /// wait for a lock another session holds: the holders, and what for.
+    pub fn blocked(
+        &self,
+        req: &PgRequest,
+        session: u64,
+        tx: Option<&InboxTx>,
+    ) -> Option<(Vec<u64>, &'static str)> {
         match req {
             PgRequest::InboxTryInsert { entry } => self
                 .locks
                 .get(&key(&entry.subscription, entry.event_id))
-                .is_some_and(|s| *s != session),
-            _ => false,
+                .filter(|s| **s != session)
+                .map(|s| (vec![*s], "inbox row")),
+            PgRequest::Effect { .. } if self.domain_locked => {
+                Some((vec![super::OUTSIDE_SESSION], "domain table"))
+            }
+            PgRequest::InboxCheck | PgRequest::Commit => {
+                let mut holders: Vec<u64> = tx?
+                    .unique_keys()
+                    .filter(|k| k.starts_with(WAITING_KEY_PREFIX))
+                    .filter_map(|k| self.uncommitted_keys.get(k))
+                    .flat_map(|by| by.keys().copied())
+                    .filter(|s| *s != session)
+                    .collect();
+                holders.sort_unstable();
+                holders.dedup();
+                (!holders.is_empty()).then_some((holders, "deferred unique key"))
+            }
+            _ => None,
+        }
+    }
+
+    /// The error a failed check of `tx`'s keys gives: 23505 if a unique
+    /// key broke, else the constraint trigger's P0001.
+    pub fn violation_error(&self, tx: &InboxTx) -> PgError {
+        let blamed = self.deferred_violations(tx);
+        let unique = tx.effects.iter().any(|e| {
+            blamed.contains(&e.event_id)
+                && e.unique_key
+                    .as_deref()
+                    .is_some_and(|k| k.starts_with(WAITING_KEY_PREFIX))
+        });
+        if unique {
+            unique_violation()
+        } else {
+            PgError::new(
+                "P0001",
+                "domain key already taken (deferred constraint trigger)",
+            )
+        }
+    }
+
+    /// The effects of `tx` that a deferred unique key check fails on: each
+    /// whose key is committed already or was written by an earlier effect
+    /// of `tx` (the later writer is the one that cannot commit).
+    pub fn deferred_violations(&self, tx: &InboxTx) -> Vec<Uuid> {
+        let mut taken: std::collections::BTreeSet<&str> = std::collections::BTreeSet::new();
+        tx.effects
+            .iter()
+            .filter(|e| {
+                e.unique_key
+                    .as_deref()
+                    .is_some_and(|k| self.unique_keys.contains_key(k) || !taken.insert(k))
+            })
+            .map(|e| e.event_id)
+            .collect()
+    }
+
+    /// Whether event `id` can never take effect because another event took
+    /// its unique key, and its inbox row is dead-lettered for it (what the
+    /// world waits for before it stops a run).
+    pub fn lost_its_unique_key(&self, id: &Uuid) -> bool {
+        self.rows.values().any(|r| {
+            r.event_id == *id
+                && r.dead_lettered_ms.is_some()
+                && self
+                    .unique_keys
+                    .get(&r.routing_key)
+                    .is_some_and(|winner| winner != id)
+        })
+    }
+
+    /// The committed unique keys of the domain table.
+    pub fn unique_keys(&self) -> &BTreeMap<String, Uuid> {
+        &self.unique_keys
+    }
+
+    fn unregister_keys<'k>(&mut self, session: u64, keys: impl IntoIterator<Item = &'k String>) {
+        for k in keys {
+            if let Some(by) = self.uncommitted_keys.get_mut(k) {
+                if let Some(n) = by.get_mut(&session) {
+                    *n -= 1;
+                    if *n == 0 {
+                        by.remove(&session);
+                    }
+                }
+                if by.is_empty() {
+                    self.uncommitted_keys.remove(k);
+                }
+            }
         }
     }
 
@@ -261,6 +389,8 @@ impl Inbox {
             | PgRequest::InboxMarkProcessed { .. }
             | PgRequest::Effect { .. }
             | PgRequest::InboxSavepoint
+            | PgRequest::InboxCheck
+            | PgRequest::InboxUndoHandler
             | PgRequest::InboxRecordFailure { .. } => match tx {
                 Some(tx) => self.in_tx(req, caller, tx, now),
                 None => outside_tx("an inbox statement"),
@@ -271,9 +401,11 @@ impl Inbox {
                 routing_key,
                 dead_lettered_only,
                 limit,
+                after,
             } => {
                 let filter = |r: &&InboxRow| {
                     r.processed_ms.is_none()
+                        && after.is_none_or(|a| (r.received_ms, r.event_id) > a)
                         && ids.as_ref().is_none_or(|ids| ids.contains(&r.event_id))
                         && subscription.as_ref().is_none_or(|s| *s == r.subscription)
                         && routing_key.as_ref().is_none_or(|k| *k == r.routing_key)
@@ -315,33 +447,68 @@ impl Inbox {
             PgRequest::Effect {
                 subscription,
                 event_id,
+                unique_key,
             } => {
-                tx.effects.push((subscription.clone(), *event_id));
+                if let Some(k) = unique_key {
+                    *self
+                        .uncommitted_keys
+                        .entry(k.clone())
+                        .or_default()
+                        .entry(caller.session)
+                        .or_insert(0) += 1;
+                }
+                tx.effects.push(EffectRow {
+                    subscription: subscription.clone(),
+                    event_id: *event_id,
+                    unique_key: unique_key.clone(),
+                });
                 PgReply::Ok
+            }
+            PgRequest::InboxCheck => {
+                let blamed = self.deferred_violations(tx);
+                if blamed.is_empty() {
+                    return PgReply::Ok;
+                }
+                let error = self.violation_error(tx);
+                caller.trace.now(Event::ConstraintFailed {
+                    client: caller.client.to_owned(),
+                    events: blamed,
+                    at_commit: false,
+                });
+                PgReply::Error(error)
             }
             PgRequest::InboxSavepoint => {
                 tx.set_savepoint();
                 PgReply::Ok
             }
+            PgRequest::InboxUndoHandler => match self.undo_handler(tx, caller) {
+                Some(()) => PgReply::Ok,
+                None => no_savepoint(),
+            },
             PgRequest::InboxRecordFailure {
                 subscription,
                 event_id,
                 error,
                 max_attempts,
-            } => {
-                let Some(released) = tx.rollback_to_savepoint() else {
-                    return PgReply::Error(PgError::new(
-                        "3B001",
-                        "savepoint \"canopy_handler\" does not exist",
-                    ));
-                };
-                for k in released {
-                    self.locks.remove(&k);
+            } => match self.undo_handler(tx, caller) {
+                Some(()) => {
+                    self.record_failure(tx, key(subscription, *event_id), error, *max_attempts, now)
                 }
-                self.record_failure(tx, key(subscription, *event_id), error, *max_attempts, now)
-            }
+                None => no_savepoint(),
+            },
             other => unreachable!("{other:?} is no handler statement"),
         }
+    }
+
+    /// `ROLLBACK TO SAVEPOINT canopy_handler`: releases what the work since
+    /// held; `None` if no savepoint is set.
+    fn undo_handler(&mut self, tx: &mut InboxTx, caller: &Caller<'_>) -> Option<()> {
+        let (released, keys) = tx.rollback_to_savepoint()?;
+        for k in released {
+            self.locks.remove(&k);
+        }
+        self.unregister_keys(caller.session, &keys);
+        Some(())
     }
 
     /// `inbox_try_insert.sql` and `inbox_lock.sql`: inserts the row if
@@ -499,8 +666,11 @@ impl Inbox {
         }
     }
 
-    /// Applies a committed transaction's inbox work and releases its locks.
-    pub fn commit(&mut self, tx: InboxTx, now: u64) -> Committed {
+    /// Applies a committed transaction's inbox work and releases its locks
+    /// (`session`'s).
+    pub fn commit(&mut self, tx: InboxTx, now: u64, session: u64) -> Committed {
+        let keys: Vec<String> = tx.unique_keys().cloned().collect();
+        self.unregister_keys(session, &keys);
         let mut out = Committed::default();
         for k in tx.resets {
             if let Some(r) = self.rows.get_mut(&k).filter(|r| r.processed_ms.is_none()) {
@@ -535,8 +705,12 @@ impl Inbox {
             }
         }
         for effect in tx.effects {
-            *self.effects.entry(effect.clone()).or_insert(0) += 1;
-            out.effects.push(effect);
+            let e = (effect.subscription, effect.event_id);
+            if let Some(k) = effect.unique_key {
+                self.unique_keys.insert(k, effect.event_id);
+            }
+            *self.effects.entry(e.clone()).or_insert(0) += 1;
+            out.effects.push(e);
         }
         for k in tx.locked {
             self.locks.remove(&k);
@@ -544,12 +718,34 @@ impl Inbox {
         out
     }
 
-    /// Discards a transaction's inbox work and releases its locks.
-    pub fn rollback(&mut self, tx: InboxTx) {
+    /// Discards a transaction's inbox work and releases its locks
+    /// (`session`'s).
+    pub fn rollback(&mut self, tx: InboxTx, session: u64) {
+        let keys: Vec<String> = tx.unique_keys().cloned().collect();
+        self.unregister_keys(session, &keys);
         for k in tx.locked {
             self.locks.remove(&k);
         }
     }
+}
+
+fn no_savepoint() -> PgReply {
+    PgReply::Error(PgError::new(
+        "3B001",
+        "savepoint \"canopy_handler\" does not exist",
+    ))
+}
+
+/// Keys whose deferred check waits for other writers (a unique index);
+/// the others' (a constraint trigger) does not.
+pub const WAITING_KEY_PREFIX: &str = "unique.";
+
+/// What PostgreSQL answers when a deferred unique key is taken.
+pub fn unique_violation() -> PgError {
+    PgError::new(
+        "23505",
+        "duplicate key value violates unique constraint \"domain_unique_key\"",
+    )
 }
 
 fn outside_tx(what: &str) -> PgReply {

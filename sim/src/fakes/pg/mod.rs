@@ -10,11 +10,30 @@
 //! per session; inserts invisible until commit; an error inside a
 //! transaction aborts it (later statements fail with 25P02 until the
 //! rollback, or until a rollback to a savepoint set before the error, as in
-//! PostgreSQL); a transaction rolls back when its
-//! connection ends or the host crashes; `idle_in_transaction_session_timeout`;
-//! errors as SQLSTATE and message, which the adapters map with the
+//! PostgreSQL), and its COMMIT answers like a successful one while rolling
+//! it back (PostgreSQL answers the tag `ROLLBACK`, which drivers do not
+//! read); a transaction rolls back when its connection ends or the host
+//! crashes; errors as SQLSTATE and message, which the adapters map with the
 //! production mapping. The tables are the "disk": they survive a crash of
 //! the host; open transactions do not.
+//!
+//! The unkind parts, each shown against PostgreSQL by the inbox
+//! conformance suite:
+//! - a statement that waits on a lock (an inbox row another transaction
+//!   holds, the handler's domain table locked by another session, a
+//!   deferred unique key another open transaction wrote) keeps waiting, and
+//!   its transaction keeps its locks, after its client stopped waiting for
+//!   the reply: the server notices nothing until the wait ends;
+//! - what ends such a wait: the lock, `statement_timeout` (57014),
+//!   `lock_timeout` (55P03), a deadlock (40P01, found at once where
+//!   PostgreSQL waits `deadlock_timeout`), `pg_cancel_backend` from another
+//!   session (57014) or `pg_terminate_backend` (57P01, the session ends);
+//! - `idle_in_transaction_session_timeout` ends the session with FATAL
+//!   25P03;
+//! - a deferred unique constraint fails at COMMIT (23505, the transaction
+//!   rolled back), or earlier at `SET CONSTRAINTS ALL IMMEDIATE`; so does a
+//!   deferred constraint trigger (P0001), which waits for nobody, so it can
+//!   pass the check and still fail the COMMIT.
 //!
 //! Faults (each survivable, and why):
 //! - **reply lost after apply** (`lose_reply_prob`): the request takes
@@ -54,10 +73,12 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use uuid::Uuid;
 
+use std::collections::BTreeMap;
+
 use self::inbox::{Caller, Inbox, InboxTx};
 use self::outbox::{OutboxTable, PriorLease, Row};
-use crate::trace::{Event, FaultKind, Trace};
-use crate::wire::{PgError, PgReply, PgRequest};
+use crate::trace::{Event, FaultKind, Trace, WaitEnd};
+use crate::wire::{PgError, PgReply, PgRequest, TxSettings};
 
 pub use self::serve::{PG_PORT, serve};
 
@@ -111,7 +132,70 @@ pub struct PgState {
     /// Counts commits that wrote outbox rows; listeners send a
     /// notification for each change.
     notify: Arc<super::Signal>,
+    /// Every open session's handle for signals from other sessions.
+    controls: Arc<Mutex<BTreeMap<u64, Arc<Control>>>>,
+    /// The wait-for graph: sessions waiting on a lock, and the sessions
+    /// holding it (deadlock detection).
+    waits: Arc<Mutex<BTreeMap<u64, Vec<u64>>>>,
     trace: Trace,
+}
+
+/// The session number of the outside session that holds the domain table
+/// locked during a `DomainLock` fault (it never waits, so it is in no
+/// deadlock).
+pub const OUTSIDE_SESSION: u64 = 0;
+
+/// What another session asked of one: `pg_terminate_backend` or
+/// `pg_cancel_backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kill {
+    Terminate,
+    Cancel,
+}
+
+/// A session's handle for signals from other sessions.
+#[derive(Debug, Default)]
+pub struct Control {
+    /// Its `application_name`, while a transaction set one.
+    tag: Mutex<Option<String>>,
+    /// The signal not yet acted on (a terminate overrides a cancel).
+    kill: Mutex<Option<Kill>>,
+    wake: tokio::sync::Notify,
+}
+
+impl Control {
+    /// Takes the pending signal, if any.
+    pub fn take(&self) -> Option<Kill> {
+        self.kill.lock().expect("kill").take()
+    }
+
+    /// Resolves with the next signal (cancel-safe: one that arrives while
+    /// nobody waits is kept).
+    pub async fn signalled(&self) -> Kill {
+        loop {
+            let woken = self.wake.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            if let Some(k) = self.take() {
+                return k;
+            }
+            woken.await;
+        }
+    }
+
+    /// Puts `kill` back as pending (for whoever acts on it next).
+    pub fn resend(&self, kill: Kill) {
+        self.send(kill);
+    }
+
+    fn send(&self, kill: Kill) {
+        let mut pending = self.kill.lock().expect("kill");
+        if *pending != Some(Kill::Terminate) {
+            *pending = Some(kill);
+        }
+        drop(pending);
+        self.wake.notify_one();
+    }
 }
 
 impl PgState {
@@ -124,6 +208,8 @@ impl PgState {
             sessions: Arc::default(),
             unlocked: Arc::default(),
             notify: Arc::default(),
+            controls: Arc::default(),
+            waits: Arc::default(),
             trace,
         }
     }
@@ -139,7 +225,60 @@ impl PgState {
             *n += 1;
             *n
         };
-        Session::new(self.clone(), id)
+        let control = Arc::new(Control::default());
+        self.controls
+            .lock()
+            .expect("controls")
+            .insert(id, control.clone());
+        Session::new(self.clone(), id, control)
+    }
+
+    /// Signals every session but `except` whose `application_name` is
+    /// `name`; returns their numbers.
+    fn signal(&self, name: &str, except: u64, kill: Kill) -> Vec<u64> {
+        let controls = self.controls.lock().expect("controls");
+        let mut hit = Vec::new();
+        for (id, c) in controls.iter() {
+            if *id != except && c.tag.lock().expect("tag").as_deref() == Some(name) {
+                c.send(kill);
+                hit.push(*id);
+            }
+        }
+        hit
+    }
+
+    /// Records that `session` waits on `holders`; true if that closes a
+    /// cycle of waits (a deadlock).
+    pub fn wait_for(&self, session: u64, holders: &[u64]) -> bool {
+        let mut waits = self.waits.lock().expect("waits");
+        waits.insert(session, holders.to_vec());
+        let mut seen = std::collections::BTreeSet::new();
+        let mut stack: Vec<u64> = holders.to_vec();
+        while let Some(s) = stack.pop() {
+            if s == session {
+                return true;
+            }
+            if seen.insert(s)
+                && let Some(next) = waits.get(&s)
+            {
+                stack.extend(next.iter().copied());
+            }
+        }
+        false
+    }
+
+    /// `session` no longer waits.
+    pub fn wait_over(&self, session: u64) {
+        self.waits.lock().expect("waits").remove(&session);
+    }
+
+    /// Holds (or frees) the handler's domain table, as another session's
+    /// `LOCK TABLE … IN SHARE MODE` would (the `DomainLock` fault).
+    pub fn set_domain_lock(&self, locked: bool) {
+        self.lock().inbox.domain_locked = locked;
+        if !locked {
+            self.unlocked.notify_waiters();
+        }
     }
 
     /// How long a reply waits before it is sent (the slow-database
@@ -194,10 +333,12 @@ pub enum Handled {
     Reply(PgReply),
     /// The request took effect and its reply is lost: the connection dies.
     Lost,
-    /// Another open transaction holds the inbox row the request needs, as
-    /// PostgreSQL's `INSERT … ON CONFLICT` waits on a row lock: hand the
-    /// same request in again once [`PgState::unlocked`] wakes.
-    Blocked,
+    /// Another session holds a lock the request needs (an inbox row, as
+    /// PostgreSQL's `INSERT … ON CONFLICT` waits on a row lock; the domain
+    /// table; a deferred unique key): hand the same request in again once
+    /// [`PgState::unlocked`] wakes. `holders` are the sessions it waits on,
+    /// `on` says what for.
+    Blocked { holders: Vec<u64>, on: &'static str },
 }
 
 /// One session (connection) of the fake: what it has open, and how it
@@ -208,23 +349,30 @@ pub struct Session {
     id: u64,
     client: String,
     tx: Option<Tx>,
-    /// Idle-in-transaction timeout of the open transaction, if set.
-    idle_tx_timeout: Option<Duration>,
+    /// `SET LOCAL` settings of the open transaction.
+    local: TxSettings,
     /// The request being handled passed the failure roll and waits on a
     /// lock: it is not rolled again.
     admitted: bool,
+    control: Arc<Control>,
 }
 
 impl Session {
-    fn new(state: PgState, id: u64) -> Self {
+    fn new(state: PgState, id: u64, control: Arc<Control>) -> Self {
         Self {
             state,
             id,
             client: format!("session-{id}"),
             tx: None,
-            idle_tx_timeout: None,
+            local: TxSettings::default(),
             admitted: false,
+            control,
         }
+    }
+
+    /// Its handle for signals from other sessions.
+    pub fn control(&self) -> Arc<Control> {
+        self.control.clone()
     }
 
     /// How long the open transaction may sit waiting for the next request
@@ -232,21 +380,83 @@ impl Session {
     /// (`idle_in_transaction_session_timeout`); `None` when nothing is open
     /// or no bound is set.
     pub fn idle_timeout(&self) -> Option<Duration> {
-        self.idle_tx_timeout.filter(|_| self.tx.is_some())
+        self.local
+            .idle_in_tx_ms
+            .filter(|_| self.tx.is_some())
+            .map(Duration::from_millis)
     }
 
-    /// The idle-in-transaction timeout fired: records it; the transport
-    /// then drops the session, which rolls the transaction back.
-    pub fn idle_timed_out(&self) {
-        let limit = self.idle_tx_timeout.unwrap_or_default();
+    /// How long a statement may run (`statement_timeout`) and wait on a
+    /// lock (`lock_timeout`), if bounded.
+    pub fn statement_bounds(&self) -> (Option<Duration>, Option<Duration>) {
+        (
+            self.local.statement_ms.map(Duration::from_millis),
+            self.local.lock_ms.map(Duration::from_millis),
+        )
+    }
+
+    /// The idle-in-transaction timeout fired: records it and answers the
+    /// FATAL error PostgreSQL sends before it closes the connection; the
+    /// transport then drops the session, which rolls the transaction back.
+    pub fn idle_timed_out(&self) -> PgReply {
+        let limit = self.local.idle_in_tx_ms.unwrap_or_default();
         self.state.trace.now(Event::Fault {
             kind: FaultKind::PgIdleTimeout,
             detail: format!(
-                "pg terminates {}'s session: idle in transaction past {} ms",
-                self.client,
-                limit.as_millis()
+                "pg terminates {}'s session: idle in transaction past {limit} ms",
+                self.client
             ),
         });
+        PgReply::Error(PgError::new(
+            "25P03",
+            "terminating connection due to idle-in-transaction timeout",
+        ))
+    }
+
+    /// Another session terminated this one: the error PostgreSQL sends
+    /// before it closes the connection.
+    pub fn terminated() -> PgReply {
+        PgReply::Error(PgError::new(
+            "57P01",
+            "terminating connection due to administrator command",
+        ))
+    }
+
+    /// A request that was [`Handled::Blocked`] began waiting: records it.
+    /// True if the wait closes a cycle (the caller fails it as a deadlock).
+    pub fn wait_began(&self, holders: &[u64], on: &str) -> bool {
+        self.state.trace.now(Event::LockWait {
+            client: self.client.clone(),
+            session: self.id,
+            on: on.to_owned(),
+        });
+        self.state.wait_for(self.id, holders)
+    }
+
+    /// The blocked request still waits, now on `holders`; true on a
+    /// deadlock.
+    pub fn still_waiting(&self, holders: &[u64]) -> bool {
+        self.state.wait_for(self.id, holders)
+    }
+
+    /// The wait ended as `how`; for every end but the lock's, the statement
+    /// fails (aborting the transaction) with the SQLSTATE PostgreSQL gives.
+    pub fn wait_ended(&mut self, how: WaitEnd) -> Option<PgReply> {
+        self.state.wait_over(self.id);
+        self.state.trace.now(Event::LockWaitEnded {
+            client: self.client.clone(),
+            session: self.id,
+            how,
+        });
+        let (code, message) = match how {
+            WaitEnd::Acquired | WaitEnd::Terminated | WaitEnd::ConnectionClosed => return None,
+            WaitEnd::StatementTimeout => ("57014", "canceling statement due to statement timeout"),
+            WaitEnd::LockTimeout => ("55P03", "canceling statement due to lock timeout"),
+            WaitEnd::Deadlock => ("40P01", "deadlock detected"),
+            WaitEnd::Cancelled => ("57014", "canceling statement due to user request"),
+        };
+        self.admitted = false;
+        Some(self.failed(PgError::new(code, message)))
     }
 
     /// Handles one request that arrived at simulated time `now`, under the
@@ -267,8 +477,11 @@ impl Session {
             }
             self.admitted = true;
         }
-        if self.state.lock().inbox.blocked(req, self.id) {
-            return Handled::Blocked;
+        if !self.tx.as_ref().is_some_and(|t| t.aborted) {
+            let tx = self.tx.as_ref().map(|t| &t.inbox);
+            if let Some((holders, on)) = self.state.lock().inbox.blocked(req, self.id, tx) {
+                return Handled::Blocked { holders, on };
+            }
         }
         self.admitted = false;
         let reply = self.apply(req, clock_ms(now));
@@ -291,7 +504,8 @@ impl Session {
     }
 
     fn apply(&mut self, req: &PgRequest, now: u64) -> PgReply {
-        if let (Some(tx), PgRequest::InboxRecordFailure { .. }) = (self.tx.as_mut(), req)
+        if let (Some(tx), PgRequest::InboxRecordFailure { .. } | PgRequest::InboxUndoHandler) =
+            (self.tx.as_mut(), req)
             && tx.inbox.has_savepoint()
         {
             // It begins with ROLLBACK TO SAVEPOINT, which PostgreSQL accepts
@@ -309,23 +523,38 @@ impl Session {
         let reply = match req {
             PgRequest::Hello { client } => {
                 self.client = client.clone();
-                PgReply::Ok
+                PgReply::Session { id: self.id }
             }
             PgRequest::Begin => self.begin(now),
-            PgRequest::SetIdleInTxTimeout { ms } => {
-                if self.tx.is_none() {
-                    return self.failed(PgError::new("25P01", "SET LOCAL outside a transaction"));
+            PgRequest::SetLocal(settings) => {
+                // Outside a transaction PostgreSQL warns and ignores it.
+                if self.tx.is_some() {
+                    self.set_local(settings);
                 }
-                self.idle_tx_timeout = Some(Duration::from_millis(*ms));
                 PgReply::Ok
+            }
+            PgRequest::Terminate { application_name } | PgRequest::Cancel { application_name } => {
+                let terminate = matches!(req, PgRequest::Terminate { .. });
+                let kill = if terminate {
+                    Kill::Terminate
+                } else {
+                    Kill::Cancel
+                };
+                let sessions = self.state.signal(application_name, self.id, kill);
+                let n = sessions.len() as u64;
+                self.state.trace.now(Event::BackendSignalled {
+                    client: self.client.clone(),
+                    sessions,
+                    terminate,
+                });
+                PgReply::Count(n)
             }
             PgRequest::Commit => self.commit(),
             PgRequest::Listen | PgRequest::Ping => PgReply::Ok,
             PgRequest::Raise { code } => PgReply::Error(PgError::new(code, "raised")),
             PgRequest::Rollback => {
-                if self.tx.is_none() {
-                    return PgReply::Error(PgError::new("25P01", "no transaction"));
-                }
+                // Outside a transaction PostgreSQL warns ("there is no
+                // transaction in progress") and succeeds.
                 self.rollback();
                 PgReply::Ok
             }
@@ -345,8 +574,26 @@ impl Session {
             began_ms: now,
             ..Tx::default()
         });
-        self.idle_tx_timeout = None;
+        self.end_local();
         PgReply::Ok
+    }
+
+    /// `SET LOCAL`: each given setting, until the transaction ends.
+    fn set_local(&mut self, s: &TxSettings) {
+        let l = &mut self.local;
+        l.idle_in_tx_ms = s.idle_in_tx_ms.or(l.idle_in_tx_ms);
+        l.statement_ms = s.statement_ms.or(l.statement_ms);
+        l.lock_ms = s.lock_ms.or(l.lock_ms);
+        if let Some(name) = &s.application_name {
+            l.application_name = Some(name.clone());
+            *self.control.tag.lock().expect("tag") = Some(name.clone());
+        }
+    }
+
+    /// The transaction ended: its `SET LOCAL` settings go with it.
+    fn end_local(&mut self) {
+        self.local = TxSettings::default();
+        *self.control.tag.lock().expect("tag") = None;
     }
 
     /// One statement: an inbox request, or an outbox one.
@@ -508,15 +755,37 @@ fn insert(
 impl Session {
     fn commit(&mut self) -> PgReply {
         let Some(tx) = self.tx.take() else {
-            return PgReply::Error(PgError::new("25P01", "no transaction"));
+            // As PostgreSQL: a warning, and success.
+            return PgReply::Ok;
         };
         if tx.aborted {
             // PostgreSQL answers COMMIT of an aborted transaction with a
-            // rollback.
+            // rollback (the command tag `ROLLBACK`, no error): a client
+            // that does not read the tag believes it committed.
             self.tx = Some(tx);
             self.rollback();
             return PgReply::Ok;
         }
+        let (blamed, error) = {
+            let db = self.state.lock();
+            (
+                db.inbox.deferred_violations(&tx.inbox),
+                db.inbox.violation_error(&tx.inbox),
+            )
+        };
+        if !blamed.is_empty() {
+            // A deferred constraint is checked here, and fails the COMMIT:
+            // the transaction is rolled back.
+            self.state.trace.now(Event::ConstraintFailed {
+                client: self.client.clone(),
+                events: blamed,
+                at_commit: true,
+            });
+            self.tx = Some(tx);
+            self.rollback();
+            return PgReply::Error(error);
+        }
+        self.end_local();
         let now = tx.began_ms;
         let trace = &self.state.trace;
         let mut db = self.state.lock();
@@ -525,7 +794,7 @@ impl Session {
             db.outbox.commit_row(row);
         }
         if !tx.inbox.is_empty() {
-            let done = db.inbox.commit(tx.inbox, now);
+            let done = db.inbox.commit(tx.inbox, now, self.id);
             self.state.unlocked.notify_waiters();
             if !done.reset.is_empty() {
                 trace.now(Event::InboxReset { ids: done.reset });
@@ -564,8 +833,9 @@ impl Session {
         let Some(tx) = self.tx.take() else {
             return;
         };
+        self.end_local();
         let mut db = self.state.lock();
-        db.inbox.rollback(tx.inbox);
+        db.inbox.rollback(tx.inbox, self.id);
         self.state.unlocked.notify_waiters();
         let owners = db.outbox.restore(tx.claimed);
         drop(db);
@@ -587,6 +857,12 @@ impl Drop for Session {
     /// transaction is rolled back, as PostgreSQL does.
     fn drop(&mut self) {
         self.rollback();
+        self.state.wait_over(self.id);
+        self.state
+            .controls
+            .lock()
+            .expect("controls")
+            .remove(&self.id);
     }
 }
 
@@ -594,7 +870,10 @@ fn request_name(req: &PgRequest) -> &'static str {
     match req {
         PgRequest::Hello { .. } => "hello",
         PgRequest::Begin => "begin",
-        PgRequest::SetIdleInTxTimeout { .. } => "set_idle_in_tx_timeout",
+        PgRequest::SetLocal(_) => "set_local",
+        PgRequest::InboxCheck => "inbox_check",
+        PgRequest::Terminate { .. } => "terminate",
+        PgRequest::Cancel { .. } => "cancel",
         PgRequest::Commit => "commit",
         PgRequest::Rollback => "rollback",
         PgRequest::Insert { .. } => "insert",
@@ -610,6 +889,7 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::InboxMarkProcessed { .. } => "inbox_mark_processed",
         PgRequest::Effect { .. } => "effect",
         PgRequest::InboxSavepoint => "inbox_savepoint",
+        PgRequest::InboxUndoHandler => "inbox_undo_handler",
         PgRequest::Raise { .. } => "raise",
         PgRequest::Listen => "listen",
         PgRequest::Ping => "ping",

@@ -1,13 +1,19 @@
 //! The fake PostgreSQL's transport: a listener on the simulated `pg` host
 //! of either engine, one task per connection feeding the connection's
 //! [`Session`] one request at a time with the simulated time it arrived,
-//! waiting out row locks, enforcing the idle-in-transaction timeout, and
+//! waiting out locks (until the lock comes, or `statement_timeout`,
+//! `lock_timeout`, a deadlock, a cancel or a terminate ends the wait: never
+//! because the client went away, which the server does not notice while a
+//! statement waits), enforcing the idle-in-transaction timeout, and
 //! streaming notifications to a `LISTEN`ing session.
+
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use super::{Handled, PgState, Session};
+use super::{Control, Handled, Kill, PgState, Session};
 use crate::engine::{self, HostResult};
+use crate::trace::WaitEnd;
 use crate::wire::{PgReply, PgRequest, read_frame, write_frame};
 
 /// The fake's port.
@@ -23,33 +29,36 @@ pub async fn serve(state: PgState) -> HostResult {
     }
 }
 
-/// One connection, until either end closes it or a reply is lost. Dropping
-/// the session at the end rolls back what it had open.
+/// One connection, until either end closes it, a reply is lost, or the
+/// server ends the session (idle in transaction too long, terminated by
+/// another session). Dropping the session at the end rolls back what it had
+/// open.
 async fn connection(state: PgState, mut session: Session, stream: engine::net::TcpStream) {
+    let control = session.control();
     let (mut r, mut w) = engine::net::split(stream);
     loop {
-        let next = match session.idle_timeout() {
-            Some(limit) => {
-                match tokio::time::timeout(limit, read_frame::<_, PgRequest>(&mut r)).await {
-                    Ok(next) => next,
-                    Err(_) => {
-                        session.idle_timed_out();
-                        return;
-                    }
-                }
+        let next = tokio::select! {
+            biased;
+            () = terminated(&control) => {
+                let _ = write_frame(&mut w, &Session::terminated()).await;
+                return;
             }
-            None => read_frame::<_, PgRequest>(&mut r).await,
+            next = next_request(&mut r, session.idle_timeout()) => next,
         };
-        let Ok(Some(req)) = next else { return };
-        let reply = loop {
-            let unlocked = state.unlocked().notified();
-            tokio::pin!(unlocked);
-            unlocked.as_mut().enable();
-            match session.handle(&req, engine::now()) {
-                Handled::Blocked => unlocked.await,
-                Handled::Lost => return, // the connection dies with the reply
-                Handled::Reply(reply) => break reply,
+        let req = match next {
+            Next::Request(req) => req,
+            Next::Closed => return,
+            Next::IdleTimeout => {
+                let fatal = session.idle_timed_out();
+                let _ = write_frame(&mut w, &fatal).await;
+                return;
             }
+        };
+        let Some(reply) = run(&state, &mut session, &control, &req).await else {
+            if control.take() == Some(Kill::Terminate) {
+                let _ = write_frame(&mut w, &Session::terminated()).await;
+            }
+            return;
         };
         let delay = state.reply_delay();
         if !delay.is_zero() {
@@ -62,6 +71,113 @@ async fn connection(state: PgState, mut session: Session, stream: engine::net::T
         if listening {
             return listen(&state, r, w).await;
         }
+    }
+}
+
+/// What a connection waiting for its next request got.
+enum Next {
+    Request(PgRequest),
+    /// The client closed it (or it broke).
+    Closed,
+    /// The open transaction sat idle past its bound.
+    IdleTimeout,
+}
+
+async fn next_request<R: AsyncRead + Unpin>(r: &mut R, idle: Option<Duration>) -> Next {
+    let read = read_frame::<_, PgRequest>(r);
+    let next = match idle {
+        Some(limit) => match tokio::time::timeout(limit, read).await {
+            Ok(next) => next,
+            Err(_) => return Next::IdleTimeout,
+        },
+        None => read.await,
+    };
+    match next {
+        Ok(Some(req)) => Next::Request(req),
+        _ => Next::Closed,
+    }
+}
+
+/// Resolves when another session terminates this one; a cancel of a
+/// session that runs no statement does nothing, as in PostgreSQL.
+async fn terminated(control: &Control) {
+    while control.signalled().await != Kill::Terminate {}
+}
+
+/// Runs one request to its reply: waits out the locks it needs, ended
+/// early by `statement_timeout`, `lock_timeout`, a deadlock, a cancel or a
+/// terminate. `None` if no reply goes out: it was lost, or the session was
+/// terminated (then the pending signal says so).
+async fn run(
+    state: &PgState,
+    session: &mut Session,
+    control: &Control,
+    req: &PgRequest,
+) -> Option<PgReply> {
+    let arrived = engine::now();
+    let (statement_limit, lock_limit) = session.statement_bounds();
+    let mut waiting_since: Option<Duration> = None;
+    loop {
+        let unlocked = state.unlocked().notified();
+        tokio::pin!(unlocked);
+        unlocked.as_mut().enable();
+        let (holders, on) = match session.handle(req, engine::now()) {
+            Handled::Lost => return None,
+            Handled::Reply(reply) => {
+                if waiting_since.is_some() {
+                    session.wait_ended(WaitEnd::Acquired);
+                }
+                return Some(reply);
+            }
+            Handled::Blocked { holders, on } => (holders, on),
+        };
+        let deadlock = match waiting_since {
+            Some(_) => session.still_waiting(&holders),
+            None => {
+                waiting_since = Some(engine::now());
+                session.wait_began(&holders, on)
+            }
+        };
+        if deadlock {
+            return session.wait_ended(WaitEnd::Deadlock);
+        }
+        let since = waiting_since.unwrap_or(arrived);
+        let ends = [
+            statement_limit.map(|d| (arrived + d, WaitEnd::StatementTimeout)),
+            lock_limit.map(|d| (since + d, WaitEnd::LockTimeout)),
+        ]
+        .into_iter()
+        .flatten()
+        .min_by_key(|(at, _)| *at);
+        tokio::select! {
+            biased;
+            kill = control.signalled() => match kill {
+                Kill::Terminate => {
+                    session.wait_ended(WaitEnd::Terminated);
+                    control_terminate_again(control);
+                    return None;
+                }
+                Kill::Cancel => return session.wait_ended(WaitEnd::Cancelled),
+            },
+            how = until(ends) => return session.wait_ended(how),
+            () = &mut unlocked => {}
+        }
+    }
+}
+
+/// Puts a terminate back for the caller of [`run`] to see.
+fn control_terminate_again(control: &Control) {
+    control.resend(Kill::Terminate);
+}
+
+/// Resolves at the earliest of `ends` with its reason; never without one.
+async fn until(ends: Option<(Duration, WaitEnd)>) -> WaitEnd {
+    match ends {
+        Some((at, how)) => {
+            tokio::time::sleep(at.saturating_sub(engine::now())).await;
+            how
+        }
+        None => std::future::pending().await,
     }
 }
 
