@@ -54,7 +54,7 @@ pub async fn recreate_database(
         .max_connections(max_connections)
         .connect(&database_url(admin_url, name)?)
         .await?;
-    outbox::migrator().run(&pool).await?;
+    outbox::migrate::run(&pool).await?;
     Ok(pool)
 }
 

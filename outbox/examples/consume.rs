@@ -216,7 +216,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect(&args.database_url)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.database_url)))?;
-    outbox::migrator().run(&pool).await?;
+    outbox::migrate::run(&pool).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS consume_effects (event_id UUID NOT NULL, routing_key TEXT NOT NULL)",
     )

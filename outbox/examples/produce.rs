@@ -78,7 +78,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect(&args.database_url)
         .await
         .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.database_url)))?;
-    outbox::migrator().run(&pool).await?;
+    outbox::migrate::run(&pool).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS produce_demo_orders (
              id UUID PRIMARY KEY,

@@ -179,6 +179,22 @@ impl SpanExporter for StdoutSpans {
     }
 }
 
+/// The admin routes' authentication, decided at boot: a token that is set
+/// must be a valid one (a bad one fails here, naming the variable); with
+/// none at all the example runs its admin routes open, and says so.
+fn admin_auth() -> Result<AdminAuth, outbox::ConfigError> {
+    if std::env::var_os(outbox::http::ADMIN_TOKEN_VAR).is_some() {
+        return AdminAuth::from_env();
+    }
+    tracing::warn!(
+        "{} is unset: this example's admin routes run without authentication \
+         (a service sets the token, or {}=true to mean it)",
+        outbox::http::ADMIN_TOKEN_VAR,
+        outbox::http::ADMIN_OPEN_VAR,
+    );
+    Ok(AdminAuth::open_insecure())
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let provider = SdkTracerProvider::builder()
@@ -192,6 +208,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("service-example")))
         .init();
     let metrics = install_prometheus_recorder()?;
+    let auth = admin_auth()?;
 
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/outbox_service_example".into());
@@ -203,7 +220,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         sqlx::Postgres::create_database(&database_url).await?;
     }
     let pool = PgPool::connect(&database_url).await?;
-    outbox::migrator().run(&pool).await?;
+    outbox::migrate::run(&pool).await?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL);
          CREATE TABLE IF NOT EXISTS shipments (order_id BIGINT NOT NULL, event_id UUID NOT NULL);",
@@ -231,10 +248,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         async move { subscriber.run(stopped).await }
     });
 
-    let auth = match AdminAuth::from_env() {
-        Ok(auth) => auth,
-        Err(_) => AdminAuth::open_insecure(),
-    };
     let admin = AdminRouter::new(auth)
         .outbox(outbox::PgOutboxStore::new(pool.clone()))
         .readiness(drainer.readiness_probe())

@@ -36,6 +36,10 @@ pub const FILES: &[(&str, &str)] = &[
         "20261202000000_make_the_claim_hot.sql",
         include_str!("../migrations/20261202000000_make_the_claim_hot.sql"),
     ),
+    (
+        "20261203000000_keep_the_envelope_as_written.sql",
+        include_str!("../migrations/20261203000000_keep_the_envelope_as_written.sql"),
+    ),
 ];
 
 /// The embedded sqlx migrator over `migrations/`.
@@ -157,41 +161,89 @@ pub fn check_dir(dir: &Path) -> Result<Vec<FileCheck>, MigrationCheckError> {
 
 /// Writes every library migration into `dir` (creating it), leaving files
 /// that are already identical untouched. Refuses to overwrite a file that
-/// differs: forward-only migrations are never edited.
+/// differs (forward-only migrations are never edited) or that cannot be
+/// read, and then writes nothing at all: every file is looked at before the
+/// first is written. Each is written to a temporary name and renamed, so a
+/// failure midway leaves no half-written migration.
 pub fn stamp_dir(dir: &Path) -> Result<Vec<&'static str>, MigrationCheckError> {
     std::fs::create_dir_all(dir).map_err(|source| MigrationCheckError::Folder {
         path: dir.to_owned(),
         source,
     })?;
-    let mut written = Vec::new();
+    let mut missing = Vec::new();
     let mut conflicts = Vec::new();
     for (name, body) in FILES {
-        let path = dir.join(name);
-        match std::fs::read(&path) {
+        let conflict = |status| FileCheck {
+            name,
+            expected_sha384: checksum_hex(body.as_bytes()),
+            status,
+        };
+        match std::fs::read(dir.join(name)) {
             Ok(found) if found == body.as_bytes() => {}
-            Ok(found) => conflicts.push(FileCheck {
-                name,
-                expected_sha384: checksum_hex(body.as_bytes()),
-                status: FileStatus::Differs {
-                    found_sha384: checksum_hex(&found),
-                },
-            }),
-            Err(_) => {
-                std::fs::write(&path, body).map_err(|source| MigrationCheckError::Folder {
-                    path: path.clone(),
-                    source,
-                })?;
-                written.push(*name);
-            }
+            Ok(found) => conflicts.push(conflict(FileStatus::Differs {
+                found_sha384: checksum_hex(&found),
+            })),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => missing.push((*name, *body)),
+            Err(e) => conflicts.push(conflict(FileStatus::Unreadable {
+                error: e.to_string(),
+            })),
         }
     }
-    if conflicts.is_empty() {
-        Ok(written)
-    } else {
-        Err(MigrationCheckError::Mismatch {
+    if !conflicts.is_empty() {
+        return Err(MigrationCheckError::Mismatch {
             path: dir.to_owned(),
             failures: conflicts.len(),
             files: conflicts,
-        })
+        });
     }
+    let mut written = Vec::with_capacity(missing.len());
+    for (name, body) in missing {
+        let path = dir.join(name);
+        let partial = dir.join(format!(".{name}.partial"));
+        std::fs::write(&partial, body)
+            .and_then(|()| std::fs::rename(&partial, &path))
+            .map_err(|source| {
+                let _ = std::fs::remove_file(&partial);
+                MigrationCheckError::Folder {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+        written.push(name);
+    }
+    Ok(written)
+}
+
+/// How long a migration waits for a lock before it fails, in [`run`]. A
+/// migration that alters `event_outbox` takes an exclusive lock; queued
+/// behind a long transaction it would hold every query on the table back
+/// behind it (PostgreSQL's lock queue), so it gives up instead, to be run
+/// again when the table is quieter.
+pub const MIGRATION_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Runs [`migrator`] on one connection of `pool` whose `lock_timeout` is
+/// [`MIGRATION_LOCK_TIMEOUT`]: a migration that cannot have its lock soon
+/// fails (and is rolled back, to be run again) rather than stalling the
+/// service's own queries on the table behind it.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+/// outbox::migrate::run(&pool).await?;
+/// # Ok(()) }
+/// ```
+pub async fn run(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    let mut conn = pool.acquire().await?;
+    let set = format!(
+        "SET lock_timeout = '{}ms'",
+        MIGRATION_LOCK_TIMEOUT.as_millis()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(set))
+        .execute(&mut *conn)
+        .await?;
+    let ran = migrator().run(&mut *conn).await;
+    // The connection goes back to the pool as it came.
+    sqlx::raw_sql("RESET lock_timeout")
+        .execute(&mut *conn)
+        .await?;
+    ran
 }

@@ -44,21 +44,19 @@ impl TraceContext {
     /// Validates a `traceparent` (and optional `tracestate`): version `00`
     /// exactly 55 characters, a later version at least that with a `-`
     /// after the flags; lowercase hex; trace id and parent id not all
-    /// zeros; version not `ff`. A `tracestate` must be printable ASCII of
-    /// at most [`TRACESTATE_MAX_BYTES`]; an empty one is dropped.
+    /// zeros; version not `ff`. A `tracestate` must be printable ASCII; one
+    /// longer than [`TRACESTATE_MAX_BYTES`] is cut down as W3C Trace
+    /// Context says a propagator may (its list members over 128 characters
+    /// go first, then members from the end, until it fits), never refused;
+    /// an empty one is dropped.
     pub fn parse(traceparent: &str, tracestate: Option<&str>) -> Result<Self, String> {
         check_traceparent(traceparent)?;
         let tracestate = match tracestate.map(|s| s.trim_matches([' ', '\t'])) {
             None | Some("") => None,
-            Some(s) if s.len() > TRACESTATE_MAX_BYTES => {
-                return Err(format!(
-                    "tracestate is {} bytes; at most {TRACESTATE_MAX_BYTES} are carried",
-                    s.len()
-                ));
-            }
             Some(s) if !s.bytes().all(|b| (0x20..0x7f).contains(&b)) => {
                 return Err("tracestate holds a character outside printable ASCII".into());
             }
+            Some(s) if s.len() > TRACESTATE_MAX_BYTES => truncated(s),
             Some(s) => Some(s.to_owned()),
         };
         Ok(Self {
@@ -92,6 +90,30 @@ impl TraceContext {
     pub fn parent_id(&self) -> &str {
         &self.traceparent[36..52]
     }
+}
+
+/// Longest list member kept first when a `tracestate` is cut down.
+const TRACESTATE_MEMBER_LONG: usize = 128;
+
+/// `tracestate` cut down to [`TRACESTATE_MAX_BYTES`] by the W3C rule:
+/// members over 128 characters removed first, then members from the end.
+fn truncated(tracestate: &str) -> Option<String> {
+    let mut members: Vec<&str> = tracestate
+        .split(',')
+        .map(|m| m.trim_matches([' ', '\t']))
+        .filter(|m| !m.is_empty())
+        .collect();
+    let len = |m: &[&str]| m.iter().map(|s| s.len()).sum::<usize>() + m.len().saturating_sub(1);
+    while len(&members) > TRACESTATE_MAX_BYTES {
+        match members
+            .iter()
+            .rposition(|m| m.len() > TRACESTATE_MEMBER_LONG)
+        {
+            Some(long) => members.remove(long),
+            None => members.pop().unwrap_or_default(),
+        };
+    }
+    (!members.is_empty()).then(|| members.join(","))
 }
 
 fn check_traceparent(s: &str) -> Result<(), String> {
@@ -144,6 +166,36 @@ mod tests {
     }
 
     #[test]
+    fn a_long_tracestate_is_cut_down_as_the_spec_says_never_refused() {
+        // 40 members of 14 characters (599 bytes in all): members go from
+        // the end until it fits (issue 25: it was refused, and the whole
+        // context with it).
+        let members: Vec<String> = (0..40).map(|i| format!("vendor{i:02}=value")).collect();
+        let long = members.join(",");
+        let tc = TraceContext::parse(TP, Some(&long)).unwrap();
+        let kept = tc.tracestate().unwrap();
+        assert!(kept.len() <= TRACESTATE_MAX_BYTES);
+        assert!(long.starts_with(kept), "the first members are kept: {kept}");
+        assert_eq!(kept.split(',').count(), 34);
+        // A member over 128 characters goes first, wherever it is.
+        let big = format!("big={}", "x".repeat(200));
+        let with_big = format!("first=1,{big},{}", members[..25].join(","));
+        let kept = TraceContext::parse(TP, Some(&with_big))
+            .unwrap()
+            .tracestate()
+            .unwrap()
+            .to_owned();
+        assert!(!kept.contains("big="));
+        assert!(kept.starts_with("first=1,vendor00=value"));
+        // One member alone too long: no tracestate, the parent stays.
+        let alone = format!("a={}", "b".repeat(600));
+        assert_eq!(
+            TraceContext::parse(TP, Some(&alone)).unwrap().tracestate(),
+            None
+        );
+    }
+
+    #[test]
     fn refuses_what_the_spec_refuses() {
         for bad in [
             "",
@@ -159,7 +211,7 @@ mod tests {
         ] {
             assert!(TraceContext::parse(bad, None).is_err(), "{bad:?}");
         }
-        assert!(TraceContext::parse(TP, Some(&"a".repeat(513))).is_err());
+        assert!(TraceContext::parse(TP, Some("a=\u{e9}")).is_err());
         assert!(TraceContext::parse(TP, Some("a=\n")).is_err());
         let later = format!("{}-more", TP.replacen("00", "01", 1));
         assert!(TraceContext::parse(&later, None).is_ok());

@@ -76,14 +76,71 @@ fn the_check_reports_missing_and_edited_copies() {
         }
         other => panic!("{other:?}"),
     }
-    // Stamping never overwrites an edited file.
+    // Stamping never overwrites an edited file, and then writes nothing
+    // (issue 25: it wrote the missing files before it failed).
     assert!(matches!(
         stamp_dir(&dir),
         Err(MigrationCheckError::Mismatch { failures: 1, .. })
     ));
+    assert!(
+        !dir.join(FILES[1].0).exists(),
+        "nothing written on a conflict"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".partial"))
+        .collect();
+    assert!(leftovers.is_empty());
     assert!(matches!(
         check_dir(&dir.join("nope")),
         Err(MigrationCheckError::Folder { .. })
     ));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A migration waiting on a lock gives up after `MIGRATION_LOCK_TIMEOUT`
+/// instead of queueing every query of the table behind it (issue 25: the
+/// HOT-claim migration takes an exclusive lock on `event_outbox`).
+#[sqlx::test(migrations = false)]
+async fn a_migration_that_cannot_have_its_lock_gives_up_instead_of_stalling_the_table(
+    pool: sqlx::PgPool,
+) {
+    use std::time::{Duration, Instant};
+    // Every migration but the last (which alters event_outbox) applied.
+    let dir = std::env::temp_dir().join(format!("outbox-mig-lock-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, body) in &FILES[..FILES.len() - 1] {
+        std::fs::write(dir.join(name), body).unwrap();
+    }
+    sqlx::migrate::Migrator::new(dir.as_path())
+        .await
+        .unwrap()
+        .run(&pool)
+        .await
+        .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    // A long transaction reads the table (ACCESS SHARE).
+    let mut reader = pool.begin().await.unwrap();
+    sqlx::query("SELECT count(*) FROM event_outbox")
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(30), outbox::migrate::run(&pool))
+        .await
+        .expect("the migration gives up on its own");
+    let err = result.expect_err("the lock was never free");
+    assert!(err.to_string().contains("lock timeout"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    // Once the table is quiet it runs, and the connection it used is back
+    // to the server's default.
+    reader.rollback().await.unwrap();
+    outbox::migrate::run(&pool).await.unwrap();
+    let lock_timeout: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(lock_timeout, "0");
 }

@@ -124,6 +124,14 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
         .with_header("traceparent", own)
         .with_header("tracestate", "vendor=opaque");
     publisher.publish(&carried).await.unwrap();
+    // A valid tracestate over 512 bytes is cut down as W3C says, not
+    // refused with its whole context (issue 25).
+    let members: Vec<String> = (0..40).map(|i| format!("vendor{i:02}=value")).collect();
+    let long_state = members.join(",");
+    let long = EventEnvelope::new("orders.long_state", serde_json::json!({}))
+        .with_header("traceparent", own)
+        .with_header("tracestate", &long_state);
+    publisher.publish(&long).await.unwrap();
 
     let drainer = Drainer::new(
         Arc::new(PgOutboxStore::new(pool.clone())),
@@ -136,11 +144,11 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
             .build()
             .unwrap(),
     );
-    assert_eq!(drainer.tick().await.unwrap().published, 3);
+    assert_eq!(drainer.tick().await.unwrap().published, 4);
 
     // The independent client sees a valid traceparent on each message,
     // distinct per transaction, and the caller's own one untouched.
-    let seen = plain.wait_for(3, Duration::from_secs(10)).await;
+    let seen = plain.wait_for(4, Duration::from_secs(10)).await;
     let mut parents = Vec::new();
     for m in &seen {
         let tp = m.headers.get("traceparent").expect("traceparent header");
@@ -149,6 +157,13 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
         if m.message_id == carried.id.to_string() {
             assert_eq!(tp, own);
             assert_eq!(tc.tracestate(), Some("vendor=opaque"));
+        } else if m.message_id == long.id.to_string() {
+            assert_eq!(tp, own);
+            let state = tc.tracestate().expect("the state is kept, cut down");
+            assert!(
+                state.len() <= 512 && long_state.starts_with(state),
+                "{state}"
+            );
         } else {
             parents.push(tc);
         }
@@ -157,7 +172,7 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
     assert_ne!(parents[0].trace_id(), parents[1].trace_id());
 
     common::eventually(Duration::from_secs(10), || {
-        let done = counters.snapshot().processed >= 3;
+        let done = counters.snapshot().processed >= 4;
         async move { done }
     })
     .await;
@@ -210,7 +225,7 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
         );
         assert_eq!(
             attr(send, "messaging.batch.message_count").as_deref(),
-            Some("3")
+            Some("4")
         );
         let batch = spans
             .iter()
@@ -264,9 +279,9 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
     let text = get_metrics(router).await;
     let label = format!("subscription=\"{queue}\"");
     for line in [
-        format!("canopy_mq_subscriber_delivered_total{{{label}}} 3"),
-        format!("canopy_mq_subscriber_processed_total{{{label}}} 3"),
-        format!("canopy_mq_subscriber_handler_duration_seconds_count{{{label}}} 3"),
+        format!("canopy_mq_subscriber_delivered_total{{{label}}} 4"),
+        format!("canopy_mq_subscriber_processed_total{{{label}}} 4"),
+        format!("canopy_mq_subscriber_handler_duration_seconds_count{{{label}}} 4"),
     ] {
         assert!(text.contains(&line), "{line} missing from\n{text}");
     }

@@ -187,6 +187,25 @@ async fn the_claim_returns_the_trace_context_and_the_age<A: StoreArm>(arm: A) {
     }
 }
 
+async fn the_claimed_body_is_the_envelope_as_written<A: StoreArm>(arm: A) {
+    // Keys in an order jsonb would change, a float, unicode, a long array:
+    // jsonb renders it otherwise (keys by length, spaces after `:` and
+    // `,`), which is not what reaches the broker (issue 25).
+    let payload = serde_json::json!({
+        "zeta": 1.5, "a": "é ü", "list": (0..50).collect::<Vec<_>>(), "mid": { "yy": true, "x": null }
+    });
+    let e = EventEnvelope::new("k", payload).with_header("tenant", "ny");
+    let written = e.encode(&Default::default()).unwrap();
+    arm.insert_envelope(&e).await;
+    let rows = arm
+        .store()
+        .outbox_claim(params("a", 10, 60_000))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(String::from_utf8(rows[0].body.clone()).unwrap(), written);
+}
+
 async fn claim_takes_oldest_first_stamps_the_lease_and_never_bumps<A: StoreArm>(arm: A) {
     let ids = arm.insert(5, "k").await;
     let rows = arm
@@ -432,6 +451,7 @@ where
 
 conformance!(postgres: with_real, fake: with_fake_store;
     the_claim_returns_the_trace_context_and_the_age,
+    the_claimed_body_is_the_envelope_as_written,
     claim_takes_oldest_first_stamps_the_lease_and_never_bumps,
     an_expired_lease_is_reclaimed_without_a_bump,
     marks_and_releases_are_guarded_by_claimed_by,

@@ -3,7 +3,9 @@
 -- are filtered, rows locked by a concurrent claim or mark are skipped. Never
 -- touches attempts. $1 replica id, $2 lease TTL in seconds, $3 batch size.
 -- Also returns the trace context the row was written under (its envelope's
--- headers) and its age, where the commit-to-confirm lag starts.
+-- headers) and its age, where the commit-to-confirm lag starts. The body is
+-- the envelope as written (jsonb's rendering only for rows written before
+-- the envelope column existed).
 WITH candidates AS (
     SELECT id
     FROM event_outbox
@@ -18,7 +20,7 @@ WITH candidates AS (
     SET claimed_at = now(), claimed_by = $1
     FROM candidates c
     WHERE o.id = c.id
-    RETURNING o.id, o.routing_key, o.payload::text AS body, o.attempts, o.enqueued_at,
+    RETURNING o.id, o.routing_key, coalesce(o.envelope, o.payload::text) AS body, o.attempts, o.enqueued_at,
         o.payload->'headers'->>'traceparent' AS traceparent,
         o.payload->'headers'->>'tracestate' AS tracestate
 )

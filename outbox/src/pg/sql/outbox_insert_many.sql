@@ -2,8 +2,8 @@
 -- transaction. $1 ids, $2 routing keys, $3 encoded envelopes (same order).
 -- One NOTIFY for the lot, delivered at COMMIT (see outbox_insert.sql).
 WITH inserted AS (
-    INSERT INTO event_outbox (id, routing_key, payload)
-    SELECT id, routing_key, payload::jsonb
+    INSERT INTO event_outbox (id, routing_key, payload, envelope)
+    SELECT id, routing_key, payload::jsonb, payload
     FROM unnest($1::uuid[], $2::text[], $3::text[]) AS t(id, routing_key, payload)
     RETURNING 1
 )
