@@ -40,6 +40,7 @@ pub mod adapters;
 pub mod checker;
 pub mod engine;
 pub mod fakes;
+pub mod gauges;
 pub mod model;
 pub mod scenario;
 pub mod shrink;

@@ -29,6 +29,8 @@ pub struct Model {
     pub hostile_rejected: BTreeSet<Uuid>,
     /// Events whose effect takes a deferred unique key, and the key.
     pub unique: BTreeMap<Uuid, String>,
+    /// Events written with trace context, and the context.
+    pub traced: BTreeMap<Uuid, crate::wire::WireTrace>,
 }
 
 impl Model {
@@ -44,6 +46,14 @@ impl Model {
                 }
                 Event::UniqueKeyed { id, key } => {
                     m.unique.insert(*id, key.clone());
+                }
+                Event::Traced {
+                    id,
+                    traceparent,
+                    tracestate,
+                } => {
+                    m.traced
+                        .insert(*id, (traceparent.clone(), tracestate.clone()));
                 }
                 Event::Hostile {
                     kind,

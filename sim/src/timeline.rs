@@ -141,7 +141,7 @@ fn placed(e: &Event) -> Option<(&str, Row)> {
         ),
         Event::HandlerRan {
             client,
-            result: HandlerResult::Failed,
+            result: HandlerResult::Failed | HandlerResult::Overran,
             ..
         } => (host_of(client), Row::HandlerFailed),
         Event::InboxCommitted { client, .. } => (host_of(client), Row::InboxCommit),

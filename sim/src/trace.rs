@@ -79,9 +79,15 @@ pub enum Settle {
 pub enum HandlerResult {
     /// It wrote its effect and returned Ok.
     Ok,
-    /// It failed for a reason of its own (a transient failure, a broken
-    /// downstream): an attempt must be counted.
+    /// It failed for a reason of its own (an `Err`, a panic, a broken
+    /// downstream, a statement error it swallowed): an attempt must be
+    /// counted.
     Failed,
+    /// The subscriber gave up on it at its deadline while it did work of
+    /// its own (a stall, a wait on the locked domain table; the database
+    /// answered): the first such run of a delivery runs once more, the
+    /// next counts an attempt.
+    Overran,
     /// Its database was unavailable: no attempt may be counted.
     Unavailable,
 }
@@ -200,6 +206,13 @@ pub enum Event {
     RolledBack { client: String, ids: Vec<Uuid> },
     /// The workload wrote a row no broker can accept (bypassing validation).
     Unpublishable { id: Uuid },
+    /// The workload wrote an event with this W3C trace context in its
+    /// headers (what every delivery of it must carry).
+    Traced {
+        id: Uuid,
+        traceparent: String,
+        tracestate: Option<String>,
+    },
     /// The workload wrote an event whose effect takes `key` under the
     /// domain table's deferred unique constraint.
     UniqueKeyed { id: Uuid, key: String },
@@ -229,6 +242,25 @@ pub enum Event {
         replica: String,
         call: Call,
         ids: Vec<Uuid>,
+    },
+    /// `outbox_stats` answered the replica (the stats task) with these.
+    StatsAnswered {
+        replica: String,
+        pending: u64,
+        oldest_age_ms: u64,
+        parked: u64,
+    },
+    /// `outbox_stats` failed for the replica.
+    StatsFailed { replica: String },
+    /// An outbox gauge was set (by the stats task that last asked), to
+    /// `micros` millionths.
+    Gauge { name: String, micros: i64 },
+    /// The replica's `DrainerHandle::readiness()` said this (the host asks
+    /// every second, as a `/readyz` probe would).
+    Readiness {
+        replica: String,
+        ready: bool,
+        reasons: Vec<String>,
     },
     /// A drainer store call returned an error to the replica.
     StoreFailed { replica: String, call: Call },
@@ -278,11 +310,13 @@ pub enum Event {
     ConfirmReceived { client: String, message_id: Uuid },
 
     // --- the broker, consumer side -----------------------------------------
-    /// The broker pushed a message to a consumer.
+    /// The broker pushed a message to a consumer, with the
+    /// `traceparent`/`tracestate` AMQP headers it carried.
     Delivered {
         client: String,
         message_id: Option<String>,
         redelivered: bool,
+        trace: Option<crate::wire::WireTrace>,
     },
     /// A consumer acked or nacked a delivery (as the broker received it).
     Settled {
@@ -310,6 +344,14 @@ pub enum Event {
         client: String,
         session: u64,
         how: WaitEnd,
+    },
+    /// A consumer's ping of the database (its subscriber asking whether the
+    /// database answers) ended after `took`: answered, or not (failed or
+    /// given up on).
+    Pinged {
+        client: String,
+        took: Duration,
+        answered: bool,
     },
     /// A client stopped waiting for the reply to a statement it had sent on
     /// session `session` (its future was dropped: a deadline, a cancelled
@@ -350,6 +392,13 @@ pub enum Event {
     },
     /// A delivery found its event already processed (a duplicate absorbed).
     InboxDuplicate { client: String, event_id: Uuid },
+    /// A handler transaction of `client` that held `deliveries` inbox
+    /// statements (one per delivery of a batch) ended, committed or not.
+    InboxBatch {
+        client: String,
+        deliveries: u32,
+        committed: bool,
+    },
     /// A failed attempt was recorded on an inbox row.
     InboxFailure {
         client: String,
@@ -367,8 +416,24 @@ pub enum Event {
     InboxReset { ids: Vec<Uuid> },
     /// The inbox janitor deleted rows.
     InboxDeleted { ids: Vec<Uuid> },
-    /// The operator started a replay.
-    ReplayStarted { client: String },
+    /// The operator started a replay asking for `limit` rows `ask` selects
+    /// (ids, routing key, dead-lettered only, a place to start after), which
+    /// were `matching` when it asked, oldest first.
+    ReplayStarted {
+        client: String,
+        ask: String,
+        /// The ids it asked for, if it asked by ids.
+        ids: Option<Vec<Uuid>>,
+        limit: u32,
+        matching: Vec<Uuid>,
+    },
+    /// The operator's replay returned (`ok`), saying whether more rows
+    /// match (`more`).
+    ReplayEnded {
+        client: String,
+        ok: bool,
+        more: bool,
+    },
     /// The operator's replay reported on one row.
     Replayed {
         client: String,

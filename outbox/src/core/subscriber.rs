@@ -821,7 +821,7 @@ where
             .store
             .inbox_begin(bounds)
             .await
-            .map_err(BatchFailure::Store)?;
+            .map_err(|e| BatchFailure::trouble(e, Vec::new()))?;
         let mut applied = Vec::with_capacity(items.len());
         let mut handler_wrote_last = false;
         // The slot of the item whose handler ran last with an `Ok`: our own
@@ -867,12 +867,14 @@ where
                 failures.push((slot, cannot_commit(&e)));
                 return Err(BatchFailure::HandlerFailed { failures });
             }
-            return Err(BatchFailure::of_transaction(e, failures));
+            return Err(BatchFailure::of_transaction(e, failures, false));
         }
         if let Err(e) = self.store.inbox_commit(tx).await {
+            // A COMMIT that did not answer may have committed.
             return Err(BatchFailure::of_transaction(
                 e,
                 failures_of(items, &applied),
+                true,
             ));
         }
         if items.len() > 1 {
@@ -1268,7 +1270,7 @@ where
 /// A watched handler run pings the database every `deadline /
 /// (2 × PROBE_DIVISOR)`; one ping slower than `deadline / PROBE_DIVISOR`
 /// means the database stalled during the run.
-const PROBE_DIVISOR: u32 = 10;
+pub const PROBE_DIVISOR: u32 = 10;
 
 /// What one delivery of a transaction came to (with its commit).
 enum Applied {
@@ -1349,7 +1351,11 @@ impl Abort {
         last_ok: Option<(usize, &Marks)>,
     ) -> BatchFailure {
         match self {
-            Self::Store(StoreError::Refused(reason)) => BatchFailure::Refused { index, reason },
+            Self::Store(StoreError::Refused(reason)) => BatchFailure::Refused {
+                index,
+                reason,
+                failures,
+            },
             // Our statement found the transaction aborted: the handler that
             // ran last swallowed its statement's error.
             Self::Store(e @ StoreError::Aborted(_)) if last_ok.is_some() => {
@@ -1358,7 +1364,7 @@ impl Abort {
                 failures.push((culprit, cannot_commit(&e)));
                 BatchFailure::HandlerFailed { failures }
             }
-            Self::Store(e) if e.is_unavailable() => BatchFailure::Store(e),
+            Self::Store(e) if e.is_unavailable() => BatchFailure::trouble(e, failures),
             // A statement of ours failed for no reason of the database's:
             // a handler left the transaction aborted, or its data broke
             // something; the next pass finds which.
@@ -1374,7 +1380,7 @@ impl Abort {
                 failures.push((slot, text));
                 BatchFailure::HandlerFailed { failures }
             }
-            Self::Abandoned { failure: None, e } => BatchFailure::Store(e),
+            Self::Abandoned { failure: None, e } => BatchFailure::trouble(e, failures),
         }
     }
 }
@@ -1394,8 +1400,13 @@ enum Pass<'a> {
 
 /// Why a transaction of deliveries did not commit.
 enum BatchFailure {
-    /// The inbox refused the data of the delivery at this index.
-    Refused { index: usize, reason: String },
+    /// The inbox refused the data of the delivery at this index; the
+    /// transaction rolled back, and `failures` were met before it.
+    Refused {
+        index: usize,
+        reason: String,
+        failures: Vec<(usize, String)>,
+    },
     /// A handler failed (in an optimistic pass, or given up on mid-run):
     /// these failures, by slot, are known; the transaction rolled back.
     HandlerFailed { failures: Vec<(usize, String)> },
@@ -1407,16 +1418,36 @@ enum BatchFailure {
         error: String,
         failures: Vec<(usize, String)>,
     },
-    /// Database trouble: nobody's fault; the commit's outcome may be
-    /// unknown.
-    Store(StoreError),
+    /// Database trouble: nobody's fault. Before the COMMIT the transaction
+    /// surely did not commit, and `failures` are known; a COMMIT that did
+    /// not answer may have committed (`in_doubt`), the failures it recorded
+    /// with it.
+    Store {
+        e: StoreError,
+        failures: Vec<(usize, String)>,
+        in_doubt: bool,
+    },
 }
 
 impl BatchFailure {
-    /// A check or a COMMIT of the whole transaction failed with `e`.
-    fn of_transaction(e: StoreError, failures: Vec<(usize, String)>) -> Self {
+    /// Database trouble before the COMMIT, with the failures met so far.
+    fn trouble(e: StoreError, failures: Vec<(usize, String)>) -> Self {
+        Self::Store {
+            e,
+            failures,
+            in_doubt: false,
+        }
+    }
+
+    /// A check (`at_commit` false) or a COMMIT of the whole transaction
+    /// failed with `e`.
+    fn of_transaction(e: StoreError, failures: Vec<(usize, String)>, at_commit: bool) -> Self {
         if e.is_unavailable() {
-            Self::Store(e)
+            Self::Store {
+                e,
+                failures,
+                in_doubt: at_commit,
+            }
         } else {
             Self::Culpable {
                 error: e.to_string(),
@@ -1499,7 +1530,21 @@ impl Escalation {
     /// Takes in how the transaction of `group` failed.
     fn after(&mut self, group: &[&Item<'_>], failure: BatchFailure, marks: &Marks) -> Next {
         match failure {
-            BatchFailure::Refused { index, reason } => Next::Refused { index, reason },
+            BatchFailure::Refused {
+                index,
+                reason,
+                failures,
+            } => {
+                // It did not commit: what it met stays known, and the rest
+                // run again without the refused one, their failures
+                // recorded, not run again (the simulation's
+                // every_failure_counted: hostile_deliveries, madsim seed 76).
+                if !failures.is_empty() && self.level == Level::Optimistic {
+                    self.level = Level::Savepoints;
+                }
+                self.failed.extend(failures);
+                Next::Refused { index, reason }
+            }
             BatchFailure::HandlerFailed { failures } => {
                 if self.level == Level::Optimistic {
                     marks.hit(Mark::BatchRerunWithSavepoints);
@@ -1531,7 +1576,20 @@ impl Escalation {
                 }
                 Next::Again
             }
-            BatchFailure::Store(e) => {
+            BatchFailure::Store {
+                e,
+                failures,
+                in_doubt: false,
+            } => {
+                // It surely did not commit: what it met stays known, one
+                // failure one attempt (the simulation's
+                // every_failure_counted found a first overrun's retry
+                // forgetting a batch mate's failure: poison_to_dlq_and_replay
+                // seed 0).
+                self.failed.extend(failures);
+                Next::RetryInPlace(e)
+            }
+            BatchFailure::Store { e, .. } => {
                 // The transaction may have committed the failures it
                 // recorded (a commit whose reply was lost): recording them
                 // again would count one failure twice. Their handlers run

@@ -289,10 +289,32 @@ impl Drop for SimTx {
     }
 }
 
+/// Records a ping when dropped: answered (`ok`), or given up on.
+struct PingAnswered<'a> {
+    client: &'a str,
+    sent: Duration,
+    trace: &'a Trace,
+    ok: bool,
+}
+
+impl Drop for PingAnswered<'_> {
+    fn drop(&mut self) {
+        self.trace.now(Event::Pinged {
+            client: self.client.to_owned(),
+            took: crate::sim_now().saturating_sub(self.sent),
+            answered: self.ok,
+        });
+    }
+}
+
 /// The inbox store of one consumer replica.
 pub struct SimInboxStore {
     pool: Arc<Pool>,
+    /// Listings and sweeps.
     side: PgClient,
+    /// Pings and ending abandoned transactions (the sqlx adapter's control
+    /// pool): never queued behind a listing.
+    control: PgClient,
     hooks: Hooks,
 }
 
@@ -302,6 +324,7 @@ impl SimInboxStore {
         let client = client.into();
         Self {
             side: PgClient::new(format!("{client}/side"), trace.clone()),
+            control: PgClient::new(format!("{client}/control"), trace.clone()),
             pool: Arc::new(Pool {
                 client,
                 trace,
@@ -362,11 +385,12 @@ impl SimInboxStore {
         self.side.call(req).await
     }
 
-    /// Ends the transaction tagged `tag` at the server, from the side
+    /// Ends the transaction tagged `tag` at the server, from the control
     /// connection (as the sqlx adapter does from its control pool).
     async fn terminate(&self, tag: &str) {
         let _ = self
-            .side_call(PgRequest::Terminate {
+            .control
+            .call(PgRequest::Terminate {
                 application_name: tag.to_owned(),
             })
             .await;
@@ -597,7 +621,19 @@ impl InboxStore for SimInboxStore {
     }
 
     async fn inbox_ping(&self) -> Result<(), StoreError> {
-        match self.side_call(PgRequest::Ping).await? {
+        // What the subscriber learns of the database here is evidence the
+        // checker weighs too: the ping and how long it took.
+        let sent = crate::sim_now();
+        let mut answered = PingAnswered {
+            client: &self.pool.client,
+            sent,
+            trace: &self.pool.trace,
+            ok: false,
+        };
+        let reply = self.control.call(PgRequest::Ping).await;
+        answered.ok = matches!(reply, Ok(PgReply::Ok));
+        drop(answered);
+        match reply? {
             PgReply::Ok => Ok(()),
             other => Err(unexpected(other)),
         }

@@ -199,18 +199,31 @@ impl OutboxStore for SimStore {
     }
 
     async fn outbox_stats(&self) -> Result<OutboxStats, StoreError> {
-        match self.pg.call(PgRequest::Stats).await? {
-            PgReply::Stats {
+        let answered = match self.pg.call(PgRequest::Stats).await {
+            Ok(PgReply::Stats {
                 pending,
                 oldest_age_ms,
                 parked,
-            } => Ok(OutboxStats {
-                pending,
-                oldest_unpublished_age_secs: oldest_age_ms as f64 / 1000.0,
-                parked,
-            }),
-            other => Err(unexpected(other)),
-        }
+            }) => {
+                self.trace.now(Event::StatsAnswered {
+                    replica: self.replica.clone(),
+                    pending,
+                    oldest_age_ms,
+                    parked,
+                });
+                return Ok(OutboxStats {
+                    pending,
+                    oldest_unpublished_age_secs: oldest_age_ms as f64 / 1000.0,
+                    parked,
+                });
+            }
+            Ok(other) => Err(unexpected(other)),
+            Err(e) => Err(e),
+        };
+        self.trace.now(Event::StatsFailed {
+            replica: self.replica.clone(),
+        });
+        answered
     }
 
     async fn outbox_delete_published(

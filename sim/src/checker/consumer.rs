@@ -28,12 +28,17 @@
 //!   processed mark has committed (the ADR's step 4: commit, then ack;
 //!   with batches, after the batch's commit).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
 
 use uuid::Uuid;
 
 use super::{Context, Findings, Invariant};
 use crate::trace::{Event, FaultKind, HandlerResult, Replay, Settle};
+
+/// A handler failure not yet matched by a record: when it happened, and
+/// when its delivery was settled after it.
+type Unmatched = (Duration, Option<Duration>);
 
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     let Some(fin) = &ctx.fin.consumer else {
@@ -41,7 +46,11 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     };
     let after_retention = effects(ctx, out);
     budget(ctx, out);
+    every_failure_counted(ctx, out);
+    batch_max(ctx, out);
+    trace_context_carried(ctx, out);
     replay(ctx, out);
+    replay_exact(ctx, out);
     rejected(ctx, out);
     keyed(ctx, out);
     acked_after_commit(ctx, out);
@@ -175,9 +184,10 @@ fn effects(ctx: &Context<'_>, out: &mut Findings) -> BTreeMap<Uuid, u32> {
     after_retention
 }
 
-/// The consumer a side connection belongs to (`consumer-1#2/side`).
+/// The consumer a side or control connection belongs to
+/// (`consumer-1#2/side`).
 fn consumer_of(client: &str) -> &str {
-    client.strip_suffix("/side").unwrap_or(client)
+    client.split('/').next().unwrap_or(client)
 }
 
 /// Unused failure records of one consumer for one event.
@@ -213,7 +223,7 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
         match e {
             Event::HandlerRan {
                 event_id,
-                result: HandlerResult::Failed,
+                result: HandlerResult::Failed | HandlerResult::Overran,
                 ..
             } => *handler_failures.entry(*event_id).or_insert(0) += 1,
             // The handler's work cannot commit: its data breaks a deferred
@@ -287,6 +297,361 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
             }
             _ => {}
         }
+    }
+}
+
+/// Every delivery of an event written with trace context carries it: the
+/// context travels with the row, so a republish carries it too.
+fn trace_context_carried(ctx: &Context<'_>, out: &mut Findings) {
+    for (at, e) in ctx.events {
+        let Event::Delivered {
+            client,
+            message_id: Some(mid),
+            trace,
+            ..
+        } = e
+        else {
+            continue;
+        };
+        let Some(written) = Uuid::parse_str(mid)
+            .ok()
+            .and_then(|id| ctx.model.traced.get(&id))
+        else {
+            continue;
+        };
+        if trace.as_ref() != Some(written) {
+            out.add(
+                Invariant::TraceContextCarried,
+                Some(*at),
+                format!("{client} got {mid} with trace context {trace:?}; it was written with {written:?}"),
+            );
+        }
+    }
+}
+
+/// No transaction of deliveries holds more than the batch maximum, whatever
+/// the prefetch lets a worker hold unacknowledged.
+fn batch_max(ctx: &Context<'_>, out: &mut Findings) {
+    let max = ctx.limits.consumer_batch_max;
+    for (at, e) in ctx.events {
+        if let Event::InboxBatch {
+            client, deliveries, ..
+        } = e
+            && *deliveries > max
+        {
+            out.add(
+                Invariant::BatchMax,
+                Some(*at),
+                format!(
+                    "{client} applied {deliveries} deliveries in one transaction; the most is {max}"
+                ),
+            );
+        }
+    }
+}
+
+/// The `for_secs` of a fault's `Debug` text (the world's `FaultStart`
+/// detail), if it has one.
+fn fault_length(detail: &str) -> Option<Duration> {
+    let rest = detail.split("for_secs: ").nth(1)?;
+    let number: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    number.parse::<f64>().ok().map(Duration::from_secs_f64)
+}
+
+/// When each consumer (by host) met database trouble that lets a failure
+/// it had go uncounted: its transaction's statement failed or its reply was
+/// lost, the server ended its session or one of its statements (a
+/// deadlock, a timeout), a ping of its subscriber failed or was slower than
+/// the subscriber's probe (what the subscriber takes for a stall), the host
+/// crashed, or a window in which its database was cut off or slow (then its
+/// overruns were the database's).
+#[derive(Default)]
+struct Trouble {
+    at: BTreeMap<String, Vec<Duration>>,
+    /// (host or "" for every host, from, to).
+    windows: Vec<(String, Duration, Duration)>,
+}
+
+impl Trouble {
+    /// `slow`: a ping slower than this (the subscriber's probe) says the
+    /// database stalled.
+    fn of(events: &[(Duration, Event)], slow: Duration) -> Self {
+        let mut t = Trouble::default();
+        for (at, e) in events {
+            let host = match e {
+                Event::Pinged {
+                    client,
+                    took,
+                    answered,
+                } if !answered || *took > slow => Some(super::host_of(client)),
+                Event::Fault {
+                    kind: FaultKind::PgFailure | FaultKind::PgReplyLost | FaultKind::PgIdleTimeout,
+                    detail,
+                } => detail
+                    .split([' ', '\''])
+                    .find(|w| w.contains('#'))
+                    .map(super::host_of),
+                Event::LockWaitEnded { client, how, .. }
+                    if *how != crate::trace::WaitEnd::Acquired =>
+                {
+                    Some(super::host_of(client))
+                }
+                Event::Host { host, up: false } => Some(host.as_str()),
+                Event::FaultStart { kind, detail } => {
+                    let len = fault_length(detail).unwrap_or_default();
+                    let whose = match kind {
+                        FaultKind::PgSlow => Some(String::new()),
+                        FaultKind::Partition if detail.contains("b: \"pg\"") => detail
+                            .split('"')
+                            .nth(1)
+                            .filter(|h| h.starts_with("consumer-"))
+                            .map(str::to_owned),
+                        _ => None,
+                    };
+                    if let Some(h) = whose {
+                        t.windows.push((h, *at, *at + len));
+                    }
+                    None
+                }
+                _ => None,
+            };
+            if let Some(h) = host {
+                t.at.entry(h.to_owned()).or_default().push(*at);
+            }
+        }
+        t
+    }
+
+    /// Whether `client`'s host met trouble in `[from, to]`.
+    fn between(&self, client: &str, from: Duration, to: Duration) -> bool {
+        let host = super::host_of(client);
+        self.at
+            .get(host)
+            .is_some_and(|v| v.iter().any(|t| (from..=to).contains(t)))
+            || self
+                .windows
+                .iter()
+                .any(|(h, a, b)| (h.is_empty() || h == host) && *a <= to && from <= *b)
+    }
+}
+
+/// The other way of `attempt_only_on_handler_failure`: every failure of a
+/// handler's own (an `Err`, a panic, a statement error it swallowed) is
+/// recorded as an attempt by that consumer (or met by a delivery that finds
+/// the event already processed), unless database trouble came during the
+/// run or between the failure and the settlement of a delivery of that
+/// event (the
+/// transaction holding the record did not commit, so the handler ran
+/// again: the failure is met again, not lost). Failures and records are
+/// matched oldest first per consumer and event, so a duplicate in flight
+/// (two deliveries of one event at one consumer) is held to two records
+/// for two failures. Overruns are left to the scenarios that make them
+/// count (`handler_blocked_on_a_lock`: events dead-letter at their budget):
+/// which overrun counts depends on the delivery, which the trace cannot
+/// tell apart.
+fn every_failure_counted(ctx: &Context<'_>, out: &mut Findings) {
+    let probe = ctx.limits.handler_timeout / outbox::core::subscriber::PROBE_DIVISOR;
+    let trouble = Trouble::of(ctx.events, probe);
+    // Per (consumer, event): failures not yet matched by a record, each
+    // with when it happened and when its delivery was settled after it.
+    let mut pending: BTreeMap<(String, Uuid), VecDeque<Unmatched>> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::HandlerRan {
+                client,
+                event_id,
+                result: HandlerResult::Failed,
+            } => pending
+                .entry((client.clone(), *event_id))
+                .or_default()
+                .push_back((*at, None)),
+            // Counted; or its delivery found the event already processed
+            // (a duplicate delivery of it took effect first): no attempt
+            // is owed for a failure the event's effect made moot.
+            Event::InboxFailure {
+                client, event_id, ..
+            }
+            | Event::InboxDuplicate { client, event_id } => {
+                let key = (consumer_of(client).to_owned(), *event_id);
+                if let Some(q) = pending.get_mut(&key) {
+                    q.pop_front();
+                }
+            }
+            Event::Settled {
+                client, message_id, ..
+            } => {
+                let Some(id) = ctx.model.event_of(message_id.as_deref()) else {
+                    continue;
+                };
+                if let Some(q) = pending.get_mut(&(client.clone(), id)) {
+                    for f in q.iter_mut().filter(|f| f.1.is_none()) {
+                        f.1 = Some(*at);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    // A failure whose delivery was not settled when the run stopped was
+    // still being worked on: not judged here.
+    for ((client, id), q) in pending {
+        for (at, until) in q.into_iter().filter_map(|(at, s)| Some((at, s?))) {
+            // Trouble during the run counts too (it lasts the deadline at
+            // most): a statement of the handler's that met it.
+            let run_began = at.saturating_sub(ctx.limits.handler_timeout);
+            if !trouble.between(&client, run_began, until) {
+                out.add(
+                    Invariant::EveryFailureCounted,
+                    Some(at),
+                    format!(
+                        "{client}'s handler failed for {id} and no attempt was recorded for it \
+                         (no database trouble until {:.3}s)",
+                        until.as_secs_f64()
+                    ),
+                );
+            }
+        }
+    }
+}
+
+/// One operator replay as the trace tells it.
+#[derive(Default)]
+struct ReplayRun<'a> {
+    client: &'a str,
+    at: Duration,
+    ids: Option<&'a [Uuid]>,
+    limit: usize,
+    matching: &'a [Uuid],
+    ended: Option<(bool, bool)>,
+    /// Rows dead-lettered or given a failure record meanwhile (they may
+    /// have come to match), processed meanwhile (they may have left).
+    came: BTreeSet<Uuid>,
+    left: BTreeSet<Uuid>,
+    reset: BTreeSet<Uuid>,
+    replayed: Vec<Uuid>,
+}
+
+impl ReplayRun<'_> {
+    fn judge(&self, out: &mut Findings) {
+        let Some((true, more)) = self.ended else {
+            return; // cut short by the database: what it did is judged elsewhere
+        };
+        let (client, at) = (self.client, Some(self.at));
+        let mut bad = |what: String| {
+            out.add(
+                Invariant::ReplayExact,
+                at,
+                format!("{client}'s replay {what}"),
+            )
+        };
+        let selectable = |id: &Uuid| {
+            self.ids.is_none_or(|ids| ids.contains(id))
+                && (self.matching.contains(id) || self.came.contains(id))
+        };
+        for id in self.replayed.iter().chain(&self.reset) {
+            if !selectable(id) {
+                bad(format!("touched {id}, which it was not asked for"));
+            }
+        }
+        if self.replayed.len() > self.limit {
+            bad(format!(
+                "replayed {} rows past its limit of {}",
+                self.replayed.len(),
+                self.limit
+            ));
+        }
+        if more && self.replayed.len() < self.limit {
+            bad(format!(
+                "said more match after {} rows of {}",
+                self.replayed.len(),
+                self.limit
+            ));
+        }
+        // A row processed meanwhile may still have matched when the last
+        // page was read (poison_to_dlq_and_replay, madsim seed 166): it
+        // counts for `more`.
+        let rest = self
+            .matching
+            .iter()
+            .chain(&self.came)
+            .any(|id| !self.replayed.contains(id) && selectable(id));
+        if more && !rest {
+            bad("said more match, and none did".into());
+        }
+        let owed = if more {
+            self.limit
+        } else {
+            self.matching.len()
+        };
+        for id in self.matching.iter().take(owed) {
+            if !self.replayed.contains(id) && !self.left.contains(id) {
+                bad(format!("left out {id}, which matched (more: {more})"));
+            }
+        }
+    }
+}
+
+/// Replays touch exactly what they were asked for (see [`ReplayRun`]).
+fn replay_exact(ctx: &Context<'_>, out: &mut Findings) {
+    let mut runs: BTreeMap<&str, ReplayRun<'_>> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::ReplayStarted {
+                client,
+                ids,
+                limit,
+                matching,
+                ..
+            } => {
+                if let Some(done) = runs.insert(
+                    client,
+                    ReplayRun {
+                        client,
+                        at: *at,
+                        ids: ids.as_deref(),
+                        limit: *limit as usize,
+                        matching,
+                        ..ReplayRun::default()
+                    },
+                ) {
+                    done.judge(out);
+                }
+            }
+            Event::ReplayEnded { client, ok, more } => {
+                if let Some(r) = runs.get_mut(client.as_str()) {
+                    r.ended = Some((*ok, *more));
+                }
+            }
+            Event::Replayed {
+                client, event_id, ..
+            } => {
+                if let Some(r) = runs.get_mut(client.as_str()) {
+                    r.replayed.push(*event_id);
+                }
+            }
+            Event::InboxFailure { event_id, .. } => {
+                for r in runs.values_mut().filter(|r| r.ended.is_none()) {
+                    r.came.insert(*event_id);
+                }
+            }
+            Event::InboxCommitted { processed, .. } => {
+                for r in runs.values_mut().filter(|r| r.ended.is_none()) {
+                    r.left.extend(processed.iter().copied());
+                }
+            }
+            Event::InboxReset { ids } => {
+                for r in runs.values_mut().filter(|r| r.ended.is_none()) {
+                    r.reset.extend(ids.iter().copied());
+                }
+            }
+            _ => {}
+        }
+    }
+    for r in runs.into_values() {
+        r.judge(out);
     }
 }
 

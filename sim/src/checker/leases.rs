@@ -15,6 +15,49 @@ use crate::trace::{Call, Event};
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     guard(ctx, out);
     publishes(ctx, out);
+    pipeline_depth(ctx, out);
+}
+
+/// #478: a replica has at most `pipeline_depth` publishes unconfirmed at
+/// once, overlapping batches included. A publish stops counting when its
+/// confirm reaches the replica, or when the replica settles its row without
+/// it (a mark or a release: it gave up on that confirm).
+fn pipeline_depth(ctx: &Context<'_>, out: &mut Findings) {
+    let depth = ctx.limits.pipeline_depth as usize;
+    let mut unconfirmed: BTreeMap<&str, std::collections::BTreeSet<Uuid>> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::PublishSent {
+                client, message_id, ..
+            } => {
+                let set = unconfirmed.entry(client.as_str()).or_default();
+                set.insert(*message_id);
+                if set.len() > depth {
+                    out.add(
+                        Invariant::PipelineDepth,
+                        Some(*at),
+                        format!(
+                            "{client} has {} publishes unconfirmed; the depth is {depth}",
+                            set.len()
+                        ),
+                    );
+                }
+            }
+            Event::ConfirmReceived { client, message_id } => {
+                if let Some(set) = unconfirmed.get_mut(client.as_str()) {
+                    set.remove(message_id);
+                }
+            }
+            Event::StoreCalled { replica, ids, .. } => {
+                if let Some(set) = unconfirmed.get_mut(replica.as_str()) {
+                    for id in ids {
+                        set.remove(id);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 /// The store's view: who holds each lease, and whether marks respect it.

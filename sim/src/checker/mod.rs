@@ -37,6 +37,7 @@ mod leases;
 mod marks;
 mod retention;
 mod statements;
+mod stats;
 mod timing;
 mod transactions;
 
@@ -101,6 +102,8 @@ invariants! {
     PublishOnlyClaimed = "publish_only_claimed",
     /// A replica publishes its rows in claim order (`enqueued_at`, id).
     PublishOrder = "publish_order",
+    /// A replica has at most `pipeline_depth` publishes unconfirmed at once, overlapping batches included (#478).
+    PipelineDepth = "pipeline_depth",
     // --- timing
     /// Phase 2 ends (last confirm in, or the batch released) within `confirm_timeout` of its claim (#1061).
     Phase2Deadline = "phase2_deadline",
@@ -114,6 +117,8 @@ invariants! {
     RateBound = "rate_bound",
     /// After a drain that ended without failure the next claim waits the tick, four ticks once steady for a minute, unless a commit woke the replica.
     PollCadence = "poll_cadence",
+    /// The outbox gauges say what the stats task's sample said (pending, oldest unpublished age, parked, ready), and readiness fails exactly past its thresholds or when the sample is stale (#1230).
+    GaugesTruthful = "gauges_truthful",
     // --- retention
     /// The outbox janitor deletes only rows published longer ago than the retention.
     OutboxJanitorScope = "outbox_janitor_scope",
@@ -134,10 +139,14 @@ invariants! {
     NoDeadLetterAfterEffect = "no_dead_letter_after_effect",
     /// A failed attempt is recorded only for a handler failure, never for database or broker trouble.
     AttemptOnlyOnHandlerFailure = "attempt_only_on_handler_failure",
+    /// Every handler failure (an Err, a panic, a swallowed error, an overrun that counts) is recorded as one attempt before the handler runs for that event again or the delivery is settled, unless database trouble came between.
+    EveryFailureCounted = "every_failure_counted",
     /// A delivery is dead-lettered exactly when its recorded attempts reach the budget, never before or after.
     DeadLetterAtBudget = "dead_letter_at_budget",
     /// Replay gives a row a fresh budget before its handler runs.
     ReplayFreshBudget = "replay_fresh_budget",
+    /// A replay touches exactly the rows it was asked for (by ids, by filter, up to its limit, after its cursor) and no other, and says `more` exactly when it stopped at its limit.
+    ReplayExact = "replay_exact",
     /// A replayed row whose handler fails again stays dead-lettered (findable).
     ReplayKeepsFailedFindable = "replay_keeps_failed_findable",
     /// A delivery that is no valid envelope, too large, or unstorable is dead-lettered at once, never retried in place.
@@ -146,6 +155,10 @@ invariants! {
     KeyedByEnvelopeId = "keyed_by_envelope_id",
     /// A delivery is acked only after its event's processed mark committed (#433 step 4: commit, then ack).
     AckAfterCommit = "ack_after_commit",
+    /// Every delivery of an event written with trace context carries that context (its traceparent and tracestate AMQP headers), republishes included.
+    TraceContextCarried = "trace_context_carried",
+    /// A transaction of deliveries holds at most `CANOPY_MQ_SUBSCRIBER_BATCH_MAX` of them, whatever the prefetch.
+    BatchMax = "batch_max",
     /// Every event delivered is decided in the end: applied, or dead-lettered at its budget; none is retried in place forever.
     EveryDeliveryDecided = "every_delivery_decided",
     // --- statements
@@ -222,6 +235,14 @@ pub const LISTED_MAX: usize = 5;
 pub struct Limits {
     /// Drainer: rows per claim.
     pub batch_size: u32,
+    /// Drainer: unconfirmed publishes per replica.
+    pub pipeline_depth: u32,
+    /// Stats task: its interval.
+    pub stats_interval: Duration,
+    /// Readiness: pending rows over this are unready.
+    pub pending_warn: u64,
+    /// Readiness: an oldest pending row older than this is unready.
+    pub oldest_warn: Duration,
     /// Drainer: row-culpable failures before a row parks.
     pub max_attempts: u32,
     /// Drainer: Phase 2's deadline, from the claim.
@@ -243,6 +264,10 @@ pub struct Limits {
     /// Subscriber: how soon after its client gave up on it a statement
     /// waiting at the server must end.
     pub abandoned_statement_bound: Duration,
+    /// Subscriber: the handler deadline.
+    pub handler_timeout: Duration,
+    /// Subscriber: most deliveries in one transaction.
+    pub consumer_batch_max: u32,
 }
 
 /// Slack on timing rules: a timer fires at the first step after its
@@ -304,6 +329,7 @@ pub fn check(
     retention::check(&ctx, &mut out);
     consumer::check(&ctx, &mut out);
     statements::check(&ctx, &mut out);
+    stats::check(&ctx, &mut out);
     expectations::check(&ctx, &mut out);
     marks::check(&ctx, &mut out);
     let duplicates = fin

@@ -11,7 +11,7 @@ use outbox::core::marks::Mark;
 
 use super::*;
 use crate::model::{ConsumerFinal, FinalState};
-use crate::trace::{Call, HandlerResult, HostileKind, Replay, Settle};
+use crate::trace::{Call, FaultKind, HandlerResult, HostileKind, Replay, Settle};
 
 fn id(n: u128) -> Uuid {
     Uuid::from_u128(n)
@@ -24,6 +24,10 @@ fn ms(n: u64) -> Duration {
 fn limits() -> Limits {
     Limits {
         batch_size: 2,
+        pipeline_depth: 2,
+        stats_interval: Duration::from_secs(1),
+        pending_warn: 10,
+        oldest_warn: Duration::from_secs(5),
         max_attempts: 3,
         confirm_timeout: Duration::from_secs(2),
         lease_ttl: Duration::from_secs(5),
@@ -34,6 +38,8 @@ fn limits() -> Limits {
         consumer_max_attempts: 3,
         inbox_retention: Duration::from_secs(30),
         abandoned_statement_bound: Duration::from_millis(1500),
+        handler_timeout: Duration::from_millis(500),
+        consumer_batch_max: 4,
     }
 }
 
@@ -174,6 +180,7 @@ fn consumer() -> Run {
                 client: c(),
                 message_id: Some(id(1).to_string()),
                 redelivered: false,
+                trace: None,
             },
         )
         .at(
@@ -694,7 +701,16 @@ fn replay_cases() -> Vec<(Invariant, Run)> {
         (
             I::ReplayFreshBudget,
             consumer()
-                .at(200, Event::ReplayStarted { client: s("c#1") })
+                .at(
+                    200,
+                    Event::ReplayStarted {
+                        client: s("c#1"),
+                        ask: String::new(),
+                        ids: None,
+                        limit: 100,
+                        matching: vec![id(1)],
+                    },
+                )
                 .at(
                     210,
                     Event::Replayed {
@@ -722,6 +738,7 @@ fn refused_twice() -> Run {
                 client: s("c#1"),
                 message_id: Some(s("m2")),
                 redelivered: false,
+                trace: None,
             },
         )
         .at(
@@ -806,33 +823,42 @@ fn hostile_cases() -> Vec<(Invariant, Run)> {
 /// The operator replays event 1; the handler fails again and the failure
 /// is recorded at attempt 1, `dead_lettered` as given.
 fn failed_replay(run: Run, dead_lettered: bool) -> Run {
-    run.at(200, Event::ReplayStarted { client: s("c#1") })
-        .at(201, Event::InboxReset { ids: vec![id(1)] })
-        .at(
-            202,
-            Event::HandlerRan {
-                client: s("c#1"),
-                event_id: id(1),
-                result: HandlerResult::Failed,
-            },
-        )
-        .at(
-            203,
-            Event::InboxFailure {
-                client: s("c#1"),
-                event_id: id(1),
-                attempts: 1,
-                dead_lettered,
-            },
-        )
-        .at(
-            204,
-            Event::Replayed {
-                client: s("c#1"),
-                event_id: id(1),
-                outcome: Replay::Failed,
-            },
-        )
+    run.at(
+        200,
+        Event::ReplayStarted {
+            client: s("c#1"),
+            ask: String::new(),
+            ids: None,
+            limit: 100,
+            matching: vec![id(1)],
+        },
+    )
+    .at(201, Event::InboxReset { ids: vec![id(1)] })
+    .at(
+        202,
+        Event::HandlerRan {
+            client: s("c#1"),
+            event_id: id(1),
+            result: HandlerResult::Failed,
+        },
+    )
+    .at(
+        203,
+        Event::InboxFailure {
+            client: s("c#1"),
+            event_id: id(1),
+            attempts: 1,
+            dead_lettered,
+        },
+    )
+    .at(
+        204,
+        Event::Replayed {
+            client: s("c#1"),
+            event_id: id(1),
+            outcome: Replay::Failed,
+        },
+    )
 }
 
 fn mark(m: Mark) -> Event {
@@ -931,6 +957,7 @@ fn foreign_acked() -> Run {
                 client: s("c#1"),
                 message_id: Some(s("m7")),
                 redelivered: false,
+                trace: None,
             },
         )
         .at(
@@ -1110,6 +1137,123 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
         (I::EveryDeliveryDecided, unique_losers()),
         // Ended 2 s after its client gave up (the bound is 1.5 s).
         (I::AbandonedStatementEnds, abandoned_wait(2300)),
+        // Event 1 was written with trace context; its delivery carried none.
+        (
+            I::TraceContextCarried,
+            consumer().at(
+                1,
+                Event::Traced {
+                    id: id(1),
+                    traceparent: s("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+                    tracestate: None,
+                },
+            ),
+        ),
+        // Three publishes unconfirmed at once with a depth of two.
+        (
+            I::PipelineDepth,
+            [2, 3].into_iter().fold(producer(), |run, n| {
+                run.at(
+                    45,
+                    Event::PublishSent {
+                        client: s("a"),
+                        message_id: id(n),
+                        body_id: Some(id(n)),
+                    },
+                )
+            }),
+        ),
+        // Asked for one row of two that matched, replayed the other too
+        // and said nothing more matches.
+        (
+            I::ReplayExact,
+            consumer()
+                .at(
+                    200,
+                    Event::ReplayStarted {
+                        client: s("c#1"),
+                        ask: s("dead-lettered, limit 1"),
+                        ids: None,
+                        limit: 1,
+                        matching: vec![id(1), id(2)],
+                    },
+                )
+                .at(
+                    210,
+                    Event::ReplayEnded {
+                        client: s("c#1"),
+                        ok: true,
+                        more: false,
+                    },
+                )
+                .at(
+                    211,
+                    Event::Replayed {
+                        client: s("c#1"),
+                        event_id: id(3),
+                        outcome: Replay::Failed,
+                    },
+                ),
+        ),
+        // 30 rows pending (the threshold is 10), and the ready gauge set
+        // to 1 from that sample.
+        (
+            I::GaugesTruthful,
+            producer()
+                .at(
+                    300,
+                    Event::StatsAnswered {
+                        replica: s("a"),
+                        pending: 30,
+                        oldest_age_ms: 100,
+                        parked: 0,
+                    },
+                )
+                .at(
+                    300,
+                    Event::Gauge {
+                        name: s("canopy_mq_outbox_ready"),
+                        micros: 1_000_000,
+                    },
+                ),
+        ),
+        // Readiness says ready with no sample taken at all.
+        (
+            I::GaugesTruthful,
+            producer().at(
+                300,
+                Event::Readiness {
+                    replica: s("a"),
+                    ready: true,
+                    reasons: vec![],
+                },
+            ),
+        ),
+        // Five deliveries in one transaction, with a batch maximum of 4.
+        (
+            I::BatchMax,
+            consumer().at(
+                121,
+                Event::InboxBatch {
+                    client: s("c#1"),
+                    deliveries: 5,
+                    committed: false,
+                },
+            ),
+        ),
+        // A handler failure, then its delivery acked with no attempt
+        // recorded and no database trouble.
+        (
+            I::EveryFailureCounted,
+            consumer().at(
+                105,
+                Event::HandlerRan {
+                    client: s("c#1"),
+                    event_id: id(1),
+                    result: HandlerResult::Failed,
+                },
+            ),
+        ),
         // Never ended at all.
         (
             I::AbandonedStatementEnds,
@@ -1139,6 +1283,30 @@ fn a_unique_key_loser_dead_lettered_and_a_wait_ended_in_time_pass() {
     );
     let v = abandoned_wait(1300).verdict();
     assert!(v.ok(), "{:#?}", v.violations);
+    // A failure the database's trouble made the subscriber forget (its
+    // transaction's statement failed before the record committed).
+    let excused = consumer()
+        .at(
+            105,
+            Event::HandlerRan {
+                client: s("c#1"),
+                event_id: id(1),
+                result: HandlerResult::Failed,
+            },
+        )
+        .at(
+            107,
+            Event::Fault {
+                kind: FaultKind::PgFailure,
+                detail: s("c#1 inbox_record_failure"),
+            },
+        );
+    let v = excused.verdict();
+    assert!(
+        !v.counts.contains_key(&Invariant::EveryFailureCounted),
+        "{:#?}",
+        v.violations
+    );
 }
 
 fn cases() -> Vec<(Invariant, Run)> {

@@ -158,6 +158,13 @@ pub struct ConfigOverrides {
     pub retention_secs: Option<u64>,
     pub janitor_interval_secs: Option<u64>,
     pub janitor_batch: Option<u32>,
+    /// The stats task's interval in milliseconds (default 1000).
+    pub stats_interval_ms: Option<u64>,
+    /// Readiness: pending rows over this are unready (default 10 000).
+    pub pending_warn: Option<u64>,
+    /// Readiness: an oldest pending row older than this many seconds is
+    /// unready (default 900).
+    pub oldest_warn_secs: Option<u64>,
     /// Subscriber attempt budget (default 3).
     pub consumer_max_attempts: Option<u32>,
     /// Subscriber prefetch (default 8).

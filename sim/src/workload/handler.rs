@@ -129,7 +129,14 @@ impl Handler<SimTx> for SimHandler {
         let recorded = AtomicBool::new(false);
         let result = self.apply(tx, event, &recorded).await;
         if !recorded.load(Ordering::SeqCst) {
-            self.ran(event, &result);
+            self.ran(
+                event,
+                match &result {
+                    Ok(()) => HandlerResult::Ok,
+                    Err(e) if e.is_unavailable() => HandlerResult::Unavailable,
+                    Err(_) => HandlerResult::Failed,
+                },
+            );
         }
         result
     }
@@ -137,15 +144,11 @@ impl Handler<SimTx> for SimHandler {
 
 impl SimHandler {
     /// Records a run and what it came to.
-    fn ran(&self, event: &EventEnvelope, result: &Result<(), HandlerError>) {
+    fn ran(&self, event: &EventEnvelope, result: HandlerResult) {
         self.trace.now(Event::HandlerRan {
             client: self.who.clone(),
             event_id: event.id,
-            result: match result {
-                Ok(()) => HandlerResult::Ok,
-                Err(e) if e.is_unavailable() => HandlerResult::Unavailable,
-                Err(_) => HandlerResult::Failed,
-            },
+            result,
         });
     }
 
@@ -197,11 +200,11 @@ impl SimHandler {
             match shape {
                 0 => return failure,
                 1 => {
-                    self.ran(event, &failure);
+                    self.ran(event, HandlerResult::Failed);
                     panic!("{PANIC_MESSAGE} {}", event.id);
                 }
                 2 => {
-                    self.ran(event, &failure);
+                    self.ran(event, HandlerResult::Overran);
                     std::future::pending::<()>().await;
                 }
                 _ => {
@@ -214,10 +217,7 @@ impl SimHandler {
                         })
                         .await;
                     if best_effort.is_err() {
-                        self.ran(
-                            event,
-                            &Err(HandlerError::msg("swallowed its own SQL error")),
-                        );
+                        self.ran(event, HandlerResult::Failed);
                         recorded.store(true, Ordering::SeqCst);
                         return Ok(());
                     }
@@ -241,10 +241,7 @@ struct LockedOut<'a> {
 impl Drop for LockedOut<'_> {
     fn drop(&mut self) {
         if self.armed && self.handler.domain_locked.load(Ordering::SeqCst) {
-            self.handler.ran(
-                self.event,
-                &Err(HandlerError::msg("waited on the locked domain table")),
-            );
+            self.handler.ran(self.event, HandlerResult::Overran);
         }
     }
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use outbox::core::janitor::InboxJanitorSettings;
-use outbox::core::ports::InboxFilter;
+use outbox::core::ports::{InboxCursor, InboxFilter};
 use outbox::core::subscriber::ReplayOutcome;
 use outbox::{DrainerConfig, SubscriberSettings};
 
@@ -18,9 +18,13 @@ use super::env::Env;
 use super::{CONSUMER_QUEUE, EXCHANGE, REPLAY_EVERY};
 use crate::adapters::{SimBroker, SimInboxStore, SimStore, TraceMarks};
 use crate::engine::{Clock, Spawner};
+use crate::fakes::pg::inbox::ListFilter;
 use crate::scenario::Scenario;
 use crate::trace::{Event, Replay, Trace};
 use crate::workload::handler::SimHandler;
+
+/// How often a drainer host asks its handle for readiness.
+const READINESS_EVERY: Duration = Duration::from_secs(1);
 
 /// The drainer configuration of `replica`.
 pub fn drainer_config(s: &Scenario, replica: &str) -> DrainerConfig {
@@ -38,6 +42,9 @@ pub fn drainer_config(s: &Scenario, replica: &str) -> DrainerConfig {
         .retention(Duration::from_secs(c.retention_secs.unwrap_or(3)))
         .janitor_interval(Duration::from_secs(c.janitor_interval_secs.unwrap_or(2)))
         .janitor_batch(c.janitor_batch.unwrap_or(1000))
+        .stats_interval(Duration::from_millis(c.stats_interval_ms.unwrap_or(1000)))
+        .pending_warn(c.pending_warn.unwrap_or(10_000))
+        .oldest_warn_secs(c.oldest_warn_secs.unwrap_or(900))
         .build()
         .unwrap_or_else(|e| panic!("scenario {} has an invalid drainer config: {e}", s.name))
 }
@@ -89,6 +96,8 @@ pub fn spawn_drainer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: u
         let broker = SimBroker::new(replica.clone(), trace.clone(), hooks.clone());
         let marks = TraceMarks::marks(replica.clone(), trace.clone());
         let entropy = outbox::SplitMix64::new(seed ^ u64::from(n));
+        let replica_name = replica.clone();
+        let readiness_trace = trace.clone();
         let wakeup = SimCommitWakeup {
             replica,
             trace: trace.clone(),
@@ -106,10 +115,18 @@ pub fn spawn_drainer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: u
                 spawn: Spawner {},
                 marks,
             };
-            let _handle = outbox::DrainerHandle::spawn_on(ports, config);
-            // Runs until the host crashes or the simulation ends.
-            std::future::pending::<()>().await;
-            Ok(())
+            let handle = outbox::DrainerHandle::spawn_on(ports, config);
+            // Runs until the host crashes or the simulation ends, asking
+            // readiness every second as a `/readyz` probe would.
+            loop {
+                tokio::time::sleep(READINESS_EVERY).await;
+                let r = handle.readiness();
+                readiness_trace.now(Event::Readiness {
+                    replica: replica_name.clone(),
+                    ready: r.ready,
+                    reasons: r.reasons.iter().map(ToString::to_string).collect(),
+                });
+            }
         }
     });
 }
@@ -144,6 +161,7 @@ pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: 
     let transient = s.config.consumer_transient_one_in.unwrap_or(0);
     let (downstream, healed) = (env.downstream_broken.clone(), env.healed.clone());
     let domain_locked = env.domain_locked.clone();
+    let pg = env.pg.clone();
     let incarnation = Arc::new(AtomicU32::new(0));
     let name = host.clone();
     sim.host(name.as_str(), move || {
@@ -169,7 +187,7 @@ pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: 
             )
             .with_marks(marks.clone()),
         );
-        let operator = (i == 1).then(|| (healed.clone(), trace.clone(), who.clone()));
+        let operator = (i == 1).then(|| (healed.clone(), pg.clone(), trace.clone(), who.clone()));
         async move {
             let (_keep, rx) = tokio::sync::watch::channel(false);
             tokio::spawn(outbox::core::janitor::run_inbox(
@@ -179,8 +197,8 @@ pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: 
                 rx.clone(),
                 marks,
             ));
-            if let Some((healed, trace, who)) = operator {
-                tokio::spawn(operate(subscriber.clone(), healed, trace, who));
+            if let Some((healed, pg, trace, who)) = operator {
+                tokio::spawn(operate(subscriber.clone(), healed, pg, trace, who));
             }
             subscriber
                 .run(rx)
@@ -193,30 +211,55 @@ pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: 
 
 type SimSubscriber = outbox::Subscriber<SimInboxStore, SimBroker, Clock, SimHandler>;
 
-/// The operator: after the heal, replays dead letters every few seconds,
-/// recording what each replay reported.
+/// The operator: after the heal, replays every few seconds, asking in turn
+/// for (0) a page of dead-lettered rows, three at a time, each page going
+/// on after the last (`after`, from the previous page's `next`); (1) by
+/// ids: the two oldest dead-lettered rows, a processed one and one the
+/// inbox never held; (2) up to five unprocessed `poison.` rows, dead-lettered
+/// or not. Each replay records what it asked for and what matched then (the
+/// checker's `replay_exact`), and what each row came to.
 async fn operate(
     subscriber: Arc<SimSubscriber>,
     healed: Arc<std::sync::atomic::AtomicBool>,
+    pg: crate::fakes::pg::PgState,
     trace: Trace,
     who: String,
 ) {
-    loop {
+    let mut after: Option<InboxCursor> = None;
+    for round in 0u64.. {
         tokio::time::sleep(REPLAY_EVERY).await;
         if !healed.load(Ordering::SeqCst) {
             continue;
         }
+        let filter = ask(round, after, &pg);
+        let fake = ListFilter {
+            ids: filter.ids.clone(),
+            subscription: Some(CONSUMER_QUEUE.to_owned()),
+            routing_key: filter.routing_key.clone(),
+            dead_lettered_only: filter.dead_lettered_only,
+            after: filter.after.map(|c| (ms_of(c.received_at), c.event_id)),
+        };
+        let limit = filter
+            .limit
+            .unwrap_or(outbox::core::ports::LIST_LIMIT_DEFAULT);
         trace.now(Event::ReplayStarted {
             client: who.clone(),
+            ask: format!("{filter:?}"),
+            ids: filter.ids.clone(),
+            limit,
+            matching: pg.lock().inbox.matching(&fake),
         });
-        let filter = InboxFilter {
-            dead_lettered_only: true,
-            ..Default::default()
-        };
-        let Ok(outcomes) = subscriber.replay(&filter).await else {
-            continue;
-        };
-        for (event_id, outcome) in outcomes {
+        let page = subscriber.replay_page(&filter).await;
+        trace.now(Event::ReplayEnded {
+            client: who.clone(),
+            ok: page.is_ok(),
+            more: page.as_ref().is_ok_and(|p| p.next.is_some()),
+        });
+        let Ok(page) = page else { continue };
+        if round % 3 == 0 {
+            after = page.next;
+        }
+        for (event_id, outcome) in page.results {
             trace.now(Event::Replayed {
                 client: who.clone(),
                 event_id,
@@ -229,4 +272,50 @@ async fn operate(
             });
         }
     }
+}
+
+/// The operator's ask of round `round` (see [`operate`]).
+fn ask(round: u64, after: Option<InboxCursor>, pg: &crate::fakes::pg::PgState) -> InboxFilter {
+    match round % 3 {
+        0 => InboxFilter {
+            dead_lettered_only: true,
+            limit: Some(3),
+            after,
+            ..Default::default()
+        },
+        1 => {
+            let db = pg.lock();
+            let dead = db.inbox.matching(&ListFilter {
+                subscription: Some(CONSUMER_QUEUE.to_owned()),
+                dead_lettered_only: true,
+                ..Default::default()
+            });
+            let processed = db
+                .inbox
+                .rows()
+                .find(|r| r.processed_ms.is_some())
+                .map(|r| r.event_id);
+            let never = uuid::Uuid::from_u128(0x0000_0000_0000_7000_8000_0000_0000_0001);
+            let ids = dead
+                .into_iter()
+                .take(2)
+                .chain(processed)
+                .chain([never])
+                .collect();
+            InboxFilter {
+                ids: Some(ids),
+                ..Default::default()
+            }
+        }
+        _ => InboxFilter {
+            routing_key: Some("poison.event".into()),
+            limit: Some(5),
+            ..Default::default()
+        },
+    }
+}
+
+/// The fake's milliseconds of a time the sim adapter made from them.
+fn ms_of(t: time::OffsetDateTime) -> u64 {
+    u64::try_from((t - time::OffsetDateTime::UNIX_EPOCH).whole_milliseconds()).unwrap_or(0)
 }

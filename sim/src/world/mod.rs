@@ -112,6 +112,10 @@ pub fn limits(s: &Scenario) -> Limits {
     let d = drainer_config(s, "check");
     Limits {
         batch_size: d.batch_size,
+        pipeline_depth: d.pipeline_depth,
+        stats_interval: d.stats_interval,
+        pending_warn: d.pending_warn,
+        oldest_warn: d.oldest_warn,
         max_attempts: d.max_attempts,
         confirm_timeout: d.confirm_timeout,
         lease_ttl: d.lease_ttl,
@@ -124,6 +128,8 @@ pub fn limits(s: &Scenario) -> Limits {
         // The subscriber pings the database (within the handler's
         // deadline) before it ends an overrun handler's statement.
         abandoned_statement_bound: subscriber_settings(s).handler_timeout + Duration::from_secs(1),
+        handler_timeout: subscriber_settings(s).handler_timeout,
+        consumer_batch_max: subscriber_settings(s).batch_max,
     }
 }
 
@@ -245,6 +251,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
 pub async fn run_on(mut sim: Sim, scenario: Scenario, seed: u64, trace: Trace) -> RunOutcome {
     let scenario = &scenario;
     let topology = &scenario.topology;
+    let _gauges = crate::gauges::record_into(&trace);
     let faults = faults_of(scenario, seed);
     let fakes = (
         PgState::new(stream(seed, "pg"), trace.clone()),

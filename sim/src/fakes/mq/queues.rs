@@ -303,6 +303,7 @@ impl Queues {
                     client: c.client.clone(),
                     message_id: m.message_id.clone(),
                     redelivered: m.redelivered,
+                    trace: m.trace.clone(),
                 });
                 let tag = c.next_tag;
                 c.next_tag += 1;

@@ -61,6 +61,38 @@ pub struct Caller<'a> {
     pub trace: &'a Trace,
 }
 
+/// What `inbox_list_unprocessed.sql` selects: unprocessed rows, filtered.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub ids: Option<Vec<Uuid>>,
+    pub subscription: Option<String>,
+    pub routing_key: Option<String>,
+    pub dead_lettered_only: bool,
+    /// Rows after this (received ms, event id) only.
+    pub after: Option<(u64, Uuid)>,
+}
+
+impl ListFilter {
+    /// Whether `r` is selected.
+    pub fn keeps(&self, r: &InboxRow) -> bool {
+        r.processed_ms.is_none()
+            && self.after.is_none_or(|a| (r.received_ms, r.event_id) > a)
+            && self
+                .ids
+                .as_ref()
+                .is_none_or(|ids| ids.contains(&r.event_id))
+            && self
+                .subscription
+                .as_ref()
+                .is_none_or(|s| *s == r.subscription)
+            && self
+                .routing_key
+                .as_ref()
+                .is_none_or(|k| *k == r.routing_key)
+            && (!self.dead_lettered_only || r.dead_lettered_ms.is_some())
+    }
+}
+
 /// One committed inbox row (times in the fake's milliseconds).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InboxRow {
@@ -137,6 +169,8 @@ pub struct InboxTx {
     /// Rows given a fresh budget by a replay's insert, applied first at
     /// commit.
     resets: Vec<Key>,
+    /// Inbox inserts asked for (deliveries of the batch).
+    tried: u32,
     /// Failed attempts recorded on rows this transaction inserted, each as
     /// it was recorded: (event, attempts, dead-lettered).
     insert_failures: Vec<(Uuid, i32, bool)>,
@@ -161,6 +195,11 @@ impl InboxTx {
     /// Whether the transaction did any inbox work.
     pub fn is_empty(&self) -> bool {
         self.inserts.is_empty() && self.locked.is_empty() && self.effects.is_empty()
+    }
+
+    /// How many deliveries asked for their inbox row in it.
+    pub fn deliveries(&self) -> u32 {
+        self.tried
     }
 
     /// Whether a savepoint is set (`ROLLBACK TO SAVEPOINT` can recover an
@@ -403,15 +442,14 @@ impl Inbox {
                 limit,
                 after,
             } => {
-                let filter = |r: &&InboxRow| {
-                    r.processed_ms.is_none()
-                        && after.is_none_or(|a| (r.received_ms, r.event_id) > a)
-                        && ids.as_ref().is_none_or(|ids| ids.contains(&r.event_id))
-                        && subscription.as_ref().is_none_or(|s| *s == r.subscription)
-                        && routing_key.as_ref().is_none_or(|k| *k == r.routing_key)
-                        && (!dead_lettered_only || r.dead_lettered_ms.is_some())
+                let filter = ListFilter {
+                    ids: ids.clone(),
+                    subscription: subscription.clone(),
+                    routing_key: routing_key.clone(),
+                    dead_lettered_only: *dead_lettered_only,
+                    after: *after,
                 };
-                self.list(filter, *limit)
+                self.list(|r| filter.keeps(r), *limit)
             }
             PgRequest::InboxDeleteProcessed {
                 older_than_ms,
@@ -431,7 +469,10 @@ impl Inbox {
         now: u64,
     ) -> PgReply {
         match req {
-            PgRequest::InboxTryInsert { entry } => self.try_insert(entry, caller, tx, now),
+            PgRequest::InboxTryInsert { entry } => {
+                tx.tried += 1;
+                self.try_insert(entry, caller, tx, now)
+            }
             PgRequest::InboxMarkProcessed {
                 subscription,
                 event_id,
@@ -571,9 +612,17 @@ impl Inbox {
         PgReply::Inbox(outcome)
     }
 
+    /// The rows `filter` selects now, oldest first: what a replay asking
+    /// it should meet (the operator's record of what it asked for).
+    pub fn matching(&self, filter: &ListFilter) -> Vec<Uuid> {
+        let mut rows: Vec<&InboxRow> = self.rows.values().filter(|r| filter.keeps(r)).collect();
+        rows.sort_by_key(|r| (r.received_ms, r.event_id));
+        rows.into_iter().map(|r| r.event_id).collect()
+    }
+
     /// `inbox_list_unprocessed.sql`: the rows `filter` keeps, oldest first.
-    fn list(&self, filter: impl FnMut(&&InboxRow) -> bool, limit: u32) -> PgReply {
-        let mut rows: Vec<&InboxRow> = self.rows.values().filter(filter).collect();
+    fn list(&self, filter: impl Fn(&InboxRow) -> bool, limit: u32) -> PgReply {
+        let mut rows: Vec<&InboxRow> = self.rows.values().filter(|r| filter(r)).collect();
         rows.sort_by_key(|r| (r.received_ms, r.event_id));
         PgReply::InboxRows(
             rows.into_iter()

@@ -786,6 +786,7 @@ impl Session {
             return PgReply::Error(error);
         }
         self.end_local();
+        self.batch_ended(&tx.inbox, true);
         let now = tx.began_ms;
         let trace = &self.state.trace;
         let mut db = self.state.lock();
@@ -827,6 +828,17 @@ impl Session {
         PgReply::Ok
     }
 
+    /// Records how many deliveries a handler transaction held.
+    fn batch_ended(&self, inbox: &InboxTx, committed: bool) {
+        if inbox.deliveries() > 0 {
+            self.state.trace.now(Event::InboxBatch {
+                client: self.client.clone(),
+                deliveries: inbox.deliveries(),
+                committed,
+            });
+        }
+    }
+
     /// Undoes the open transaction: inserts vanish, claimed leases return to
     /// what they were, locks are released.
     fn rollback(&mut self) {
@@ -834,6 +846,7 @@ impl Session {
             return;
         };
         self.end_local();
+        self.batch_ended(&tx.inbox, false);
         let mut db = self.state.lock();
         db.inbox.rollback(tx.inbox, self.id);
         self.state.unlocked.notify_waiters();
