@@ -451,12 +451,23 @@ pub enum Event {
 #[derive(Debug, Clone, Default)]
 pub struct Trace {
     inner: Arc<Mutex<Vec<(Duration, Event)>>>,
+    sealed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Trace {
-    /// Records `event` at simulated time `at`.
+    /// Records `event` at simulated time `at` (nothing once sealed).
     pub fn record(&self, at: Duration, event: Event) {
+        if self.sealed.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
         self.inner.lock().expect("trace lock").push((at, event));
+    }
+
+    /// Ends the run's trace: what the hosts' tasks record as the engine
+    /// drops them after the run (in an order no seed decides) is not part
+    /// of it.
+    pub fn seal(&self) {
+        self.sealed.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Records `event` at the current simulated time.

@@ -97,6 +97,7 @@ fn every_scenario_file_has_a_test_here() {
         "producer_and_consumer_swarm",
         "rate_bounded_backlog",
         "redelivery_storm",
+        "refused_amid_failures",
         "replicas_racing",
         "reply_lost",
         "slow_claims",
@@ -186,6 +187,10 @@ fn rate_bounded_backlog() {
 #[test]
 fn hostile_deliveries() {
     check("hostile_deliveries");
+}
+#[test]
+fn refused_amid_failures() {
+    check("refused_amid_failures");
 }
 #[test]
 fn slow_claims() {

@@ -228,6 +228,7 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
         trace.now(Event::SimulationError {
             message: format!("a task panicked: {message}"),
         });
+        trace.seal();
         let events = trace.events();
         let mut verdict = Verdict::default();
         stopped_early(&mut verdict, &events);
@@ -294,6 +295,7 @@ pub async fn run_on(mut sim: Sim, scenario: Scenario, seed: u64, trace: Trace) -
     );
     let queue = (topology.consumers > 0).then_some(CONSUMER_QUEUE);
     drive(&mut sim, &mut env, scenario, &faults, &done, queue).await;
+    trace.seal();
     let (verdict, coverage) = {
         let events = trace.lock();
         (
