@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::{eventually, unique};
 use lapin::options::BasicGetOptions;
-use outbox::core::ports::{Broker, InboxFilter, OutgoingMessage, PublishChannel, SubscriptionSpec};
+use outbox::core::ports::{InboxFilter, SubscriptionSpec};
 use outbox::core::subscriber::{
     Handler, ReplayOutcome, Subscriber, SubscriberCounters, SubscriberSettings, SubscriberStats,
 };
@@ -165,28 +165,18 @@ async fn start_with(pool: PgPool, o: Options) -> Running {
 impl Running {
     /// Waits up to `secs` seconds for the counters to satisfy `done`.
     async fn until(&self, secs: u64, done: impl Fn(&SubscriberStats) -> bool) {
-        let c = self.counters.clone();
-        eventually(Duration::from_secs(secs), || {
-            let reached = done(&c.snapshot());
-            async move { reached }
-        })
-        .await;
+        common::until_counters(&self.counters, secs, done).await;
     }
 
     async fn publish(&self, routing_key: &str, message_id: Uuid, body: &[u8]) {
-        let mut ch = self.publisher.channel_open().await.unwrap();
-        ch.channel_confirm_select().await.unwrap();
-        let confirm = ch
-            .channel_publish(OutgoingMessage {
-                exchange: &self.exchange,
-                routing_key,
-                message_id,
-                body,
-                trace: None,
-            })
-            .await
-            .unwrap();
-        assert_eq!(confirm.await.unwrap(), outbox::core::ports::Confirm::Ack);
+        common::publish_confirmed(
+            &self.publisher,
+            &self.exchange,
+            routing_key,
+            message_id,
+            body,
+        )
+        .await;
     }
 
     async fn publish_envelope(&self, e: &EventEnvelope) {

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{eventually, unique};
-use outbox::core::ports::{Broker, Confirm, OutgoingMessage, PublishChannel, SubscriptionSpec};
+use outbox::core::ports::SubscriptionSpec;
 use outbox::core::subscriber::{Handler, Subscriber, SubscriberSettings, SubscriberStats};
 use outbox::{EventEnvelope, HandlerError, LapinBroker, PgInboxStore, PgTx, TokioClock};
 use sqlx::PgPool;
@@ -133,33 +133,23 @@ async fn start(pool: &PgPool, connections: u32, batch_max: u32, max_attempts: u3
 }
 
 impl Running {
-    /// Publishes these envelopes on one channel, in order.
+    /// Publishes these envelopes, in order, each confirmed.
     async fn publish(&self, events: &[EventEnvelope]) {
-        let mut ch = self.publisher.channel_open().await.unwrap();
-        ch.channel_confirm_select().await.unwrap();
         for e in events {
             let body = e.encode(&Default::default()).unwrap();
-            let confirm = ch
-                .channel_publish(OutgoingMessage {
-                    exchange: &self.exchange,
-                    routing_key: &e.routing_key,
-                    message_id: e.id,
-                    body: body.as_bytes(),
-                    trace: None,
-                })
-                .await
-                .unwrap();
-            assert_eq!(confirm.await.unwrap(), Confirm::Ack);
+            common::publish_confirmed(
+                &self.publisher,
+                &self.exchange,
+                &e.routing_key,
+                e.id,
+                body.as_bytes(),
+            )
+            .await;
         }
     }
 
     async fn until(&self, secs: u64, done: impl Fn(&SubscriberStats) -> bool) {
-        let c = self.subscriber.counters();
-        eventually(Duration::from_secs(secs), || {
-            let reached = done(&c.snapshot());
-            async move { reached }
-        })
-        .await;
+        common::until_counters(&self.subscriber.counters(), secs, done).await;
     }
 
     async fn count(&self, sql: &'static str, id: Option<Uuid>) -> i64 {

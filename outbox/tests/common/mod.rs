@@ -237,6 +237,45 @@ where
     }
 }
 
+/// Publishes `body` through the library's broker port on a confirming
+/// channel of its own and waits for the broker's ack.
+pub async fn publish_confirmed(
+    publisher: &outbox::LapinBroker,
+    exchange: &str,
+    routing_key: &str,
+    message_id: uuid::Uuid,
+    body: &[u8],
+) {
+    use outbox::core::ports::{Broker, Confirm, OutgoingMessage, PublishChannel};
+    let mut ch = publisher.channel_open().await.unwrap();
+    ch.channel_confirm_select().await.unwrap();
+    let confirm = ch
+        .channel_publish(OutgoingMessage {
+            exchange,
+            routing_key,
+            message_id,
+            body,
+            trace: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(confirm.await.unwrap(), Confirm::Ack);
+}
+
+/// Waits up to `secs` seconds for a subscriber's counters to satisfy
+/// `done`.
+pub async fn until_counters(
+    counters: &outbox::core::subscriber::SubscriberCounters,
+    secs: u64,
+    done: impl Fn(&outbox::core::subscriber::SubscriberStats) -> bool,
+) {
+    eventually(Duration::from_secs(secs), || {
+        let reached = done(&counters.snapshot());
+        async move { reached }
+    })
+    .await;
+}
+
 /// What the proxy does with bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProxyMode {
