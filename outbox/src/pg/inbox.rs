@@ -107,6 +107,20 @@ impl PgInboxStore {
         }
     }
 
+    /// One statement of no rows (a savepoint, a check, a rollback to one)
+    /// in the transaction, bounded as [`Self::in_tx`].
+    async fn raw_in_tx(tx: &mut PgInboxTx, statement: &'static str) -> Result<(), StoreError> {
+        let (tx, abandoned) = tx.parts();
+        Self::in_tx(abandoned, async {
+            sqlx::raw_sql(statement)
+                .execute(&mut **tx)
+                .await
+                .map_err(map_err)
+                .map(drop)
+        })
+        .await
+    }
+
     /// Ends the transaction tagged `tag` at the server (on the control
     /// pool), bounded; false if that could not be done.
     async fn terminate(&self, tag: &str) -> bool {
@@ -176,27 +190,11 @@ impl InboxStore for PgInboxStore {
     }
 
     async fn inbox_check(&self, tx: &mut PgInboxTx) -> Result<(), StoreError> {
-        let (tx, abandoned) = tx.parts();
-        Self::in_tx(abandoned, async {
-            sqlx::raw_sql(sql::INBOX_CHECK)
-                .execute(&mut **tx)
-                .await
-                .map_err(map_err)
-                .map(drop)
-        })
-        .await
+        Self::raw_in_tx(tx, sql::INBOX_CHECK).await
     }
 
     async fn inbox_undo_handler(&self, tx: &mut PgInboxTx) -> Result<(), StoreError> {
-        let (tx, abandoned) = tx.parts();
-        Self::in_tx(abandoned, async {
-            sqlx::raw_sql(sql::INBOX_ROLLBACK_HANDLER)
-                .execute(&mut **tx)
-                .await
-                .map_err(map_err)
-                .map(drop)
-        })
-        .await
+        Self::raw_in_tx(tx, sql::INBOX_ROLLBACK_HANDLER).await
     }
 
     async fn inbox_abandon(&self, tx: PgInboxTx) {
@@ -264,15 +262,7 @@ impl InboxStore for PgInboxStore {
     }
 
     async fn inbox_savepoint(&self, tx: &mut PgInboxTx) -> Result<(), StoreError> {
-        let (tx, abandoned) = tx.parts();
-        Self::in_tx(abandoned, async {
-            sqlx::raw_sql(sql::INBOX_SAVEPOINT)
-                .execute(&mut **tx)
-                .await
-                .map_err(map_err)
-                .map(drop)
-        })
-        .await
+        Self::raw_in_tx(tx, sql::INBOX_SAVEPOINT).await
     }
 
     async fn inbox_mark_processed(
