@@ -6,7 +6,7 @@
 //! ```text
 //! cargo run --release -p outbox --example consume -- --queue demo.orders --binding 'demo.#' \
 //!     [--exit-after N] [--fail-every K] [--prefill N [--duplicate-ratio R]] \
-//!     [--exchange canopy.events] [--database-url URL] [--amqp-url URL]
+//!     [--exchange canopy.events] [--database-url URL] [--amqp-url URL[,URL...]]
 //! ```
 //!
 //! `--prefill N` first publishes N envelopes (with publisher confirms) whose
@@ -48,7 +48,7 @@ struct Args {
 
 const USAGE: &str = "usage: consume --queue NAME --binding KEY [--exit-after N] [--fail-every K] \
                      [--prefill N [--duplicate-ratio R]] [--exchange NAME] \
-                     [--database-url URL] [--amqp-url URL]";
+                     [--database-url URL] [--amqp-url URL[,URL...]]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -223,7 +223,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .execute(&pool)
     .await?;
 
-    let broker = Arc::new(LapinBroker::new(args.amqp_url.clone()));
+    let broker = Arc::new(LapinBroker::from_list(&args.amqp_url)?);
     // Declare the topology first, so a prefill reaches the queue.
     {
         let conn = broker.connection().await?;

@@ -6,7 +6,7 @@
 //! cargo run --release -p outbox --example produce -- --count 100000 \
 //!     [--exchange canopy.events] [--routing-key demo.order.created] \
 //!     [--database-url postgres://postgres@127.0.0.1:5432/postgres] \
-//!     [--amqp-url amqp://guest:guest@127.0.0.1:5672/%2f]
+//!     [--amqp-url amqp://guest:guest@127.0.0.1:5672/%2f[,amqp://...]]
 //! ```
 
 use std::time::{Duration, Instant};
@@ -54,7 +54,7 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => {
                 return Err(
                     "usage: produce --count N [--exchange NAME] [--routing-key KEY] \
-                            [--database-url URL] [--amqp-url URL]"
+                            [--database-url URL] [--amqp-url URL[,URL...]]"
                         .into(),
                 );
             }
@@ -89,7 +89,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .execute(&pool)
     .await?;
 
-    let broker = LapinBroker::new(args.amqp_url.clone());
+    let broker = LapinBroker::from_list(&args.amqp_url)?;
     broker
         .declare_topic_exchange(&args.exchange)
         .await

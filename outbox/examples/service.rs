@@ -212,7 +212,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/outbox_service_example".into());
-    let amqp_url = std::env::var("AMQP_URL")
+    // The broker's nodes: CANOPY_MQ_AMQP_URLS (comma-separated), else
+    // AMQP_URL, else the local node.
+    let amqp_urls = std::env::var(outbox::config::vars::AMQP_URLS)
+        .or_else(|_| std::env::var("AMQP_URL"))
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let addr = std::env::var("SERVICE_ADDR").unwrap_or_else(|_| "127.0.0.1:8080".into());
 
@@ -230,13 +233,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The producer half: the drainer (with its janitor and stats task).
     let config = DrainerConfig::from_env()?;
-    let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::new(amqp_url.clone()), config);
+    let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::from_list(&amqp_urls)?, config);
 
     // The consumer half, in the same process.
     let settings = SubscriberSettings::from_env(QUEUE, &["orders.#"])?;
     let subscriber = Arc::new(Subscriber::new(
         Arc::new(PgInboxStore::new(pool.clone())),
-        Arc::new(LapinBroker::new(amqp_url)),
+        Arc::new(LapinBroker::from_list(&amqp_urls)?),
         Arc::new(TokioClock::default()),
         Arc::new(Ship),
         settings,

@@ -69,6 +69,12 @@ pub mod vars {
     pub const SUBSCRIBER_BATCH_MAX: &str = "CANOPY_MQ_SUBSCRIBER_BATCH_MAX";
     /// Longest a batch's first delivery waits for company, in milliseconds.
     pub const SUBSCRIBER_BATCH_LINGER_MS: &str = "CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS";
+    /// The kind of queue a subscription declares: `quorum` (default) or
+    /// `classic`.
+    pub const SUBSCRIBER_QUEUE_TYPE: &str = "CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE";
+    /// The broker's nodes, comma-separated AMQP URLs (a comma inside a
+    /// password is written `%2C`).
+    pub const AMQP_URLS: &str = "CANOPY_MQ_AMQP_URLS";
 }
 
 /// Upper bound on a subscriber's handler concurrency.
@@ -117,6 +123,7 @@ impl crate::core::subscriber::SubscriberSettings {
                 exchange: "canopy.events".into(),
                 bindings: bindings.iter().map(|b| (*b).to_owned()).collect(),
                 prefetch: 64,
+                queue_type: crate::core::ports::QueueType::Quorum,
             },
             concurrency: 4,
             max_attempts: 5,
@@ -125,6 +132,23 @@ impl crate::core::subscriber::SubscriberSettings {
             batch_max: SUBSCRIBER_BATCH_MAX_DEFAULT,
             batch_linger: SUBSCRIBER_BATCH_LINGER_DEFAULT,
         }
+    }
+
+    /// The same settings with the subscription's queue of kind `queue_type`
+    /// (a builder step; `CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE` in
+    /// [`from_env`](Self::from_env)).
+    ///
+    /// ```
+    /// use outbox::{QueueType, SubscriberSettings};
+    /// let s = SubscriberSettings::new("billing.orders", &["orders.*"]);
+    /// assert_eq!(s.spec.queue_type, QueueType::Quorum);
+    /// let s = s.queue_type(QueueType::Classic);
+    /// assert_eq!(s.spec.queue_type, QueueType::Classic);
+    /// ```
+    #[must_use]
+    pub fn queue_type(mut self, queue_type: crate::core::ports::QueueType) -> Self {
+        self.spec.queue_type = queue_type;
+        self
     }
 
     /// The subscription as each worker opens it, on a channel of its own:
@@ -150,8 +174,9 @@ impl crate::core::subscriber::SubscriberSettings {
     /// `CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS`,
     /// `CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES`,
     /// `CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS`,
-    /// `CANOPY_MQ_SUBSCRIBER_BATCH_MAX` and
-    /// `CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS` applied, then validated.
+    /// `CANOPY_MQ_SUBSCRIBER_BATCH_MAX`,
+    /// `CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS` and
+    /// `CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE` applied, then validated.
     pub fn from_env(queue: impl Into<String>, bindings: &[&str]) -> Result<Self, ConfigError> {
         Self::from_lookup(queue, bindings, |name| std::env::var(name).ok())
     }
@@ -201,6 +226,13 @@ impl crate::core::subscriber::SubscriberSettings {
         }
         if let Some(v) = lookup(vars::SUBSCRIBER_BATCH_LINGER_MS) {
             s.batch_linger = Duration::from_millis(parse(vars::SUBSCRIBER_BATCH_LINGER_MS, &v)?);
+        }
+        if let Some(v) = lookup(vars::SUBSCRIBER_QUEUE_TYPE) {
+            s.spec.queue_type = v.parse().map_err(|rule| ConfigError::Invalid {
+                var: vars::SUBSCRIBER_QUEUE_TYPE,
+                value: v.clone(),
+                rule,
+            })?;
         }
         s.validate()?;
         Ok(s)
@@ -262,6 +294,14 @@ impl crate::core::subscriber::SubscriberSettings {
                 vars::SUBSCRIBER_MAX_ATTEMPTS,
                 &self.max_attempts,
                 "must be > 0",
+            );
+        }
+        if self.max_attempts > crate::core::ports::SUBSCRIBER_MAX_ATTEMPTS_MAX {
+            return invalid(
+                vars::SUBSCRIBER_MAX_ATTEMPTS,
+                &self.max_attempts,
+                "must be <= 100 (a tenth of the quorum queue's delivery limit, 1000, which \
+                 also counts redeliveries after crashes and node losses)",
             );
         }
         if !(1024..=SUBSCRIBER_MAX_BODY_BYTES_MAX).contains(&self.max_body_bytes) {

@@ -196,6 +196,17 @@ pub enum DrainError {
     /// The broker failed during Phase 2.
     #[error(transparent)]
     Broker(#[from] BrokerError),
+    /// The broker nacked publishes (a queue full under `reject-publish`, or
+    /// its own internal error): infrastructure trouble, not the rows'. They
+    /// were released without touching `attempts` and are published again
+    /// after the drainer's backoff.
+    #[error("the broker refused {rows} publishes ({reason}); released without blame")]
+    Refused {
+        /// Rows nacked in the batch.
+        rows: usize,
+        /// The first nack's reason.
+        reason: String,
+    },
     /// The store failed during Phase 1 or Phase 3.
     #[error(transparent)]
     Store(#[from] StoreError),

@@ -126,6 +126,7 @@ async fn start_with(pool: PgPool, o: Options) -> Running {
             exchange: exchange.clone(),
             bindings: vec!["orders.#".into()],
             prefetch: 16,
+            queue_type: outbox::QueueType::Quorum,
         },
         concurrency: 4,
         max_attempts: 3,
@@ -718,6 +719,7 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
                 exchange: exchange.clone(),
                 bindings: vec!["orders.#".into()],
                 prefetch: 4,
+                queue_type: outbox::QueueType::Quorum,
             },
             concurrency: 1,
             max_attempts: 3,
@@ -738,6 +740,17 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
                 matches!(source, outbox::BrokerError::Channel(_)),
                 "{source:?}"
             );
+            // The broker names the queue and the argument; the library
+            // names the setting that chose it.
+            let text = source.to_string();
+            for part in [
+                "PRECONDITION_FAILED",
+                queue.as_str(),
+                "x-queue-type",
+                "CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE=quorum",
+            ] {
+                assert!(text.contains(part), "{part:?} not in {text}");
+            }
         }
         other => panic!("expected a setup error, got {other:?}"),
     }

@@ -84,6 +84,7 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
                 exchange: exchange.clone(),
                 bindings: vec!["orders.#".into()],
                 prefetch: 8,
+                queue_type: outbox::QueueType::Quorum,
             },
             concurrency: 2,
             max_attempts: 3,

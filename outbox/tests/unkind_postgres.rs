@@ -101,6 +101,7 @@ async fn start(pool: &PgPool, connections: u32, batch_max: u32, max_attempts: u3
             exchange: exchange.clone(),
             bindings: vec!["orders.#".into()],
             prefetch: 16,
+            queue_type: outbox::QueueType::Quorum,
         },
         concurrency: 1,
         max_attempts,

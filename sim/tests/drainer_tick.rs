@@ -3,7 +3,8 @@
 //! themselves), on the simulation adapters: it publishes and marks what it
 //! claimed; when the broker's link black-holes it releases the batch within
 //! the confirm timeout, blames no row, and the next tick after the heal
-//! publishes it. Its report, and a drain's, count what the store did.
+//! publishes it; a broker's nack blames no row either. Its report, and a
+//! drain's, count what the store did.
 
 // turmoil only: these drive the turmoil world by hand (links held and
 // released between steps); the scenarios and the conformance suite run on
@@ -168,15 +169,30 @@ fn ticks_keep_to_the_rate_bound() {
     sim.run().unwrap();
 }
 
+/// Commits envelopes number `first..first + n` stored with a routing key
+/// no broker accepts (rows written by hand, past `publish_tx`).
+async fn commit_unpublishable(pg: &PgClient, first: u64, n: u64) {
+    let rows = (first..first + n)
+        .map(|i| {
+            let e = numbered_envelope("orders.created", i);
+            NewRow {
+                id: e.id,
+                routing_key: String::new(),
+                body: e.encode(&Default::default()).unwrap(),
+            }
+        })
+        .collect();
+    pg.in_tx(vec![PgRequest::Insert { rows }]).await.unwrap();
+}
+
 #[test]
 fn reports_count_what_the_store_did() {
-    // Batches of three over five good rows and two the broker nacks, with
+    // Batches of three over five good rows and two no broker accepts, with
     // two attempts before a row parks: a drain claims all seven in three
     // batches, marks five published and two failed; a tick then claims
     // the two again and parks them; two drains do the same with two more.
     let trace = Trace::default();
-    let (mut sim, state, mq) = fakes::bare_world(8, &trace);
-    mq.faults.lock().unwrap().nack_prefix = Some("poison.".into());
+    let (mut sim, state, _) = fakes::bare_world(8, &trace);
     sim.client("drainer", async move {
         let config = DrainerConfig::builder()
             .replica_id("drainer-1")
@@ -187,7 +203,7 @@ fn reports_count_what_the_store_did() {
         let drainer = sim_drainer(&trace, config);
         let writer = PgClient::new("writer", trace.clone());
         commit(&writer, 0, 2).await;
-        commit_keyed(&writer, 2, 2, "poison.order").await;
+        commit_unpublishable(&writer, 2, 2).await;
         commit(&writer, 4, 3).await;
         let (_keep, shutdown) = tokio::sync::watch::channel(false);
         let report = drainer.drain(&shutdown).await.unwrap();
@@ -198,7 +214,7 @@ fn reports_count_what_the_store_did() {
         assert_eq!(counts(report), (2, 0, 2, 2, 0), "{report:?}");
         // The same through drains: a drain's report sums its batches'
         // parked rows too.
-        commit_keyed(&writer, 7, 2, "poison.order").await;
+        commit_unpublishable(&writer, 7, 2).await;
         commit(&writer, 9, 1).await;
         let report = drainer.drain(&shutdown).await.unwrap();
         assert_eq!(counts(report), (3, 1, 2, 0, 0), "{report:?}");
@@ -209,6 +225,53 @@ fn reports_count_what_the_store_did() {
             db.outbox.rows().filter(|r| r.parked_ms.is_some()).count(),
             4
         );
+        Ok(())
+    });
+    sim.run().unwrap();
+}
+
+#[test]
+fn a_nacked_row_is_released_blameless_and_the_tick_fails_so_the_loop_backs_off() {
+    // A full queue nacks the poison.* rows: they are released with their
+    // attempts untouched, the rest of the batch is marked published, and
+    // the tick fails; once the queue has room they publish.
+    let trace = Trace::default();
+    let (mut sim, state, mq) = fakes::bare_world(9, &trace);
+    sim.client("drainer", async move {
+        let config = DrainerConfig::builder()
+            .replica_id("drainer-1")
+            .batch_size(10)
+            .max_attempts(1)
+            .build()
+            .unwrap();
+        let drainer = sim_drainer(&trace, config);
+        let writer = PgClient::new("writer", trace.clone());
+        commit(&writer, 0, 2).await;
+        commit_keyed(&writer, 2, 2, "poison.order").await;
+        mq.faults.lock().unwrap().nack_prefix = Some("poison.".into());
+        for _ in 0..3 {
+            match drainer.tick().await {
+                Err(DrainError::Refused { rows: 2, reason }) => {
+                    assert!(reason.contains("nack"), "{reason}")
+                }
+                other => panic!("expected a refused tick, got {other:?}"),
+            }
+            let db = state.lock();
+            for r in db.outbox.rows() {
+                assert_eq!(r.attempts, 0, "{r:?}");
+                assert_eq!((r.parked_ms, &r.claimed_by), (None, &None), "{r:?}");
+                assert_eq!(
+                    r.published_ms.is_some(),
+                    !r.routing_key.starts_with("poison."),
+                    "{r:?}"
+                );
+            }
+        }
+        mq.faults.lock().unwrap().nack_prefix = None;
+        let report = drainer.tick().await.unwrap();
+        assert_eq!((report.claimed, report.published), (2, 2), "{report:?}");
+        let db = state.lock();
+        assert!(db.outbox.rows().all(|r| r.published_ms.is_some()));
         Ok(())
     });
     sim.run().unwrap();

@@ -16,30 +16,87 @@ use lapin::{Channel, ExchangeKind};
 
 use super::{CLOSE_TIMEOUT, LapinBroker, channel_err};
 use crate::core::ports::{
-    ConsumerBroker, DLQ_EXCHANGE, Delivery, DeliverySource, SubscriptionSpec, Unsettled,
+    ConsumerBroker, DLQ_DELIVERY_LIMIT, DLQ_EXCHANGE, Delivery, DeliverySource,
+    QUORUM_DELIVERY_LIMIT, QueueType, SubscriptionSpec, Unsettled,
 };
 use crate::error::BrokerError;
 
-/// Queue arguments naming the dead-letter exchange and routing key.
-fn dead_letter_arguments(queue: &str) -> FieldTable {
+fn text(value: &str) -> AMQPValue {
+    AMQPValue::LongString(value.into())
+}
+
+/// The subscription queue's arguments, every one that decides whether a
+/// message can be dropped set explicitly: its kind, where it dead-letters
+/// (`canopy.dlq`, routing key the queue's name) and, for a quorum queue,
+/// dead-lettering that cannot lose a message (`at-least-once`, which
+/// RabbitMQ only honours with `x-overflow = reject-publish`: with another
+/// overflow it silently falls back to at-most-once) and the delivery limit
+/// ([`QUORUM_DELIVERY_LIMIT`], far above the inbox's own attempt budget).
+pub(crate) fn queue_arguments(spec: &SubscriptionSpec) -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert(
-        "x-dead-letter-exchange".into(),
-        AMQPValue::LongString(DLQ_EXCHANGE.into()),
-    );
-    args.insert(
-        "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(queue.into()),
-    );
+    args.insert("x-queue-type".into(), text(spec.queue_type.as_str()));
+    args.insert("x-dead-letter-exchange".into(), text(DLQ_EXCHANGE));
+    args.insert("x-dead-letter-routing-key".into(), text(&spec.queue));
+    if spec.queue_type == QueueType::Quorum {
+        args.insert("x-dead-letter-strategy".into(), text("at-least-once"));
+        args.insert("x-overflow".into(), text("reject-publish"));
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(QUORUM_DELIVERY_LIMIT.into()),
+        );
+    }
     args
+}
+
+/// `<queue>.dlq`'s arguments: the same kind as the queue; a quorum one
+/// refuses publishes when full rather than dropping its oldest (a full
+/// dead-letter queue makes at-least-once dead-lettering keep the message in
+/// the subscription queue and retry), and has in effect no delivery limit
+/// ([`DLQ_DELIVERY_LIMIT`]).
+pub(crate) fn dlq_arguments(spec: &SubscriptionSpec) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-queue-type".into(), text(spec.queue_type.as_str()));
+    if spec.queue_type == QueueType::Quorum {
+        args.insert("x-overflow".into(), text("reject-publish"));
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongLongInt(DLQ_DELIVERY_LIMIT.into()),
+        );
+    }
+    args
+}
+
+/// A queue declaration's error; one that exists with other arguments
+/// (`PRECONDITION_FAILED`, whose text names the queue and the argument)
+/// also names the setting that chose them.
+fn declare_err(spec: &SubscriptionSpec, e: lapin::Error) -> BrokerError {
+    let precondition = matches!(
+        e.kind(),
+        lapin::ErrorKind::ProtocolError(amqp)
+            if matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(
+                lapin::protocol::AMQPSoftError::PRECONDITIONFAILED
+            ))
+    );
+    if !precondition {
+        return channel_err(e);
+    }
+    BrokerError::Channel(format!(
+        "{e}; the subscription declares a {kind} queue with the arguments of this \
+         version (CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE={kind}): set it to what the queue is, \
+         or move the queue (README: \"Moving a classic subscription to quorum\")",
+        kind = spec.queue_type,
+    ))
 }
 
 impl LapinBroker {
     /// Declares a subscription's topology on `channel`: the topic exchange,
     /// `canopy.dlq` (direct), `<queue>.dlq` bound to it with the queue's name,
-    /// the queue with its dead-letter arguments, and the queue's bindings.
-    /// Idempotent; a queue that exists with other arguments is refused by
-    /// the broker (`PRECONDITION_FAILED`).
+    /// the queue with its arguments ([`queue_arguments`]: kind, dead-letter
+    /// target and, for a quorum queue, lossless dead-lettering and the
+    /// delivery limit), and the queue's bindings. Idempotent; a queue that
+    /// exists with other arguments is refused by the broker
+    /// (`PRECONDITION_FAILED`), and the error names the queue, the argument
+    /// and `CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE`.
     pub async fn declare_subscription(
         channel: &Channel,
         spec: &SubscriptionSpec,
@@ -72,9 +129,9 @@ impl LapinBroker {
             .map_err(channel_err)?;
         let dlq = spec.dlq_name();
         channel
-            .queue_declare(dlq.as_str().into(), durable_queue, FieldTable::default())
+            .queue_declare(dlq.as_str().into(), durable_queue, dlq_arguments(spec))
             .await
-            .map_err(channel_err)?;
+            .map_err(|e| declare_err(spec, e))?;
         channel
             .queue_bind(
                 dlq.as_str().into(),
@@ -89,10 +146,10 @@ impl LapinBroker {
             .queue_declare(
                 spec.queue.as_str().into(),
                 durable_queue,
-                dead_letter_arguments(&spec.queue),
+                queue_arguments(spec),
             )
             .await
-            .map_err(channel_err)?;
+            .map_err(|e| declare_err(spec, e))?;
         for binding in &spec.bindings {
             channel
                 .queue_bind(

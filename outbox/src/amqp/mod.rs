@@ -1,14 +1,15 @@
 //! The RabbitMQ adapter (lapin): the only place that names lapin.
 //!
-//! One connection per [`LapinBroker`], replaced by a single-flight reconnect
-//! keyed on a generation number; one channel per drained batch. Connection
+//! One connection per [`LapinBroker`], to one node of its list, replaced by
+//! a single-flight reconnect keyed on a generation number that moves on to
+//! the next node; one channel per drained batch. Connection
 //! URLs can hold passwords: they are kept private and never logged or put in
 //! an error; [`redact_url`] gives the loggable form.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -19,7 +20,7 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProper
 use crate::core::ports::{Broker, Confirm, OutgoingMessage, PublishChannel};
 
 pub mod consumer;
-use crate::error::BrokerError;
+use crate::error::{BrokerError, ConfigError};
 use crate::trace_context::{TRACEPARENT, TRACESTATE, TraceContext};
 
 /// Bound on establishing a connection (TCP + AMQP handshake).
@@ -29,9 +30,18 @@ pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// AMQP delivery mode for messages that survive a broker restart.
 const PERSISTENT: u8 = 2;
 
-/// A RabbitMQ connection manager implementing the [`Broker`] port.
+/// A RabbitMQ connection manager implementing the [`Broker`] port, over one
+/// node or several nodes of a cluster.
+///
+/// It holds one connection at a time, to one node. A connection is made to
+/// the node the last one went to, or, when that connection was lost or is
+/// being replaced, to the next node in the list, trying each node once in
+/// turn; the error when none answers names every node (password hidden).
 pub struct LapinBroker {
-    url: String,
+    nodes: Vec<String>,
+    /// The node of the current (or last) connection; a replacement starts
+    /// with the node after it.
+    node: AtomicUsize,
     state: tokio::sync::Mutex<Option<Arc<Connection>>>,
     generation: AtomicU64,
 }
@@ -39,26 +49,87 @@ pub struct LapinBroker {
 impl std::fmt::Debug for LapinBroker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LapinBroker")
-            .field("url", &redact_url(&self.url))
+            .field("nodes", &self.redacted_nodes())
+            .field("node", &self.node.load(Ordering::Relaxed))
             .field("generation", &self.generation.load(Ordering::Relaxed))
             .finish()
     }
 }
 
 impl LapinBroker {
-    /// A broker for `url` (`amqp://user:pass@host:port/vhost`). Connects
-    /// lazily, on the first channel.
+    /// A broker of one node at `url` (`amqp://user:pass@host:port/vhost`).
+    /// Connects lazily, on the first channel.
     pub fn new(url: impl Into<String>) -> Self {
+        Self::of_nodes(vec![url.into()])
+    }
+
+    fn of_nodes(nodes: Vec<String>) -> Self {
         Self {
-            url: url.into(),
+            nodes,
+            node: AtomicUsize::new(0),
             state: tokio::sync::Mutex::new(None),
             generation: AtomicU64::new(0),
         }
     }
 
-    /// The URL with any password replaced by `***`.
+    /// A broker of the cluster whose nodes `list` names: AMQP URLs
+    /// separated by commas (a comma inside a password is written `%2C`),
+    /// tried in that order. Every URL is checked here; an error names
+    /// `CANOPY_MQ_AMQP_URLS` and shows the list with its passwords hidden.
+    ///
+    /// ```
+    /// let broker = outbox::LapinBroker::from_list(
+    ///     "amqp://app:secret@10.0.0.1:5672/%2f, amqp://app:secret@10.0.0.2:5672/%2f",
+    /// )
+    /// .unwrap();
+    /// assert_eq!(broker.redacted_nodes().len(), 2);
+    /// let e = outbox::LapinBroker::from_list("amqp://app:secret@10.0.0.1,,").unwrap_err();
+    /// assert!(e.to_string().starts_with("CANOPY_MQ_AMQP_URLS=amqp://app:***@10.0.0.1,, is invalid"));
+    /// ```
+    pub fn from_list(list: &str) -> Result<Self, ConfigError> {
+        let invalid = |rule: String| ConfigError::Invalid {
+            var: crate::config::vars::AMQP_URLS,
+            value: redact_list(list),
+            rule,
+        };
+        let mut nodes = Vec::new();
+        for (i, url) in list.split(',').map(str::trim).enumerate() {
+            if url.is_empty() {
+                return Err(invalid(format!("address {} is empty", i + 1)));
+            }
+            if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
+                return Err(invalid(format!(
+                    "address {} is not an AMQP URL: {}",
+                    i + 1,
+                    scrub(&e, url)
+                )));
+            }
+            nodes.push(url.to_owned());
+        }
+        Ok(Self::of_nodes(nodes))
+    }
+
+    /// [`from_list`](Self::from_list) of `CANOPY_MQ_AMQP_URLS`, which must
+    /// be set.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        match std::env::var(crate::config::vars::AMQP_URLS) {
+            Ok(list) => Self::from_list(&list),
+            Err(_) => Err(ConfigError::Invalid {
+                var: crate::config::vars::AMQP_URLS,
+                value: String::new(),
+                rule: "must be set to the broker's AMQP URLs, comma-separated".into(),
+            }),
+        }
+    }
+
+    /// The first node's URL with any password replaced by `***`.
     pub fn redacted_url(&self) -> String {
-        redact_url(&self.url)
+        redact_url(&self.nodes[0])
+    }
+
+    /// Every node's URL, passwords replaced by `***`.
+    pub fn redacted_nodes(&self) -> Vec<String> {
+        self.nodes.iter().map(|u| redact_url(u)).collect()
     }
 
     /// The live connection, connecting if there is none.
@@ -69,27 +140,47 @@ impl LapinBroker {
         {
             return Ok(conn.clone());
         }
-        if let Some(old) = state.take() {
-            close_detached(old);
-        }
-        let conn = Arc::new(self.connect().await?);
+        // A connection that was made and is gone: its node is the one most
+        // likely down, so the next node goes first.
+        let lost = state.take().map(close_detached).is_some();
+        let conn = Arc::new(self.connect(lost).await?);
         self.generation.fetch_add(1, Ordering::SeqCst);
         *state = Some(conn.clone());
         Ok(conn)
     }
 
-    async fn connect(&self) -> Result<Connection, BrokerError> {
-        let connect = Connection::connect(&self.url, ConnectionProperties::default());
-        match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
-            Ok(Ok(conn)) => {
-                tracing::info!(url = %self.redacted_url(), "connected to broker");
-                Ok(conn)
+    /// A connection to the first node that answers, trying each node once:
+    /// from the current one, or from the one after it if `move_on`.
+    async fn connect(&self, move_on: bool) -> Result<Connection, BrokerError> {
+        let first = self.node.load(Ordering::SeqCst) + usize::from(move_on);
+        let mut failures = Vec::new();
+        for k in 0..self.nodes.len() {
+            let i = (first + k) % self.nodes.len();
+            let url = &self.nodes[i];
+            match self.connect_to(url).await {
+                Ok(conn) => {
+                    self.node.store(i, Ordering::SeqCst);
+                    tracing::info!(node = %redact_url(url), "connected to broker");
+                    return Ok(conn);
+                }
+                Err(why) => {
+                    tracing::warn!(node = %redact_url(url), error = %why, "broker node did not answer");
+                    failures.push(format!("{}: {why}", redact_url(url)));
+                }
             }
-            Ok(Err(e)) => Err(BrokerError::Connection(scrub(&e.to_string(), &self.url))),
-            Err(_) => Err(BrokerError::Connection(format!(
+        }
+        Err(BrokerError::Connection(failures.join("; ")))
+    }
+
+    async fn connect_to(&self, url: &str) -> Result<Connection, String> {
+        let connect = Connection::connect(url, ConnectionProperties::default());
+        match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(scrub(&e.to_string(), url)),
+            Err(_) => Err(format!(
                 "no connection within {} s",
                 CONNECT_TIMEOUT.as_secs()
-            ))),
+            )),
         }
     }
 
@@ -117,6 +208,31 @@ impl LapinBroker {
             let _ = tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, "OK".into())).await;
         }
     }
+}
+
+/// A list of addresses, for an error: each one that is an AMQP URL with its
+/// password hidden, every other one as `<invalid>` (empty stays empty). A
+/// password holding an unencoded comma splits its URL in two: the tail
+/// (`rest@host`) is no URL, and the head is hidden with it.
+fn redact_list(list: &str) -> String {
+    let pieces: Vec<&str> = list.split(',').map(str::trim).collect();
+    let is_url = |p: &str| p.parse::<lapin::uri::AMQPUri>().is_ok();
+    let cut_tail = |p: &str| !p.is_empty() && !p.contains("://") && p.contains('@');
+    let shown: Vec<String> = pieces
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let next_is_tail = pieces.get(i + 1).is_some_and(|n| cut_tail(n));
+            if p.is_empty() {
+                String::new()
+            } else if is_url(p) && (p.contains('@') || !next_is_tail) {
+                redact_url(p)
+            } else {
+                "<invalid>".into()
+            }
+        })
+        .collect();
+    shown.join(",")
 }
 
 /// Closes a replaced connection in the background, bounded: lapin's close can
@@ -161,11 +277,9 @@ impl Broker for LapinBroker {
         if self.generation.load(Ordering::SeqCst) != generation {
             return Ok(()); // someone else already replaced it
         }
-        if let Some(old) = state.take() {
-            close_detached(old);
-        }
-        tracing::info!(url = %self.redacted_url(), "reconnecting to broker");
-        let conn = Arc::new(self.connect().await?);
+        let had = state.take().map(close_detached).is_some();
+        tracing::info!(nodes = self.nodes.len(), "reconnecting to broker");
+        let conn = Arc::new(self.connect(had).await?);
         self.generation.fetch_add(1, Ordering::SeqCst);
         *state = Some(conn);
         Ok(())

@@ -4,9 +4,14 @@
 //! open) → **publish** (one channel, confirm-select once, publishes pipelined
 //! up to the depth, the whole phase under one deadline, no database
 //! transaction open) → **mark** (bulk `published_at` for acks, bulk
-//! `attempts + 1` for nacks, both guarded by `claimed_by`). Any infrastructure
-//! failure in Phase 2 releases every claim without touching `attempts` and
-//! asks the broker adapter for a single-flight reconnect.
+//! `attempts + 1` for the rows' own faults, both guarded by `claimed_by`).
+//! Any infrastructure failure in Phase 2 releases every claim without
+//! touching `attempts` and asks the broker adapter for a single-flight
+//! reconnect. A broker's nack is infrastructure trouble too (a queue full
+//! under `reject-publish`, or the broker's own internal error; measured on
+//! RabbitMQ 3.10, a node loss, a leader election or a quorum queue without
+//! a majority never nacks: confirms come late or the connection drops):
+//! the nacked rows are released without blame and the drainer backs off.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -53,8 +58,11 @@ pub struct TickReport {
     /// Confirmed rows whose mark found the lease gone (another drainer
     /// reclaimed them: they will be published again).
     pub mark_lost: u64,
-    /// Rows nacked (row-culpable) and recorded.
+    /// Rows failed by their own fault (a routing key no broker accepts),
+    /// their attempts bumped.
     pub failed: u64,
+    /// Rows the broker nacked, released without blame.
+    pub refused: u64,
     /// Of those, rows that parked.
     pub parked: u64,
     /// Clock time spent in Phase 1 (claim).
@@ -566,7 +574,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 metrics::histogram!(metric::PUBLISH_DURATION).record(since_claim.as_secs_f64());
                 let lag = metrics::histogram!(metric::COMMIT_TO_CONFIRM);
                 for row in &rows {
-                    if !outcome.failed.iter().any(|f| f.id == row.id) {
+                    let confirmed = !outcome.failed.iter().any(|f| f.id == row.id)
+                        && !outcome.refused.contains(&row.id);
+                    if confirmed {
                         lag.record((row.age + since_claim).as_secs_f64());
                     }
                 }
@@ -586,14 +596,18 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         span: &Span,
     ) -> Result<(), DrainError> {
         let t2 = self.clock.now();
-        debug_assert_eq!(outcome.acked.len() + outcome.failed.len(), rows.len());
+        debug_assert_eq!(
+            outcome.acked.len() + outcome.failed.len() + outcome.refused.len(),
+            rows.len()
+        );
         let before = *report;
-        // Both statements are tried even if the first fails: rows whose
-        // failure can be recorded must not wait for their lease.
-        let (published, failed) = async {
+        // Every statement is tried even if one fails: rows whose fate can be
+        // recorded must not wait for their lease.
+        let (published, failed, refused) = async {
             let published = self.mark_published(&outcome.acked, report).await;
             let failed = self.mark_failed(&outcome.failed, report).await;
-            (published, failed)
+            let refused = self.release_refused(&outcome, report).await;
+            (published, failed, refused)
         }
         .instrument(tracing::info_span!(parent: span, "outbox.mark"))
         .await;
@@ -603,18 +617,55 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         span.record("outbox.published", report.published - before.published);
         span.record("outbox.nacked", report.failed - before.failed);
         span.record("outbox.mark_lost", report.mark_lost - before.mark_lost);
-        let result = published.and(failed);
         span.record(
             "outbox.outcome",
-            if result.is_err() {
+            if published.is_err() || failed.is_err() {
                 "mark_failed"
-            } else if outcome.failed.is_empty() {
-                "published"
-            } else {
+            } else if !outcome.refused.is_empty() {
                 "partly_nacked"
+            } else if !outcome.failed.is_empty() {
+                "partly_failed"
+            } else {
+                "published"
             },
         );
-        result
+        published.and(failed).and(refused)
+    }
+
+    /// Phase 3 for the rows the broker nacked: released without blame, and
+    /// the tick fails (so the drainer backs off, instead of offering a full
+    /// queue the same rows again at once).
+    async fn release_refused(
+        &self,
+        outcome: &BatchOutcome,
+        report: &mut TickReport,
+    ) -> Result<(), DrainError> {
+        let Some(reason) = &outcome.refusal else {
+            return Ok(());
+        };
+        let refused = &outcome.refused;
+        metrics::counter!(metric::NACKED).increment(refused.len() as u64);
+        report.refused += refused.len() as u64;
+        match self
+            .store
+            .outbox_release(&self.config.replica_id, refused)
+            .await
+        {
+            Ok(n) => metrics::counter!(metric::RELEASED).increment(n),
+            Err(e) => {
+                self.marks.hit(Mark::ReleaseFailed);
+                tracing::warn!(
+                    replica = %self.config.replica_id,
+                    rows = refused.len(),
+                    error = %e,
+                    "could not release nacked rows; they will be reclaimed when the lease expires"
+                );
+            }
+        }
+        Err(DrainError::Refused {
+            rows: refused.len(),
+            reason: reason.clone(),
+        })
     }
 
     /// Phase 3 for the confirmed rows.
@@ -647,7 +698,8 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         Ok(())
     }
 
-    /// Phase 3 for the row-culpable failures.
+    /// Phase 3 for the row-culpable failures (routing keys no broker
+    /// accepts).
     async fn mark_failed(
         &self,
         failures: &[RowFailure],
@@ -976,6 +1028,7 @@ impl TickReport {
         self.published += other.published;
         self.mark_lost += other.mark_lost;
         self.failed += other.failed;
+        self.refused += other.refused;
         self.parked += other.parked;
         self.claim_time += other.claim_time;
         self.publish_time += other.publish_time;
@@ -983,11 +1036,15 @@ impl TickReport {
     }
 }
 
-/// The confirms of one batch, split by verdict.
+/// The verdicts of one batch: confirmed, failed by the row's own fault
+/// (found before any broker I/O), or nacked by the broker (blameless).
 #[derive(Debug, Default)]
 struct BatchOutcome {
     acked: Vec<Uuid>,
     failed: Vec<RowFailure>,
+    refused: Vec<Uuid>,
+    /// The first nack's reason, bounded.
+    refusal: Option<String>,
 }
 
 impl BatchOutcome {
@@ -999,10 +1056,9 @@ impl BatchOutcome {
                 false
             }
             Confirm::Nack(reason) => {
-                self.failed.push(RowFailure {
-                    id,
-                    error: truncate_chars(&format!("broker nack: {reason}"), LAST_ERROR_MAX_CHARS),
-                });
+                self.refused.push(id);
+                self.refusal
+                    .get_or_insert_with(|| truncate_chars(&reason, LAST_ERROR_MAX_CHARS));
                 true
             }
         }
@@ -1063,14 +1119,17 @@ mod tests {
     }
 
     #[test]
-    fn a_nack_records_a_bounded_error_naming_the_broker() {
+    fn a_nack_is_filed_blameless_with_its_first_reason_bounded() {
         let mut outcome = BatchOutcome::default();
-        let id = Uuid::nil();
-        outcome.record(id, Confirm::Ack);
-        outcome.record(id, Confirm::Nack("x".repeat(LAST_ERROR_MAX_CHARS * 2)));
-        assert_eq!(outcome.acked, vec![id]);
-        let error = &outcome.failed[0].error;
-        assert!(error.starts_with("broker nack: x"), "{error}");
-        assert_eq!(error.chars().count(), LAST_ERROR_MAX_CHARS);
+        let (a, b, c) = (Uuid::from_u128(1), Uuid::from_u128(2), Uuid::from_u128(3));
+        assert!(!outcome.record(a, Confirm::Ack));
+        assert!(outcome.record(b, Confirm::Nack("x".repeat(LAST_ERROR_MAX_CHARS * 2))));
+        assert!(outcome.record(c, Confirm::Nack("second".into())));
+        assert_eq!(outcome.acked, vec![a]);
+        assert_eq!(outcome.refused, vec![b, c]);
+        assert!(outcome.failed.is_empty(), "a nack blames no row");
+        let reason = outcome.refusal.unwrap();
+        assert!(reason.starts_with('x'), "{reason}");
+        assert_eq!(reason.chars().count(), LAST_ERROR_MAX_CHARS);
     }
 }

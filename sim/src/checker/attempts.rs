@@ -1,9 +1,9 @@
-//! Attempts and parking (#1230): a row's `attempts` grow only on
-//! row-culpable failures (a broker nack, or a routing key no broker could
-//! accept), never on a claim, a lease expiry, a timeout or any
-//! infrastructure error; a row parks exactly when its attempts reach the
-//! budget; a parked row is not claimed until an operator unparks it, which
-//! gives it a fresh budget.
+//! Attempts and parking (#1230, issue 26): a row's `attempts` grow only on
+//! row-culpable failures (a routing key no broker could accept), never on a
+//! claim, a lease expiry, a timeout, a broker's nack (a full queue, a node's
+//! trouble) or any other infrastructure error; a row parks exactly when its
+//! attempts reach the budget; a parked row is not claimed until an operator
+//! unparks it, which gives it a fresh budget.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -14,7 +14,6 @@ use crate::trace::Event;
 
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     let max = ctx.limits.max_attempts;
-    let mut nacks: BTreeMap<Uuid, u32> = BTreeMap::new();
     let mut bumps: BTreeMap<Uuid, u32> = BTreeMap::new();
     let mut parked: BTreeSet<Uuid> = BTreeSet::new();
     for (at, e) in ctx.events {
@@ -36,22 +35,17 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                     }
                 }
             }
-            Event::Confirmed {
-                message_id,
-                ack: false,
-                ..
-            } => *nacks.entry(*message_id).or_insert(0) += 1,
             Event::MarkedFailed { ids, parked: p, .. } => {
                 for id in ids {
                     let n = bumps.entry(*id).or_insert(0);
                     *n += 1;
-                    let (n, nacked) = (*n, nacks.get(id).copied().unwrap_or(0));
-                    // An unpublishable row is blamed by the drainer itself.
-                    if !ctx.model.unpublishable.contains(id) && n > nacked {
+                    let n = *n;
+                    // Only an unpublishable row is to blame for a failure.
+                    if !ctx.model.unpublishable.contains(id) {
                         out.add(
                             Invariant::AttemptsOnlyOnBlame,
                             at,
-                            format!("{id} bumped to {n} after {nacked} nacks"),
+                            format!("{id} bumped to {n}, but nothing about it is unpublishable"),
                         );
                     }
                     if p.contains(id) != (n >= max) {
@@ -71,7 +65,6 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                 for id in ids {
                     parked.remove(id);
                     bumps.remove(id);
-                    nacks.remove(id);
                 }
             }
             _ => {}

@@ -89,7 +89,8 @@ invariants! {
     /// No transaction waits on its client while that client publishes (#478).
     TxAcrossBrokerIo = "tx_across_broker_io",
     // --- attempts
-    /// Attempts grow only on row-culpable failures (nacks, unpublishable keys).
+    /// Attempts grow only on row-culpable failures (unpublishable keys; a
+    /// broker nack is infrastructure trouble).
     AttemptsOnlyOnBlame = "attempts_only_on_blame",
     /// A row parks exactly when its attempts reach the budget.
     ParkAtBudget = "park_at_budget",

@@ -350,6 +350,12 @@ fn delivery_and_attempt_cases() -> Vec<(Invariant, Run)> {
             with_events(producer(), vec![fail_mark(65, false)]),
         ),
         (
+            // A broker's nack (a full queue, a node's trouble) is nobody's
+            // fault: a bump after one is still a violation (issue 26).
+            I::AttemptsOnlyOnBlame,
+            with_events(producer(), vec![nack(55), fail_mark(65, false)]),
+        ),
+        (
             I::ParkAtBudget,
             with_events(producer(), vec![nack(55), fail_mark(65, true)]),
         ),

@@ -427,8 +427,8 @@ async fn drive(
         } else if !healed {
             env.send_hostiles();
         }
-        // The operator keeps unparking during the liveness phase: rows that
-        // were nacked just before the heal park after it.
+        // The operator keeps unparking during the liveness phase: an
+        // unpublishable row parks again after each unpark.
         if healed && steps.is_multiple_of(UNPARK_EVERY_STEPS) {
             env.pg.operator_unpark_all();
         }

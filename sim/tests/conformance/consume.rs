@@ -62,6 +62,7 @@ impl ConsumeArm for Real {
             exchange: self.exchange.clone(),
             bindings: vec!["orders.*".into()],
             prefetch,
+            queue_type: outbox::QueueType::Quorum,
         }
     }
     async fn dlq_len(&self) -> usize {
@@ -104,6 +105,7 @@ impl ConsumeArm for Fake {
             exchange: "canopy.events".into(),
             bindings: vec!["orders.*".into()],
             prefetch,
+            queue_type: outbox::QueueType::Quorum,
         }
     }
     async fn dlq_len(&self) -> usize {

@@ -17,9 +17,11 @@
 //!   connection mid-batch, before or after storing the message; outstanding
 //!   confirms fail, claims are released, stored messages are republished
 //!   later (duplicates, never losses).
-//! - **poison nack** (`nack_prefix`): every publish whose routing key starts
-//!   with the prefix is nacked, as `reject-publish` does; the row is blamed,
-//!   parks at the budget, and publishes once unparked and healed.
+//! - **queue full** (`nack_prefix`): while the fault lasts, every publish
+//!   whose routing key starts with the prefix is nacked, as a queue full
+//!   under `reject-publish` does; the row is blameless (released, its
+//!   attempts untouched, the drainer backs off) and publishes once the
+//!   queue has room again.
 //! - **confirm delay** (`confirm_delay_ms`): confirms are held back; beyond
 //!   the deadline this is a black-hole, below it a slow broker.
 //! - **silent peer** (the world partitions a client from `rabbit`): both
