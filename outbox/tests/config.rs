@@ -331,6 +331,20 @@ fn subscriber_variables_are_read_and_checked_naming_them() {
             outbox::config::SUBSCRIBER_BATCH_LINGER_DEFAULT
         )
     );
+    assert_eq!(defaults.spec.queue_type, outbox::QueueType::Quorum);
+    for (value, kind) in [
+        ("classic", outbox::QueueType::Classic),
+        (" Quorum ", outbox::QueueType::Quorum),
+    ] {
+        let s = read(&[("CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE", value)]).unwrap();
+        assert_eq!(s.spec.queue_type, kind);
+    }
+    assert_eq!(
+        read(&[("CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS", "100")])
+            .unwrap()
+            .max_attempts,
+        100
+    );
     let s = read(&[
         ("CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES", "2048"),
         ("CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS", "5"),
@@ -354,6 +368,13 @@ fn subscriber_variables_are_read_and_checked_naming_them() {
         ("CANOPY_MQ_SUBSCRIBER_BATCH_MAX", "65", "<= 64"),
         ("CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS", "1001", "<= 1000"),
         ("CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS", "-1", "whole number"),
+        ("CANOPY_MQ_SUBSCRIBER_MAX_ATTEMPTS", "101", "<= 100"),
+        (
+            "CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE",
+            "mirrored",
+            "quorum or classic",
+        ),
+        ("CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE", "", "quorum or classic"),
         (
             "CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS",
             "3601",

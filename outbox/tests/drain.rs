@@ -419,7 +419,12 @@ async fn two_drainers_on_one_table_publish_each_envelope_once(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn broker_nacks_bump_attempts_park_at_the_budget_and_unpark_republishes(pool: PgPool) {
+async fn a_full_queue_s_nacks_blame_no_row_and_its_rows_publish_once_it_has_room(pool: PgPool) {
+    // A queue that refuses every publish (reject-publish at length 0)
+    // nacks the poison.* rows: the infrastructure's trouble, not theirs
+    // (issue 26). They are released with their attempts untouched, never
+    // park however often it happens, the rest publishes, and the tick
+    // fails so the drain loop backs off.
     let exchange = unique("ex");
     let conn = common::connect().await;
     let reject_queue = common::declare_rejecting_queue(&conn, &exchange, "poison.#").await;
@@ -429,53 +434,93 @@ async fn broker_nacks_bump_attempts_park_at_the_budget_and_unpark_republishes(po
     let d = drainer(
         &pool,
         &common::amqp_url(),
-        config(&exchange, "r1").max_attempts(3).build().unwrap(),
+        config(&exchange, "r1").max_attempts(1).build().unwrap(),
     );
-    for expected in 1..=3 {
-        let r = d.tick().await.unwrap();
-        assert_eq!(r.failed, 1, "the nacked row is blamed");
-        let (attempts, last_error, parked): (i32, Option<String>, bool) = sqlx::query_as(
-            "SELECT attempts, last_error, parked_at IS NOT NULL FROM event_outbox WHERE id = $1",
+    for _ in 0..3 {
+        match d.tick().await {
+            Err(DrainError::Refused { rows: 1, reason }) => {
+                assert!(reason.contains("basic.nack"), "{reason}")
+            }
+            other => panic!("expected a refused tick, got {other:?}"),
+        }
+        let (attempts, parked, claimed): (i32, bool, bool) = sqlx::query_as(
+            "SELECT attempts, parked_at IS NOT NULL, claimed_by IS NOT NULL \
+             FROM event_outbox WHERE id = $1",
         )
         .bind(poison.id)
         .fetch_one(&pool)
         .await
         .unwrap();
-        assert_eq!(attempts, expected);
-        assert!(last_error.unwrap().contains("nack"));
-        assert_eq!(parked, expected == 3, "parks exactly at the budget");
+        assert_eq!((attempts, parked, claimed), (0, false, false));
     }
-    // Parked: no longer claimed.
-    let r = d.tick().await.unwrap();
-    assert_eq!(r.claimed, 0);
     let stats = PgOutboxStore::new(pool.clone())
         .outbox_stats()
         .await
         .unwrap();
-    assert_eq!((stats.pending, stats.parked), (0, 1));
-    let store = PgOutboxStore::new(pool.clone());
-    let parked = outbox::admin::list_parked(&store, 10).await.unwrap();
-    assert_eq!(parked.len(), 1);
-    assert_eq!(parked[0].id, poison.id);
-    assert_eq!(parked[0].attempts, 3);
+    assert_eq!((stats.pending, stats.parked), (1, 0));
 
-    // The cause is fixed; the operator unparks; the drainer republishes.
+    // The queue has room again: the row publishes.
     common::delete_queue(&conn, &reject_queue).await;
-    let n = outbox::admin::unpark(&store, &UnparkSelector::Ids(vec![poison.id]))
-        .await
-        .unwrap();
-    assert_eq!(n, 1);
-    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM event_outbox WHERE id = $1")
-        .bind(poison.id)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(attempts, 0, "unpark resets the budget");
     assert_eq!(drain_all(&d).await, 1);
     let got = consumer
         .wait_for(fine.len() + 1, Duration::from_secs(10))
         .await;
     assert!(got.iter().any(|r| r.message_id == poison.id.to_string()));
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn unpublishable_rows_park_at_the_budget_and_unpark_gives_a_fresh_one(pool: PgPool) {
+    let exchange = unique("ex");
+    let _consumer = PlainConsumer::start(&exchange, "#").await;
+    let bad = write_events(&pool, "bad.event", 1).await.remove(0);
+    // A routing key no broker accepts, written past publish_tx's checks.
+    sqlx::query("UPDATE event_outbox SET routing_key = repeat('k', 256) WHERE id = $1")
+        .bind(bad.id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let d = drainer(
+        &pool,
+        &common::amqp_url(),
+        config(&exchange, "r1").max_attempts(3).build().unwrap(),
+    );
+    for expected in 1..=3 {
+        let r = d.tick().await.unwrap();
+        assert_eq!(r.failed, 1, "the unpublishable row is blamed");
+        let (attempts, last_error, parked): (i32, Option<String>, bool) = sqlx::query_as(
+            "SELECT attempts, last_error, parked_at IS NOT NULL FROM event_outbox WHERE id = $1",
+        )
+        .bind(bad.id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(attempts, expected);
+        assert!(last_error.unwrap().contains("routing key"));
+        assert_eq!(parked, expected == 3, "parks exactly at the budget");
+    }
+    // Parked: no longer claimed.
+    assert_eq!(d.tick().await.unwrap().claimed, 0);
+    let store = PgOutboxStore::new(pool.clone());
+    let parked = outbox::admin::list_parked(&store, 10).await.unwrap();
+    assert_eq!(
+        (parked.len(), parked[0].id, parked[0].attempts),
+        (1, bad.id, 3)
+    );
+    let n = outbox::admin::unpark(&store, &UnparkSelector::Ids(vec![bad.id]))
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let attempts: i32 = sqlx::query_scalar("SELECT attempts FROM event_outbox WHERE id = $1")
+        .bind(bad.id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 0, "unpark resets the budget");
+    assert_eq!(
+        d.tick().await.unwrap().failed,
+        1,
+        "claimed again after unpark"
+    );
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]

@@ -746,7 +746,7 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
             for part in [
                 "PRECONDITION_FAILED",
                 queue.as_str(),
-                "x-queue-type",
+                "inequivalent arg 'x-",
                 "CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE=quorum",
             ] {
                 assert!(text.contains(part), "{part:?} not in {text}");
@@ -818,4 +818,49 @@ async fn a_limited_replay_goes_on_past_rows_that_fail_again_and_says_when_nothin
         assert_eq!(r.effects(e.id).await, 1);
     }
     r.stop().await;
+}
+
+#[tokio::test]
+async fn a_classic_subscription_of_an_earlier_version_declares_as_classic_and_refuses_quorum() {
+    // The queue as versions before quorum queues declared it: classic, no
+    // x-queue-type, the dead-letter arguments only.
+    let (queue, exchange) = (unique("sub.v0"), unique("sub.v0.x"));
+    let conn = common::connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = lapin::types::FieldTable::default();
+    for (k, v) in [
+        ("x-dead-letter-exchange", "canopy.dlq".to_owned()),
+        ("x-dead-letter-routing-key", queue.clone()),
+    ] {
+        args.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
+    }
+    ch.queue_declare(
+        queue.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    let settings = |kind| SubscriberSettings::new(queue.as_str(), &["orders.#"]).queue_type(kind);
+    let mut classic = settings(outbox::QueueType::Classic);
+    classic.spec.exchange = exchange.clone();
+    let ch = conn.create_channel().await.unwrap();
+    LapinBroker::declare_subscription(&ch, &classic.spec)
+        .await
+        .expect("an explicit x-queue-type classic is what the queue already is");
+    let mut quorum = settings(outbox::QueueType::Quorum);
+    quorum.spec.exchange = exchange.clone();
+    let ch = conn.create_channel().await.unwrap();
+    let e = LapinBroker::declare_subscription(&ch, &quorum.spec)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("PRECONDITION_FAILED") && e.contains("CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE=quorum"),
+        "{e}"
+    );
+    common::delete_subscription(&conn, &queue, &exchange).await;
 }
