@@ -213,6 +213,89 @@ fn pg_version() -> String {
         .unwrap_or_else(|| "15".into())
 }
 
+/// Where a run's production stands, for the fault schedule.
+struct Progress {
+    /// When production began.
+    production: Instant,
+    /// When the run began (the report's clock).
+    start: Instant,
+    /// The planned production window.
+    window: Duration,
+    /// Events the producer writes.
+    events: u64,
+    /// What the observer saw reach the broker.
+    seen: Arc<Mutex<Observed>>,
+}
+
+/// No fault is injected sooner than this after the previous one healed.
+const FAULT_GAP_MIN: Duration = Duration::from_secs(1);
+/// A fault waiting for its share of the events fires anyway once no event
+/// has reached the broker for this long (the pipeline is done, or wedged).
+const PROGRESS_STALL: Duration = Duration::from_secs(15);
+
+/// Injects the planned faults one at a time, in order, so no two ever hold
+/// a target at once and recovery from each is part of the run. A fault
+/// waits for its planned instant, for a gap after the previous one healed
+/// (a quarter of a fault's slot, at least [`FAULT_GAP_MIN`]), and for its
+/// share of the events to have reached the broker: a pipeline slower than
+/// planned (a loaded machine, a long recovery) stretches the schedule, and
+/// a producer that finished early does not make the rest fire together;
+/// only a pipeline in which nothing moves for [`PROGRESS_STALL`] lets a
+/// fault go without its share. So where the faults fall among the events
+/// does not depend on the machine's speed.
+async fn inject_in_order(
+    planned: Vec<plan::Planned>,
+    progress: Progress,
+    world: Arc<World>,
+    injected: Arc<Mutex<Vec<Injected>>>,
+) {
+    let slot = progress.window / planned.len().max(1) as u32;
+    let gap = (slot / 4).max(FAULT_GAP_MIN);
+    let mut healed: Option<Instant> = None;
+    for p in planned {
+        tokio::time::sleep_until((progress.production + p.at).into()).await;
+        if let Some(healed) = healed {
+            tokio::time::sleep_until((healed + gap).into()).await;
+        }
+        let share = share_before(progress.events, p.at, progress.window);
+        wait_for_share(&progress.seen, share).await;
+        let began = progress.start.elapsed();
+        println!("chaos: {:>6.1} s  {}", began.as_secs_f64(), p.fault);
+        let trouble = world.inject(&p.fault).await.err();
+        if let Some(t) = &trouble {
+            println!("chaos: trouble injecting {}: {t}", p.fault);
+        }
+        healed = Some(Instant::now());
+        injected.lock().expect("injected").push(Injected {
+            planned: p,
+            began,
+            ended: progress.start.elapsed(),
+            trouble,
+        });
+    }
+}
+
+/// Waits until `share` events reached the broker, or none arrived for
+/// [`PROGRESS_STALL`].
+async fn wait_for_share(seen: &Mutex<Observed>, share: usize) {
+    let (mut last, mut since) = (0, Instant::now());
+    loop {
+        let n = seen.lock().expect("observed").stored.len();
+        if n >= share {
+            return;
+        }
+        if n != last {
+            (last, since) = (n, Instant::now());
+        } else if since.elapsed() >= PROGRESS_STALL {
+            println!(
+                "chaos: no event reached the broker for {PROGRESS_STALL:?}; the fault goes ahead at {n} of {share}"
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// What the faults and their injection share.
 struct World {
     slots: Slots,
@@ -630,39 +713,21 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
         .expect("slot")
         .start()?;
 
-    // The faults, each on its own task at its instant, or later, once its
-    // share of the events has reached the broker: a pipeline slower than
-    // the planned rate (a loaded machine, a long recovery) stretches the
-    // schedule instead of meeting every fault in its first part. The
-    // producer's end fires whatever is still waiting.
+    // The faults, one after another (see `inject_in_order`).
     let producer_status: Arc<Mutex<Option<std::process::ExitStatus>>> = Arc::default();
     let injected: Arc<Mutex<Vec<Injected>>> = Arc::default();
-    let mut faults = Vec::new();
-    for p in planned.clone() {
-        let (world, injected) = (world.clone(), injected.clone());
-        let (seen, producer_status) = (seen.clone(), producer_status.clone());
-        let share = share_before(args.events, p.at, window);
-        faults.push(tokio::spawn(async move {
-            tokio::time::sleep_until((production + p.at).into()).await;
-            while seen.lock().expect("observed").stored.len() < share
-                && producer_status.lock().expect("status").is_none()
-            {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            let began = start.elapsed();
-            println!("chaos: {:>6.1} s  {}", began.as_secs_f64(), p.fault);
-            let trouble = world.inject(&p.fault).await.err();
-            if let Some(t) = &trouble {
-                println!("chaos: trouble injecting {}: {t}", p.fault);
-            }
-            injected.lock().expect("injected").push(Injected {
-                planned: p,
-                began,
-                ended: start.elapsed(),
-                trouble,
-            });
-        }));
-    }
+    let faults = tokio::spawn(inject_in_order(
+        planned.clone(),
+        Progress {
+            production,
+            start,
+            window,
+            events: args.events,
+            seen: seen.clone(),
+        },
+        world.clone(),
+        injected.clone(),
+    ));
 
     // A process that exits by itself is a failure of the run (the
     // producer's exit is its end); it is restarted so the run goes on.
@@ -717,9 +782,7 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
         produced.as_secs_f64(),
         producer_status.lock().expect("status").expect("set")
     );
-    for f in faults {
-        let _ = f.await;
-    }
+    let _ = faults.await;
     println!(
         "chaos: faults healed at {:.1} s; settling",
         start.elapsed().as_secs_f64()
