@@ -33,7 +33,9 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use outbox::{DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, Publisher, redact_url};
+use outbox::{
+    DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, Publisher, QueueType, redact_url,
+};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgPool};
 
@@ -127,9 +129,38 @@ fn ms(d: Duration) -> f64 {
 
 async fn broker_topology(conn: &Connection) -> Result<(), Box<dyn std::error::Error>> {
     let ch = conn.create_channel().await?;
-    benches::declare_catch_all(&ch, EXCHANGE, QUEUE).await?;
-    ch.queue_purge(QUEUE.into(), QueuePurgeOptions::default())
+    benches::declare_catch_all(&ch, EXCHANGE, QUEUE).await.or_else(|_| Ok::<(), lapin::Error>(()))?;
+    // A classic sink, empty, whatever an earlier run left behind.
+    sink(conn, QueueType::Classic).await
+}
+
+/// Replaces the sink queue with an empty one of `kind`, bound as before.
+async fn sink(conn: &Connection, kind: QueueType) -> Result<(), Box<dyn std::error::Error>> {
+    let ch = conn.create_channel().await?;
+    ch.queue_delete(QUEUE.into(), QueueDeleteOptions::default())
         .await?;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString(kind.as_str().into()),
+    );
+    ch.queue_declare(
+        QUEUE.into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await?;
+    ch.queue_bind(
+        QUEUE.into(),
+        EXCHANGE.into(),
+        "#".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await?;
     Ok(())
 }
 
@@ -682,13 +713,17 @@ impl outbox::core::subscriber::Handler<outbox::PgTx> for Applies {
 }
 
 /// The subscription P7 measures: defaults (or what `CANOPY_MQ_SUBSCRIBER_*`
-/// variables say, to compare settings), with `batch_max` if given.
-fn p7_settings(batch_max: Option<u32>) -> outbox::SubscriberSettings {
+/// variables say, to compare settings), with `batch_max` if given, and a
+/// queue of `kind` if given.
+fn p7_settings(batch_max: Option<u32>, kind: Option<QueueType>) -> outbox::SubscriberSettings {
     let mut s =
         outbox::SubscriberSettings::from_env(P7_QUEUE, &["#"]).unwrap_or_else(|e| panic!("{e}"));
     s.spec.exchange = P7_EXCHANGE.into();
     if let Some(b) = batch_max {
         s.batch_max = b;
+    }
+    if let Some(kind) = kind {
+        s.spec.queue_type = kind;
     }
     s
 }
@@ -738,7 +773,10 @@ async fn p7_consume_ceiling(
 ) -> Result<f64, Box<dyn std::error::Error>> {
     use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
     let ch = conn.create_channel().await?;
-    ch.basic_qos(p7_settings(None).spec.prefetch, BasicQosOptions::default())
+    ch.basic_qos(
+        p7_settings(None, None).spec.prefetch,
+        BasicQosOptions::default(),
+    )
         .await?;
     let mut consumer = ch
         .basic_consume(
@@ -776,13 +814,14 @@ async fn p7_subscribe(
     amqp_url: &str,
     n: u64,
     batch_max: Option<u32>,
+    kind: Option<QueueType>,
 ) -> Result<(f64, f64), Box<dyn std::error::Error>> {
     let subscriber = std::sync::Arc::new(outbox::Subscriber::new(
         std::sync::Arc::new(outbox::PgInboxStore::new(pool.clone())),
         std::sync::Arc::new(LapinBroker::new(amqp_url)),
         std::sync::Arc::new(outbox::TokioClock::default()),
         std::sync::Arc::new(Applies),
-        p7_settings(batch_max),
+        p7_settings(batch_max, kind),
     ));
     let counters = subscriber.counters();
     let (stop, rx) = tokio::sync::watch::channel(false);
@@ -811,11 +850,17 @@ async fn p7_subscribe(
 
 /// The subscriber's queue: declared as the subscriber declares it, and
 /// deleted with its dead-letter queue and exchange.
-async fn p7_topology(amqp_url: &str, up: bool) -> Result<(), Box<dyn std::error::Error>> {
+async fn p7_topology(
+    amqp_url: &str,
+    up: bool,
+    kind: Option<QueueType>,
+) -> Result<(), Box<dyn std::error::Error>> {
     use outbox::core::ports::{ConsumerBroker, DeliverySource};
     if up {
         let broker = LapinBroker::new(amqp_url);
-        let consumer = broker.subscription_open(&p7_settings(None).spec).await?;
+        let consumer = broker
+            .subscription_open(&p7_settings(None, kind).spec)
+            .await?;
         consumer.consumer_close().await;
         return Ok(());
     }
@@ -833,18 +878,18 @@ async fn p7_topology(amqp_url: &str, up: bool) -> Result<(), Box<dyn std::error:
 
 /// P7: the consume ceiling, then the subscriber at defaults (fresh
 /// events), with 25 % duplicates (of events already applied), and with
-/// batches of one (the ADR's one transaction per delivery) for contrast.
-/// Returns (ceiling, defaults, duplicates, batch of one, inbox WAL per
-/// event applied).
+/// batches of one (the ADR's one transaction per delivery) for contrast,
+/// then at defaults on a classic queue. Returns (ceiling, defaults,
+/// duplicates, batch of one, inbox WAL per event applied, classic).
 async fn p7(
     conn: &Connection,
     pool: &PgPool,
     amqp_url: &str,
     n: usize,
-) -> Result<[f64; 5], Box<dyn std::error::Error>> {
+) -> Result<[f64; 6], Box<dyn std::error::Error>> {
     pool.execute("CREATE TABLE IF NOT EXISTS p7_applied (event_id uuid PRIMARY KEY, routing_key text NOT NULL)")
         .await?;
-    p7_topology(amqp_url, true).await?;
+    p7_topology(amqp_url, true, None).await?;
     let fresh = |n: usize| -> Vec<EventEnvelope> { (0..n).map(envelope).collect() };
     p7_fill(conn, &fresh(n)).await?;
     eprintln!("  consume ceiling ...");
@@ -852,7 +897,7 @@ async fn p7(
     eprintln!("  subscriber, defaults ...");
     let applied = fresh(n);
     p7_fill(conn, &applied).await?;
-    let (defaults, wal) = p7_subscribe(pool, amqp_url, n as u64, None).await?;
+    let (defaults, wal) = p7_subscribe(pool, amqp_url, n as u64, None, None).await?;
     // One delivery in four repeats an event the inbox holds as processed.
     let mixed: Vec<EventEnvelope> = (0..n)
         .map(|i| {
@@ -865,13 +910,19 @@ async fn p7(
         .collect();
     p7_fill(conn, &mixed).await?;
     eprintln!("  subscriber, 25 % duplicates ...");
-    let (duplicates, _) = p7_subscribe(pool, amqp_url, n as u64, None).await?;
+    let (duplicates, _) = p7_subscribe(pool, amqp_url, n as u64, None, None).await?;
     p7_fill(conn, &fresh(n)).await?;
     eprintln!("  subscriber, batches of one ...");
-    let (single, _) = p7_subscribe(pool, amqp_url, n as u64, Some(1)).await?;
-    p7_topology(amqp_url, false).await?;
+    let (single, _) = p7_subscribe(pool, amqp_url, n as u64, Some(1), None).await?;
+    p7_topology(amqp_url, false, None).await?;
+    eprintln!("  subscriber, defaults on a classic queue ...");
+    let classic = Some(QueueType::Classic);
+    p7_topology(amqp_url, true, classic).await?;
+    p7_fill(conn, &fresh(n)).await?;
+    let (on_classic, _) = p7_subscribe(pool, amqp_url, n as u64, None, classic).await?;
+    p7_topology(amqp_url, false, classic).await?;
     pool.execute("TRUNCATE event_inbox, p7_applied").await?;
-    Ok([ceiling, defaults, duplicates, single, wal])
+    Ok([ceiling, defaults, duplicates, single, wal, on_classic])
 }
 
 #[tokio::main]
@@ -936,11 +987,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }));
         }
         json.insert("p1".into(), p1.into());
+        eprintln!("P1: the same with one replica into a quorum queue ...");
+        sink(&conn, QueueType::Quorum).await?;
+        prefill(&pool, n).await?;
+        let quorum = drain(&pool, &args.amqp_url, n, 1).await?.rows_per_sec;
+        sink(&conn, QueueType::Classic).await?;
+        let classic = p1_rate.expect("measured above");
+        table.push(format!(
+            "| P1 drain rate into a quorum queue against a classic one ({classic:.0} rows/s), 1 replica | {quorum:.0} rows/s | {:.2}× classic | ≥ 0.7× |",
+            quorum / classic
+        ));
+        json.insert("p1_quorum_vs_classic".into(), (quorum / classic).into());
     }
 
     if want("p7") {
         eprintln!("P7: consume ceiling and the subscriber over {n} deliveries (4 runs) ...");
-        let [ceiling7, defaults, duplicates, single, wal] =
+        let [ceiling7, defaults, duplicates, single, wal, on_classic] =
             p7(&conn, &pool, &args.amqp_url, n).await?;
         table.push(format!(
             "| P7 consume ceiling: raw lapin consume + ack, prefetch as the subscriber's | {ceiling7:.0} msg/s | 1.00 | — |"
@@ -962,6 +1024,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         table.push(format!(
             "| P8 inbox WAL per event applied (defaults) | {wal:.0} bytes | — | — |"
         ));
+        table.push(format!(
+            "| P7 subscriber, defaults, quorum queue against a classic one ({on_classic:.0} events/s) | {defaults:.0} events/s | {:.2}× classic | ≥ 0.7× |",
+            defaults / on_classic
+        ));
+        json.insert("p7_quorum_vs_classic".into(), (defaults / on_classic).into());
         json.insert("p7_consume_ceiling_msgs_per_sec".into(), ceiling7.into());
         json.insert("p7_subscriber_events_per_sec".into(), defaults.into());
         json.insert(
