@@ -129,7 +129,9 @@ fn ms(d: Duration) -> f64 {
 
 async fn broker_topology(conn: &Connection) -> Result<(), Box<dyn std::error::Error>> {
     let ch = conn.create_channel().await?;
-    benches::declare_catch_all(&ch, EXCHANGE, QUEUE).await.or_else(|_| Ok::<(), lapin::Error>(()))?;
+    benches::declare_catch_all(&ch, EXCHANGE, QUEUE)
+        .await
+        .or_else(|_| Ok::<(), lapin::Error>(()))?;
     // A classic sink, empty, whatever an earlier run left behind.
     sink(conn, QueueType::Classic).await
 }
@@ -777,7 +779,7 @@ async fn p7_consume_ceiling(
         p7_settings(None, None).spec.prefetch,
         BasicQosOptions::default(),
     )
-        .await?;
+    .await?;
     let mut consumer = ch
         .basic_consume(
             P7_QUEUE.into(),
@@ -1028,7 +1030,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "| P7 subscriber, defaults, quorum queue against a classic one ({on_classic:.0} events/s) | {defaults:.0} events/s | {:.2}× classic | ≥ 0.7× |",
             defaults / on_classic
         ));
-        json.insert("p7_quorum_vs_classic".into(), (defaults / on_classic).into());
+        json.insert(
+            "p7_quorum_vs_classic".into(),
+            (defaults / on_classic).into(),
+        );
         json.insert("p7_consume_ceiling_msgs_per_sec".into(), ceiling7.into());
         json.insert("p7_subscriber_events_per_sec".into(), defaults.into());
         json.insert(

@@ -451,8 +451,10 @@ async fn clean_broker(amqp: &str) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Whether `queue` exists.
-async fn queue_exists(amqp: &str, queue: &str) -> bool {
+/// Whether `queue` exists and has a consumer: a subscriber binds its queue
+/// after declaring it and consumes after binding, so only then is nothing
+/// published to the exchange routed nowhere.
+async fn queue_consumed(amqp: &str, queue: &str) -> bool {
     let Ok(conn) = Connection::connect(amqp, ConnectionProperties::default()).await else {
         return false;
     };
@@ -467,7 +469,7 @@ async fn queue_exists(amqp: &str, queue: &str) -> bool {
                 FieldTable::default(),
             )
             .await
-            .is_ok(),
+            .is_ok_and(|q| q.consumer_count() > 0),
         Err(_) => false,
     };
     let _ = conn.close(200, "OK".into()).await;
@@ -668,9 +670,9 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
     }
     for sub in SUBSCRIPTIONS {
         let until = Instant::now() + Duration::from_secs(30);
-        while !queue_exists(&args.amqp, sub.queue).await {
+        while !queue_consumed(&args.amqp, sub.queue).await {
             if Instant::now() > until {
-                return Err(format!("{} was not declared within 30 s", sub.queue).into());
+                return Err(format!("{} was not consumed within 30 s", sub.queue).into());
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

@@ -388,6 +388,10 @@ async fn pump(
 /// declares its queue asynchronously, and a message published before that
 /// is routed nowhere.
 pub async fn wait_for_queue(queue: &str) {
+    // A consumer, not only the queue: a subscriber declares the queue,
+    // then binds it, then consumes, so the queue alone may not be bound
+    // yet (a quorum queue's declaration takes long enough for a publish to
+    // slip in between and be routed nowhere).
     let conn = connect().await;
     eventually(Duration::from_secs(10), || {
         let conn = &conn;
@@ -402,7 +406,7 @@ pub async fn wait_for_queue(queue: &str) {
                 FieldTable::default(),
             )
             .await
-            .is_ok()
+            .is_ok_and(|q| q.consumer_count() > 0)
         }
     })
     .await;
