@@ -577,6 +577,53 @@ mod tests {
     const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
     #[test]
+    fn a_node_list_keeps_its_order_and_trims() {
+        let b = LapinBroker::from_list(" amqp://u:p@a:5672/%2f ,amqp://u:p@b:5672/%2f").unwrap();
+        assert_eq!(
+            b.redacted_nodes(),
+            ["amqp://u:***@a:5672/%2f", "amqp://u:***@b:5672/%2f"]
+        );
+        assert_eq!(b.redacted_url(), "amqp://u:***@a:5672/%2f");
+        assert_eq!(LapinBroker::new("amqp://x@h").redacted_nodes().len(), 1);
+    }
+
+    #[test]
+    fn a_bad_node_list_names_the_variable_and_the_address_never_a_password() {
+        for (list, rule) in [
+            ("", "address 1 is empty"),
+            ("amqp://u:secret@a,", "address 2 is empty"),
+            (
+                "amqp://u:secret@a,http://u:secret@b",
+                "address 2 is not an AMQP URL",
+            ),
+            ("amqp://u:secret@a:notaport", "address 1 is not an AMQP URL"),
+        ] {
+            let e = LapinBroker::from_list(list).unwrap_err().to_string();
+            assert!(e.starts_with("CANOPY_MQ_AMQP_URLS="), "{e}");
+            assert!(e.contains(rule), "{rule:?} not in {e}");
+            assert!(!e.contains("secret"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_listed_password_is_hidden_even_when_an_unencoded_comma_splits_it() {
+        for list in [
+            "amqp://u:pa,ss@h/%2f",
+            "amqp://u:12,34@h/%2f",
+            "amqp://u:ok@a,amqp://u:pa,ss@h",
+        ] {
+            let shown = redact_list(list);
+            for secret in ["pa", "ss@", "12", "34@"] {
+                assert!(
+                    !shown.contains(secret),
+                    "{secret:?} shown in {shown} of {list}"
+                );
+            }
+        }
+        assert_eq!(redact_list("amqp://u:p@a,,"), "amqp://u:***@a,,");
+    }
+
+    #[test]
     fn trace_headers_round_trip() {
         let tc = TraceContext::parse(TP, Some("congo=t61rcWkgMzE")).unwrap();
         let headers = trace_headers(&tc);
