@@ -306,7 +306,8 @@ async fn write(
     Ok(())
 }
 
-/// `chaos drainer`: `CHAOS_DB`, `CHAOS_AMQP`, `CHAOS_REPLICA`. Its
+/// `chaos drainer`: `CHAOS_DB`, `CHAOS_AMQP` (one AMQP URL or a
+/// comma-separated list of a cluster's nodes), `CHAOS_REPLICA`. Its
 /// sessions carry its replica id as `application_name`, for the marks'
 /// audit.
 pub async fn drainer() -> Result<(), BoxError> {
@@ -325,7 +326,7 @@ pub async fn drainer() -> Result<(), BoxError> {
         .confirm_timeout_secs(CONFIRM_TIMEOUT.as_secs())
         .max_attempts(DRAINER_MAX_ATTEMPTS)
         .build()?;
-    let handle = DrainerHandle::spawn(pool, LapinBroker::new(amqp), config);
+    let handle = DrainerHandle::spawn(pool, LapinBroker::from_list(&amqp)?, config);
     terminated().await;
     tokio::time::timeout(Duration::from_secs(20), handle.shutdown())
         .await
@@ -388,7 +389,7 @@ pub async fn subscriber() -> Result<(), BoxError> {
     settings.validate()?;
     let subscriber = Arc::new(Subscriber::new(
         Arc::new(PgInboxStore::new(pool.clone())),
-        Arc::new(LapinBroker::new(amqp)),
+        Arc::new(LapinBroker::from_list(&amqp)?),
         Arc::new(TokioClock::default()),
         Arc::new(Effects {
             fails: sub.fails,
