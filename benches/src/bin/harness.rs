@@ -128,17 +128,24 @@ fn ms(d: Duration) -> f64 {
 }
 
 async fn broker_topology(conn: &Connection) -> Result<(), Box<dyn std::error::Error>> {
-    let ch = conn.create_channel().await?;
-    benches::declare_catch_all(&ch, EXCHANGE, QUEUE)
-        .await
-        .or_else(|_| Ok::<(), lapin::Error>(()))?;
     // A classic sink, empty, whatever an earlier run left behind.
     sink(conn, QueueType::Classic).await
 }
 
-/// Replaces the sink queue with an empty one of `kind`, bound as before.
+/// Replaces the sink queue with an empty one of `kind`, bound to the
+/// exchange (declared if need be) with `#`.
 async fn sink(conn: &Connection, kind: QueueType) -> Result<(), Box<dyn std::error::Error>> {
     let ch = conn.create_channel().await?;
+    ch.exchange_declare(
+        EXCHANGE.into(),
+        lapin::ExchangeKind::Topic,
+        lapin::options::ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await?;
     ch.queue_delete(QUEUE.into(), QueueDeleteOptions::default())
         .await?;
     let mut args = FieldTable::default();

@@ -140,10 +140,19 @@ impl LapinBroker {
         {
             return Ok(conn.clone());
         }
-        // A connection that was made and is gone: its node is the one most
-        // likely down, so the next node goes first.
-        let lost = state.take().map(close_detached).is_some();
-        let conn = Arc::new(self.connect(lost).await?);
+        self.replace(&mut state).await
+    }
+
+    /// Replaces the connection in `state` (closing the old one in the
+    /// background) and bumps the generation. A connection that was made
+    /// and is being replaced: its node is the one most likely down, so the
+    /// next node goes first.
+    async fn replace(
+        &self,
+        state: &mut Option<Arc<Connection>>,
+    ) -> Result<Arc<Connection>, BrokerError> {
+        let had = state.take().map(close_detached).is_some();
+        let conn = Arc::new(self.connect(had).await?);
         self.generation.fetch_add(1, Ordering::SeqCst);
         *state = Some(conn.clone());
         Ok(conn)
@@ -277,12 +286,8 @@ impl Broker for LapinBroker {
         if self.generation.load(Ordering::SeqCst) != generation {
             return Ok(()); // someone else already replaced it
         }
-        let had = state.take().map(close_detached).is_some();
         tracing::info!(nodes = self.nodes.len(), "reconnecting to broker");
-        let conn = Arc::new(self.connect(had).await?);
-        self.generation.fetch_add(1, Ordering::SeqCst);
-        *state = Some(conn);
-        Ok(())
+        self.replace(&mut state).await.map(drop)
     }
 }
 

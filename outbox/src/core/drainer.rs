@@ -646,22 +646,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let refused = &outcome.refused;
         metrics::counter!(metric::NACKED).increment(refused.len() as u64);
         report.refused += refused.len() as u64;
-        match self
-            .store
-            .outbox_release(&self.config.replica_id, refused)
-            .await
-        {
-            Ok(n) => metrics::counter!(metric::RELEASED).increment(n),
-            Err(e) => {
-                self.marks.hit(Mark::ReleaseFailed);
-                tracing::warn!(
-                    replica = %self.config.replica_id,
-                    rows = refused.len(),
-                    error = %e,
-                    "could not release nacked rows; they will be reclaimed when the lease expires"
-                );
-            }
-        }
+        self.release_ids(refused).await;
         Err(DrainError::Refused {
             rows: refused.len(),
             reason: reason.clone(),
@@ -849,9 +834,15 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             return;
         }
         let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+        self.release_ids(&ids).await;
+    }
+
+    /// Releases the claims on `ids` (attempts untouched); one that cannot
+    /// be released is reclaimed when its lease expires.
+    async fn release_ids(&self, ids: &[Uuid]) {
         match self
             .store
-            .outbox_release(&self.config.replica_id, &ids)
+            .outbox_release(&self.config.replica_id, ids)
             .await
         {
             Ok(n) => metrics::counter!(metric::RELEASED).increment(n),
