@@ -55,6 +55,15 @@ pub enum FaultKind {
     Downstream,
     /// The fake RabbitMQ delivered a hostile message.
     Hostile,
+    /// A node of the fake RabbitMQ cluster crashed (and restarts later).
+    NodeCrash,
+    /// A node of the fake RabbitMQ cluster was cut off from the others and
+    /// from its clients.
+    NodePartition,
+    /// A quorum queue of the fake RabbitMQ lost its leader, or elected one.
+    LeaderElection,
+    /// A classic queue out of reach dropped what was routed to it.
+    QueueUnreachable,
 }
 
 /// Which drainer store call.

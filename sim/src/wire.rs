@@ -384,12 +384,14 @@ pub enum MqRequest {
         channel: u32,
     },
     /// The subscription's topology: `<queue>.dlq` on `canopy.dlq`, the
-    /// queue with its dead-letter route, its bindings on `exchange`.
+    /// queue with its dead-letter route, its bindings on `exchange`; both
+    /// queues quorum queues, or classic ones.
     DeclareSubscription {
         channel: u32,
         queue: String,
         exchange: String,
         bindings: Vec<String>,
+        quorum: bool,
     },
     /// `basic.qos`.
     Qos {

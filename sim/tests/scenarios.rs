@@ -81,6 +81,8 @@ fn every_scenario_file_has_a_test_here() {
     names.sort();
     let listed = [
         "broker_blackhole",
+        "broker_node_crash",
+        "broker_node_partition",
         "clean",
         "connection_drop",
         "consumer_crash_before_ack",
@@ -211,4 +213,35 @@ fn deferred_constraint() {
 #[test]
 fn swallowed_sql_error() {
     check("swallowed_sql_error");
+}
+#[test]
+fn broker_node_crash() {
+    check("broker_node_crash");
+}
+#[test]
+fn broker_node_partition() {
+    check("broker_node_partition");
+}
+
+/// The cluster scenarios with the subscription forced to a classic queue
+/// (what every subscription was before issue 26): what is routed to it
+/// while its node is down or cut off is confirmed and dropped, and every
+/// pinned seed fails on `lost`.
+#[test]
+fn a_classic_subscription_loses_events_in_the_cluster_scenarios() {
+    for name in ["broker_node_crash", "broker_node_partition"] {
+        let mut s = Scenario::find(&scenarios_dir(), name).expect("scenario loads");
+        s.config.queue_type = Some("classic".into());
+        for &seed in s.pinned() {
+            let run = sim::world::run(&s, seed);
+            assert!(
+                run.verdict
+                    .violations
+                    .iter()
+                    .any(|v| v.invariant == sim::checker::Invariant::Lost),
+                "{name} seed {seed} with a classic queue did not fail on lost: {:#?}",
+                run.verdict.violations
+            );
+        }
+    }
 }

@@ -5,11 +5,15 @@
 //! publish as sent (with the envelope id its body holds) and each confirm as
 //! received, so the checker can judge Phase 2's deadline from the drainer's
 //! side of the wire.
+//!
+//! Like `LapinBroker`, it takes a list of nodes: it connects to the first
+//! that answers, starting from the node it last used, and a connection that
+//! died moves it on to the next node.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -115,6 +119,10 @@ impl MqConn {
 /// The `Broker` port over the fake RabbitMQ.
 pub struct SimBroker {
     client: String,
+    /// The broker's node hosts, in the order they are tried.
+    nodes: Vec<String>,
+    /// The node last connected to (an index into `nodes`).
+    node: AtomicUsize,
     conn: tokio::sync::Mutex<Option<Arc<MqConn>>>,
     generation: AtomicU64,
     next_channel: AtomicU32,
@@ -127,6 +135,8 @@ impl SimBroker {
     pub fn new(client: impl Into<String>, trace: Trace, hooks: Hooks) -> Self {
         Self {
             client: client.into(),
+            nodes: vec!["rabbit".to_owned()],
+            node: AtomicUsize::new(0),
             conn: tokio::sync::Mutex::new(None),
             generation: AtomicU64::new(0),
             next_channel: AtomicU32::new(1),
@@ -135,10 +145,40 @@ impl SimBroker {
         }
     }
 
-    async fn connect(&self) -> Result<Arc<MqConn>, BrokerError> {
-        let stream = connect("rabbit", MQ_PORT)
-            .await
-            .map_err(BrokerError::Connection)?;
+    /// The same client on the cluster whose node hosts are `nodes`, trying
+    /// `nodes[first]` first (empty: the single node `rabbit`).
+    pub fn with_nodes(mut self, nodes: Vec<String>, first: usize) -> Self {
+        if !nodes.is_empty() {
+            self.node = AtomicUsize::new(first % nodes.len());
+            self.nodes = nodes;
+        }
+        self
+    }
+
+    /// Connects to the first node that answers, each tried once, starting
+    /// from the node last used, or (`move_on`, its connection died) from
+    /// the next one.
+    async fn connect(&self, move_on: bool) -> Result<Arc<MqConn>, BrokerError> {
+        let n = self.nodes.len();
+        let start = self.node.load(Ordering::SeqCst) + usize::from(move_on);
+        let mut errors = Vec::new();
+        for i in 0..n {
+            let node = (start + i) % n;
+            match connect(&self.nodes[node], MQ_PORT).await {
+                Ok(stream) => {
+                    self.node.store(node, Ordering::SeqCst);
+                    return self.open(stream).await;
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        Err(BrokerError::Connection(errors.join("; ")))
+    }
+
+    async fn open(
+        &self,
+        stream: crate::engine::net::TcpStream,
+    ) -> Result<Arc<MqConn>, BrokerError> {
         let (mut r, mut w) = crate::engine::net::split(stream);
         write_frame(
             &mut w,
@@ -194,8 +234,8 @@ impl SimBroker {
         {
             return Ok(c.clone());
         }
-        *guard = None;
-        let c = self.connect().await?;
+        let move_on = guard.take().is_some();
+        let c = self.connect(move_on).await?;
         *guard = Some(c.clone());
         Ok(c)
     }
@@ -239,7 +279,7 @@ impl Broker for SimBroker {
             return Ok(());
         }
         *guard = None;
-        let c = self.connect().await?;
+        let c = self.connect(true).await?;
         *guard = Some(c);
         Ok(())
     }
@@ -397,6 +437,7 @@ impl ConsumerBroker for SimBroker {
                 queue: spec.queue.clone(),
                 exchange: spec.exchange.clone(),
                 bindings: spec.bindings.clone(),
+                quorum: spec.queue_type == outbox::QueueType::Quorum,
             },
         )
         .await?;

@@ -64,13 +64,16 @@ impl Watcher {
     }
 }
 
-/// Serves the fake PostgreSQL as host `pg` and the fake RabbitMQ as host
-/// `rabbit`, where the adapters look for them.
+/// Serves the fake PostgreSQL as host `pg` and each node of the fake
+/// RabbitMQ as its host (`rabbit`, or `rabbit-1`… for a cluster), where
+/// the adapters look for them.
 pub fn serve(sim: &mut crate::engine::Sim, pg: &pg::PgState, mq: &mq::MqState) {
     let pg = pg.clone();
     sim.host("pg", move || pg::serve(pg.clone()));
-    let mq = mq.clone();
-    sim.host("rabbit", move || mq::serve(mq.clone()));
+    for (node, host) in mq.node_hosts().into_iter().enumerate() {
+        let mq = mq.clone();
+        sim.host(host.as_str(), move || mq::serve_node(mq.clone(), node));
+    }
 }
 
 /// A bare world for tests that drive the production core by hand: a fake

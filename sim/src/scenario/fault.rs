@@ -23,7 +23,18 @@ pub enum Fault {
         at_secs: f64,
         for_secs: f64,
     },
-    /// Crash `target`; restart it `restart_after_secs` later.
+    /// Cut broker node `node` (1-based, of `rabbit-1..K`) off from the
+    /// other nodes and from every client.
+    NodePartition {
+        node: u32,
+        at_secs: f64,
+        for_secs: f64,
+    },
+    /// Every quorum queue's leader steps down, and no election ends before
+    /// the window does (an election in the middle of confirms).
+    LeaderElection { at_secs: f64, for_secs: f64 },
+    /// Crash `target` (a client host, or a broker node `rabbit-N`);
+    /// restart it `restart_after_secs` later.
     Crash {
         target: String,
         at_secs: f64,
@@ -102,6 +113,10 @@ impl Fault {
             | Fault::Partition {
                 at_secs, for_secs, ..
             }
+            | Fault::NodePartition {
+                at_secs, for_secs, ..
+            }
+            | Fault::LeaderElection { at_secs, for_secs }
             | Fault::CrashPoint {
                 at_secs, for_secs, ..
             }
@@ -133,6 +148,8 @@ impl Fault {
         match self {
             Fault::Blackhole { for_secs, .. }
             | Fault::Partition { for_secs, .. }
+            | Fault::NodePartition { for_secs, .. }
+            | Fault::LeaderElection { for_secs, .. }
             | Fault::CrashPoint { for_secs, .. }
             | Fault::Pause { for_secs, .. }
             | Fault::Pg { for_secs, .. }
@@ -150,6 +167,9 @@ impl Fault {
         match self {
             Fault::Blackhole { .. } => FaultKind::Blackhole,
             Fault::Partition { .. } => FaultKind::Partition,
+            Fault::NodePartition { .. } => FaultKind::NodePartition,
+            Fault::LeaderElection { .. } => FaultKind::LeaderElection,
+            Fault::Crash { target, .. } if target.starts_with("rabbit") => FaultKind::NodeCrash,
             Fault::Crash { .. } => FaultKind::Crash,
             Fault::CrashPoint { .. } => FaultKind::CrashPoint,
             Fault::Pause { .. } => FaultKind::Pause,
@@ -206,6 +226,34 @@ impl Fault {
         } else {
             Err(format!(
                 "fault {self:?}: probabilities must be within [0, 1], rates > 0, kinds non-empty"
+            ))
+        }
+    }
+}
+
+impl Fault {
+    /// Checks that a broker node the fault names exists among `nodes`
+    /// (`rabbit` for one node, `rabbit-1..K` for a cluster).
+    pub fn check_nodes(&self, nodes: u32) -> Result<(), String> {
+        let names = crate::fakes::mq::node_hosts(nodes as usize);
+        let ok = match self {
+            Fault::NodePartition { node, .. } => nodes > 1 && (1..=nodes).contains(node),
+            Fault::Crash { target, .. } | Fault::Blackhole { target, .. }
+                if target.starts_with("rabbit") =>
+            {
+                names.contains(target)
+            }
+            Fault::Partition { a, b, .. } => [a, b]
+                .iter()
+                .filter(|h| h.starts_with("rabbit"))
+                .all(|h| *h == "rabbit" || names.contains(h)),
+            _ => true,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "fault {self:?} names a broker node that is not one of {names:?}"
             ))
         }
     }

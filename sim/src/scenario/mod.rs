@@ -131,6 +131,16 @@ pub struct Topology {
     /// none by default (producer-only scenarios).
     #[serde(default)]
     pub consumers: u32,
+    /// Nodes of the broker: one (host `rabbit`) by default; a cluster's
+    /// nodes are `rabbit-1..K`. Drainer `i` connects to node `i` first,
+    /// consumer `j` to node `K + 1 - j`; the world declares the
+    /// subscription on node `K` before the run, as the example does.
+    #[serde(default = "one")]
+    pub broker_nodes: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl Default for Topology {
@@ -138,6 +148,7 @@ impl Default for Topology {
         Self {
             drainers: 1,
             consumers: 0,
+            broker_nodes: 1,
         }
     }
 }
@@ -182,6 +193,9 @@ pub struct ConfigOverrides {
     /// Subscriber size limit (default 16 KiB, so hostile oversized bodies
     /// stay small on the simulated network).
     pub consumer_max_body_bytes: Option<u32>,
+    /// The subscription's queue type, `quorum` or `classic` (default: the
+    /// library's, `SubscriberSettings::new`).
+    pub queue_type: Option<String>,
     /// Inbox retention in seconds (default 30).
     pub inbox_retention_secs: Option<u64>,
     /// Inbox janitor interval in seconds (default 3).
@@ -254,12 +268,32 @@ impl Scenario {
         if self.topology.drainers == 0 || self.topology.drainers > 16 {
             return Err("topology.drainers must be 1..=16".into());
         }
+        let nodes = self.topology.broker_nodes;
+        if nodes == 0 || nodes > 7 {
+            return Err("topology.broker_nodes must be 1..=7".into());
+        }
+        if let Some(kind) = &self.config.queue_type
+            && kind.parse::<outbox::QueueType>().is_err()
+        {
+            return Err(format!(
+                "config.queue_type is {kind:?}; it must be \"quorum\" or \"classic\""
+            ));
+        }
         for f in &self.faults {
             let (at, len) = f.window();
             if at < 0.0 || len < 0.0 || at + len > self.timing.fault_phase_secs + 1e-9 {
                 return Err(format!("fault {f:?} falls outside the fault phase"));
             }
             f.check()?;
+            f.check_nodes(nodes)?;
+        }
+        if nodes < 3
+            && self
+                .swarm
+                .as_ref()
+                .is_some_and(|s| s.families.iter().any(|f| f.needs_cluster()))
+        {
+            return Err("broker node faults need topology.broker_nodes >= 3".into());
         }
         let consumer_faults = self.faults.iter().any(|f| {
             matches!(

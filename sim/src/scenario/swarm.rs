@@ -60,6 +60,12 @@ pub enum Family {
     Hostile,
     /// Another session locks the consumers' domain table.
     DomainLock,
+    /// A broker node crashes and restarts.
+    NodeCrash,
+    /// A broker node is cut off from the other nodes and from clients.
+    NodePartition,
+    /// Quorum queues lose their leaders and elect slowly.
+    LeaderElection,
 }
 
 /// Where and when one occurrence happens.
@@ -69,15 +75,29 @@ struct Draw {
     drainer: String,
     /// Consumer hosts to pick from.
     consumers: u32,
+    /// Broker nodes to pick from.
+    nodes: u32,
 }
 
 impl Draw {
     fn consumer(&self, rng: &mut SmallRng) -> String {
         format!("consumer-{}", rng.random_range(1..=self.consumers.max(1)))
     }
+
+    fn node(&self, rng: &mut SmallRng) -> u32 {
+        rng.random_range(1..=self.nodes.max(1))
+    }
 }
 
 impl Family {
+    /// Whether it needs a broker cluster (three nodes or more).
+    pub fn needs_cluster(self) -> bool {
+        matches!(
+            self,
+            Family::NodeCrash | Family::NodePartition | Family::LeaderElection
+        )
+    }
+
     /// Whether it needs consumer hosts.
     pub fn needs_consumers(self) -> bool {
         matches!(
@@ -183,6 +203,21 @@ impl Family {
                 at_secs,
                 for_secs,
             },
+            Family::NodeCrash => Fault::Crash {
+                target: format!("rabbit-{}", d.node(rng)),
+                at_secs,
+                restart_after_secs: for_secs,
+            },
+            Family::NodePartition => Fault::NodePartition {
+                node: d.node(rng),
+                at_secs,
+                for_secs,
+            },
+            Family::LeaderElection => Fault::LeaderElection {
+                at_secs,
+                // An election takes seconds, not the phase.
+                for_secs: for_secs.min(4.0),
+            },
         }
     }
 }
@@ -195,6 +230,7 @@ impl Swarm {
         phase: f64,
         drainers: u32,
         consumers: u32,
+        nodes: u32,
     ) -> Vec<Fault> {
         let mut out = Vec::new();
         for family in &self.families {
@@ -211,6 +247,7 @@ impl Swarm {
                     len,
                     drainer,
                     consumers,
+                    nodes,
                 };
                 out.push(family.fault(draw, rng));
             }

@@ -70,14 +70,21 @@ impl Env {
         }
     }
 
+    /// The hosts a fault's target names: `drainers` is every drainer,
+    /// `rabbit` every node of the broker.
     fn hosts(&self, pattern: &str) -> Vec<String> {
-        if pattern == "drainers" {
-            (1..=self.drainers)
+        match pattern {
+            "drainers" => (1..=self.drainers)
                 .map(|i| format!("drainer-{i}"))
-                .collect()
-        } else {
-            vec![pattern.to_owned()]
+                .collect(),
+            "rabbit" => self.mq.node_hosts(),
+            _ => vec![pattern.to_owned()],
         }
+    }
+
+    /// The broker node (0-based) `host` is, if it is one.
+    fn broker_node(&self, host: &str) -> Option<usize> {
+        self.mq.node_hosts().iter().position(|h| h == host)
     }
 
     fn crash(&mut self, sim: &mut crate::engine::Sim, host: &str) -> bool {
@@ -89,7 +96,29 @@ impl Env {
             host: host.to_owned(),
             up: false,
         });
+        if let Some(node) = self.broker_node(host) {
+            // Its connections die with it; the others see it gone.
+            self.mq.set_node_up(node, false, crate::sim_now());
+        }
         true
+    }
+
+    /// Cuts broker node `node` off from the other nodes and from every
+    /// client host, or joins it again.
+    fn isolate_node(&mut self, sim: &mut crate::engine::Sim, node: u32, start: bool) {
+        let hosts = self.mq.node_hosts();
+        let Some(host) = hosts.get((node as usize).wrapping_sub(1)) else {
+            return;
+        };
+        for (client, _) in &self.hooks {
+            if start {
+                sim.partition(client.as_str(), host.as_str());
+            } else {
+                sim.repair(client.as_str(), host.as_str());
+            }
+        }
+        self.mq
+            .set_node_isolated(node as usize - 1, start, crate::sim_now());
     }
 
     fn restart(&mut self, sim: &mut crate::engine::Sim, host: &str) {
@@ -122,22 +151,28 @@ impl Env {
         match fault {
             Fault::Blackhole { target, .. } => {
                 for h in self.hosts(target) {
-                    if start {
-                        sim.hold(h.as_str(), "rabbit");
-                    } else {
-                        sim.release(h.as_str(), "rabbit");
+                    for node in self.mq.node_hosts() {
+                        if start {
+                            sim.hold(h.as_str(), node.as_str());
+                        } else {
+                            sim.release(h.as_str(), node.as_str());
+                        }
                     }
                 }
             }
             Fault::Partition { a, b, .. } => {
                 for h in self.hosts(a) {
-                    if start {
-                        sim.partition(h.as_str(), b.as_str());
-                    } else {
-                        sim.repair(h.as_str(), b.as_str());
+                    for other in self.hosts(b) {
+                        if start {
+                            sim.partition(h.as_str(), other.as_str());
+                        } else {
+                            sim.repair(h.as_str(), other.as_str());
+                        }
                     }
                 }
             }
+            Fault::NodePartition { node, .. } => self.isolate_node(sim, *node, start),
+            Fault::LeaderElection { .. } => self.mq.block_elections(start, crate::sim_now()),
             Fault::Crash { target, .. } => {
                 for h in self.hosts(target) {
                     if start {

@@ -63,6 +63,12 @@ pub fn subscriber_settings(s: &Scenario) -> SubscriberSettings {
     // Stalled handlers (see `SimHandler`) are cut off after half a second,
     // short enough that stalls do not starve a scenario's consumers.
     settings.handler_timeout = std::time::Duration::from_millis(500);
+    if let Some(kind) = &c.queue_type {
+        let kind = kind
+            .parse()
+            .unwrap_or_else(|e| panic!("scenario {} has an invalid queue_type: {e}", s.name));
+        settings = settings.queue_type(kind);
+    }
     settings
         .validate()
         .unwrap_or_else(|e| panic!("scenario {} has invalid consumer settings: {e}", s.name));
@@ -88,12 +94,14 @@ pub fn spawn_drainer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: u
     let scenario = s.clone();
     let incarnation = Arc::new(AtomicU32::new(0));
     let name = host.clone();
+    let nodes = env.mq.node_hosts();
     sim.host(name.as_str(), move || {
         let n = incarnation.fetch_add(1, Ordering::SeqCst) + 1;
         let replica = format!("{host}#{n}");
         let config = drainer_config(&scenario, &replica);
         let store = SimStore::new(replica.clone(), trace.clone(), hooks.clone());
-        let broker = SimBroker::new(replica.clone(), trace.clone(), hooks.clone());
+        let broker = SimBroker::new(replica.clone(), trace.clone(), hooks.clone())
+            .with_nodes(nodes.clone(), (i - 1) as usize);
         let marks = TraceMarks::marks(replica.clone(), trace.clone());
         let entropy = outbox::SplitMix64::new(seed ^ u64::from(n));
         let replica_name = replica.clone();
@@ -164,12 +172,18 @@ pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: 
     let pg = env.pg.clone();
     let incarnation = Arc::new(AtomicU32::new(0));
     let name = host.clone();
+    let nodes = env.mq.node_hosts();
+    // Consumer `i` starts from node K + 1 - i: consumer-1 from the last.
+    let first = nodes.len() - 1 - (i as usize - 1) % nodes.len();
     sim.host(name.as_str(), move || {
         let n = incarnation.fetch_add(1, Ordering::SeqCst) + 1;
         let who = format!("{host}#{n}");
         let store =
             Arc::new(SimInboxStore::new(who.clone(), trace.clone()).with_hooks(hooks.clone()));
-        let broker = Arc::new(SimBroker::new(who.clone(), trace.clone(), hooks.clone()));
+        let broker = Arc::new(
+            SimBroker::new(who.clone(), trace.clone(), hooks.clone())
+                .with_nodes(nodes.clone(), first),
+        );
         let handler = Arc::new(
             SimHandler::new(CONSUMER_QUEUE, transient)
                 .with_downstream(downstream.clone())

@@ -189,7 +189,7 @@ pub fn faults_of(scenario: &Scenario, seed: u64) -> Vec<Fault> {
         let mut rng = SmallRng::seed_from_u64(stream(seed, "swarm"));
         let phase = scenario.timing.fault_phase_secs;
         let t = &scenario.topology;
-        faults.extend(swarm.draw(&mut rng, phase, t.drainers, t.consumers));
+        faults.extend(swarm.draw(&mut rng, phase, t.drainers, t.consumers, t.broker_nodes));
     }
     faults
 }
@@ -256,7 +256,11 @@ pub async fn run_on(mut sim: Sim, scenario: Scenario, seed: u64, trace: Trace) -
     let faults = faults_of(scenario, seed);
     let fakes = (
         PgState::new(stream(seed, "pg"), trace.clone()),
-        MqState::new(stream(seed, "mq"), trace.clone()),
+        MqState::cluster(
+            stream(seed, "mq"),
+            trace.clone(),
+            topology.broker_nodes.max(1) as usize,
+        ),
     );
     let mut hooks: Vec<(String, Hooks)> = (1..=topology.drainers)
         .map(|i| {
@@ -350,12 +354,14 @@ fn populate(
     done: &Arc<AtomicBool>,
 ) {
     if scenario.topology.consumers > 0 {
-        // Deployment: the subscription exists before anything is published.
-        env.mq.queues.lock().expect("queues").declare_subscription(
-            CONSUMER_QUEUE,
-            EXCHANGE,
-            &["#".to_owned()],
-        );
+        // Deployment: the subscription exists before anything is published,
+        // declared on the last node (as the consumer hosts' first choice).
+        let mut queues = env.mq.queues.lock().expect("queues");
+        let last = queues.node_count() - 1;
+        let kind = subscriber_settings(scenario).spec.queue_type;
+        queues
+            .declare_subscription(CONSUMER_QUEUE, EXCHANGE, &["#".to_owned()], kind, last)
+            .expect("a fresh broker declares the subscription");
     }
     crate::fakes::serve(sim, &env.pg, &env.mq);
     for (i, seed) in (1..).zip(drainer_seeds) {

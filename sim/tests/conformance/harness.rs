@@ -15,9 +15,22 @@ where
     C: FnOnce() -> CF + Send + 'static,
     CF: Future<Output = ()> + 'static,
 {
-    let host = host.to_owned();
+    in_sim_hosts(vec![(host.to_owned(), serve)], client);
+}
+
+/// Runs the test body `client` makes in a simulation beside fake servers,
+/// each `(host, serve)` on its own host (the nodes of a cluster).
+pub fn in_sim_hosts<S, SF, C, CF>(servers: Vec<(String, S)>, client: C)
+where
+    S: Fn() -> SF + Send + Sync + 'static,
+    SF: Future<Output = HostResult> + 'static,
+    C: FnOnce() -> CF + Send + 'static,
+    CF: Future<Output = ()> + 'static,
+{
     engine::simulate(Settings::seeded(0), move |mut sim| async move {
-        sim.host(&host, serve);
+        for (host, serve) in servers {
+            sim.host(&host, serve);
+        }
         sim.client("test", move || async move {
             client().await;
             Ok(())

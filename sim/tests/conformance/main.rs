@@ -9,6 +9,9 @@
 //! - [`broker`]: `LapinBroker` on RabbitMQ vs `SimBroker` on the fake
 //!   (publish side).
 //! - [`consume`]: the same, consumer side.
+//! - [`cluster`]: `LapinBroker` on the local three-node RabbitMQ cluster vs
+//!   `SimBroker` on the fake cluster: classic loss, quorum survival,
+//!   failover of a publisher and of a consumer, dead-lettering.
 //!
 //! Real arms use the local services (a fresh database per test, unique
 //! exchange and queue names); fake arms run inside a simulation of the
@@ -42,6 +45,22 @@ macro_rules! conformance {
             }
         )*
     };
+    (rabbitmq_cluster: $real:ident, fake: $fake:ident; $($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                // `rabbitmqctl` blocks its thread while a node stops.
+                #[cfg(not(madsim))]
+                #[tokio::test(flavor = "multi_thread")]
+                async fn rabbitmq_cluster() {
+                    super::$real(super::$name).await;
+                }
+                #[test]
+                fn fake() {
+                    super::$fake(super::$name);
+                }
+            }
+        )*
+    };
     (rabbitmq: $real:ident, fake: $fake:ident; $($name:ident),* $(,)?) => {
         $(
             mod $name {
@@ -60,6 +79,7 @@ macro_rules! conformance {
 }
 
 mod broker;
+mod cluster;
 mod consume;
 mod harness;
 mod inbox;

@@ -33,7 +33,13 @@
 //! - **duplicate delivery** (`duplicate_prob`): see [`queues`].
 //! - **hostile messages** ([`MqState::inject_hostile`]): see [`hostile`].
 //!
-//! Queues, bindings, consumers and dead-lettering live in [`queues`].
+//! - **a node goes down, is cut off, or its queues elect a leader** (the
+//!   world crashes a node's host, isolates it, or blocks elections): see
+//!   [`queues`] for what a cluster does with each queue type. Publishers
+//!   and consumers reconnect to another node of their list.
+//!
+//! Queues, bindings, consumers, dead-lettering and the cluster live in
+//! [`queues`].
 
 pub mod hostile;
 pub mod queues;
@@ -51,7 +57,7 @@ use uuid::Uuid;
 use crate::trace::{Event, FaultKind, HostileKind, Trace};
 use crate::wire::{MqReply, MqRequest};
 
-pub use self::serve::{MQ_PORT, serve};
+pub use self::serve::{MQ_PORT, serve, serve_node};
 
 /// Fault settings, changed by the world while the simulation runs.
 #[derive(Debug, Clone, Default)]
@@ -77,7 +83,8 @@ pub struct Injected {
     pub envelope_id: Option<Uuid>,
 }
 
-/// What the broker stored: every acked message, in order.
+/// What the broker stored: every acked message it kept, in order (one a
+/// classic queue out of reach dropped is acked, and not kept).
 #[derive(Debug, Default)]
 pub struct Stored {
     pub messages: Vec<(Uuid, String)>,
@@ -107,22 +114,79 @@ pub struct MqState {
     rng: Arc<Mutex<SmallRng>>,
     /// Bumped to close every connection (`rabbitmqctl close_all_connections`).
     close_all: Arc<super::Signal>,
+    /// Per node, bumped when it goes down: its connections close.
+    node_down: Arc<Vec<Arc<super::Signal>>>,
     trace: Trace,
 }
 
 impl MqState {
-    /// A fresh broker with an empty queue.
+    /// A fresh single-node broker with no queue.
     pub fn new(seed: u64, trace: Trace) -> Self {
+        Self::cluster(seed, trace, 1)
+    }
+
+    /// A fresh cluster of `nodes` nodes (served as [`node_hosts`](Self::node_hosts)).
+    pub fn cluster(seed: u64, trace: Trace, nodes: usize) -> Self {
         Self {
             stored: Arc::default(),
             faults: Arc::default(),
-            queues: Arc::new(Mutex::new(queues::Queues::new(trace.clone()))),
+            queues: Arc::new(Mutex::new(queues::Queues::new(trace.clone(), nodes))),
             injected: Arc::default(),
             connections: Arc::default(),
             rng: Arc::new(Mutex::new(SmallRng::seed_from_u64(seed))),
             close_all: Arc::default(),
+            node_down: Arc::new((0..nodes.max(1)).map(|_| Arc::default()).collect()),
             trace,
         }
+    }
+
+    /// The simulated hosts of its nodes: `rabbit` for one node, else
+    /// `rabbit-1`, `rabbit-2`, ….
+    pub fn node_hosts(&self) -> Vec<String> {
+        node_hosts(self.queues.lock().expect("queues").node_count())
+    }
+
+    /// Node `node` (0-based) goes down or comes back up, as its host's
+    /// crash and restart, or `rabbitmqctl stop_app` and `start_app`, do: a
+    /// node that goes down closes every connection to it and refuses new
+    /// ones until it is up.
+    pub fn set_node_up(&self, node: usize, up: bool, now: Duration) {
+        if !up {
+            self.trace.now(Event::Fault {
+                kind: FaultKind::NodeCrash,
+                detail: format!("broker node {} goes down", node + 1),
+            });
+        }
+        self.with_queues(now, |q| q.set_node_up(node, up, now));
+        if !up {
+            self.node_down[node].bump();
+        }
+    }
+
+    /// Whether node `node` is up.
+    pub fn node_is_up(&self, node: usize) -> bool {
+        self.queues.lock().expect("queues").node_is_up(node)
+    }
+
+    /// Changes each time node `node` goes down.
+    pub fn node_down_signal(&self, node: usize) -> super::Watcher {
+        self.node_down[node].watch()
+    }
+
+    /// Node `node` is cut off from the other nodes, or joins them again.
+    pub fn set_node_isolated(&self, node: usize, isolated: bool, now: Duration) {
+        self.with_queues(now, |q| q.set_node_isolated(node, isolated, now));
+    }
+
+    /// Holds back (or lets go) every quorum queue's leader election, its
+    /// leaders stepping down as the hold starts.
+    pub fn block_elections(&self, blocked: bool, now: Duration) {
+        self.with_queues(now, |q| q.block_elections(blocked, now));
+    }
+
+    /// Elects what is due and stores what waited for it.
+    pub fn tick(&self, now: Duration) {
+        self.with_queues(now, |_| ());
     }
 
     /// Closes every client connection, as `rabbitmqctl close_all_connections`
@@ -168,7 +232,7 @@ impl MqState {
             message_id: h.message.message_id.clone(),
             envelope_id: h.envelope_id,
         });
-        self.with_queues(crate::sim_now(), |q| q.route(exchange, h.message));
+        self.with_queues(crate::sim_now(), |q| q.inject(exchange, h.message));
     }
 
     /// Envelope ids of injected hostile messages that must take effect.
@@ -195,26 +259,58 @@ impl MqState {
         })
     }
 
-    /// Runs `f` on the queues, then pushes what became deliverable at
-    /// `now`.
+    /// Runs `f` on the queues, runs the elections that are due, confirms
+    /// the publishes that waited for them, then pushes what became
+    /// deliverable at `now`.
     fn with_queues<T>(&self, now: Duration, f: impl FnOnce(&mut queues::Queues) -> T) -> T {
         let duplicate_prob = self.faults.lock().expect("faults").duplicate_prob;
         let mut queues = self.queues.lock().expect("queues");
         let out = f(&mut queues);
+        for held in queues.elect(now) {
+            self.confirm_held(held.confirm, now);
+        }
         queues.dispatch(now, || self.roll(duplicate_prob));
         out
     }
 
-    /// A new client connection, numbered in the order they opened, whose
-    /// frames go to `out`.
-    pub fn open_connection(&self, out: Frames) -> Conn {
+    /// A publish that waited for quorum queues is now in every one of
+    /// them: stored, and confirmed to its channel if it is still there.
+    fn confirm_held(&self, c: queues::HeldConfirm, now: Duration) {
+        self.stored
+            .lock()
+            .expect("stored")
+            .messages
+            .push((c.message_id, c.routing_key.clone()));
+        self.trace.now(Event::Confirmed {
+            client: c.client,
+            message_id: c.message_id,
+            ack: true,
+        });
+        if let Some(out) = c.out {
+            let confirm = MqReply::Confirm {
+                channel: c.channel,
+                seq: c.seq,
+                ack: true,
+            };
+            let _ = out.send((now + c.delay, confirm));
+        }
+    }
+
+    /// A new client connection on node `node`, numbered in the order they
+    /// opened, whose frames go to `out`.
+    pub fn open_connection(&self, out: Frames, node: usize) -> Conn {
         let id = {
             let mut n = self.connections.lock().expect("connections");
             *n += 1;
             *n
         };
+        self.queues
+            .lock()
+            .expect("queues")
+            .connection_opened(id, node);
         Conn {
             state: self.clone(),
+            node,
             id,
             client: String::from("?"),
             channels: BTreeMap::new(),
@@ -237,9 +333,21 @@ struct Channel {
 /// Frames to the client, each not before its instant.
 pub type Frames = tokio::sync::mpsc::UnboundedSender<(Duration, MqReply)>;
 
+/// The hosts of a cluster of `n` nodes: `rabbit` for one node, else
+/// `rabbit-1`, `rabbit-2`, ….
+pub fn node_hosts(n: usize) -> Vec<String> {
+    if n <= 1 {
+        vec!["rabbit".to_owned()]
+    } else {
+        (1..=n).map(|i| format!("rabbit-{i}")).collect()
+    }
+}
+
 /// One client connection, as the broker sees it.
 pub struct Conn {
     state: MqState,
+    /// The node it is connected to.
+    node: usize,
     id: u64,
     client: String,
     channels: BTreeMap<u32, Channel>,
@@ -348,11 +456,23 @@ impl Conn {
                 queue,
                 exchange,
                 bindings,
+                quorum,
             } => {
-                state.with_queues(now, |q| {
-                    q.declare_subscription(&queue, &exchange, &bindings)
-                });
-                Some(MqReply::Ok { channel })
+                let kind = if quorum {
+                    outbox::QueueType::Quorum
+                } else {
+                    outbox::QueueType::Classic
+                };
+                let node = self.node;
+                match state.with_queues(now, |q| {
+                    q.declare_subscription(&queue, &exchange, &bindings, kind, node)
+                }) {
+                    Ok(()) => Some(MqReply::Ok { channel }),
+                    Err(reason) => {
+                        self.channels.remove(&channel);
+                        Some(closed(channel, &reason))
+                    }
+                }
             }
             MqRequest::Qos { channel, prefetch } => {
                 state.with_queues(now, |q| q.qos(conn, channel, prefetch));
@@ -442,13 +562,9 @@ impl Conn {
             .nack_prefix
             .as_ref()
             .is_some_and(|prefix| p.routing_key.starts_with(prefix.as_str()));
+        let confirm = self.channels.get(&p.channel).is_some_and(|c| c.confirm);
+        let delay = Duration::from_millis(faults.confirm_delay_ms);
         if ack {
-            state
-                .stored
-                .lock()
-                .expect("stored")
-                .messages
-                .push((p.message_id, p.routing_key.clone()));
             let message = queues::QueuedMessage {
                 message_id: Some(p.message_id.to_string()),
                 routing_key: p.routing_key.clone(),
@@ -456,38 +572,66 @@ impl Conn {
                 redelivered: false,
                 trace: p.trace,
             };
-            state.with_queues(now, |q| q.route(&p.exchange, message));
+            let held = queues::HeldConfirm {
+                client: client.clone(),
+                message_id: p.message_id,
+                routing_key: p.routing_key.clone(),
+                channel: p.channel,
+                seq,
+                out: confirm.then(|| self.out.clone()),
+                delay,
+            };
+            let node = self.node;
+            let waits = state.with_queues(now, |q| {
+                let routed = q.route(node, &p.exchange, message.clone());
+                if routed.held.is_empty() {
+                    Some((routed.dropped, held))
+                } else {
+                    // Neither ack nor nack until every quorum queue has it.
+                    q.hold(message, routed, held);
+                    None
+                }
+            });
+            match waits {
+                None => {}
+                Some((dropped, _)) if dropped => {
+                    // Acked, and kept nowhere.
+                    self.trace_confirmed(p.message_id, true);
+                    self.send_confirm(confirm, now + delay, p.channel, seq, true);
+                }
+                Some((_, held)) => state.confirm_held(held, now),
+            }
         } else {
             state.trace.now(Event::Fault {
                 kind: FaultKind::MqNack,
                 detail: format!("broker nacks {} ({})", p.message_id, p.routing_key),
             });
+            self.trace_confirmed(p.message_id, false);
+            self.send_confirm(confirm, now + delay, p.channel, seq, false);
         }
-        state.trace.now(Event::Confirmed {
-            client: client.clone(),
-            message_id: p.message_id,
-            ack,
-        });
         if state.roll(faults.drop_conn_prob / 2.0) {
             state.trace.now(Event::Fault {
                 kind: FaultKind::MqDrop,
-                detail: format!("broker drops {client}'s connection after storing"),
+                detail: format!("broker drops {}'s connection after storing", self.client),
             });
             return Next::Close;
         }
-        let confirm = self.channels.get(&p.channel).is_some_and(|c| c.confirm);
-        if confirm {
-            let at = now + Duration::from_millis(faults.confirm_delay_ms);
-            let _ = self.out.send((
-                at,
-                MqReply::Confirm {
-                    channel: p.channel,
-                    seq,
-                    ack,
-                },
-            ));
-        }
         Next::Go(None)
+    }
+
+    fn trace_confirmed(&self, message_id: Uuid, ack: bool) {
+        self.state.trace.now(Event::Confirmed {
+            client: self.client.clone(),
+            message_id,
+            ack,
+        });
+    }
+
+    /// Sends a confirm at `at` on a confirm-mode channel.
+    fn send_confirm(&self, confirm: bool, at: Duration, channel: u32, seq: u64, ack: bool) {
+        if confirm {
+            let _ = self.out.send((at, MqReply::Confirm { channel, seq, ack }));
+        }
     }
 }
 

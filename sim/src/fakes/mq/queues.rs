@@ -13,12 +13,40 @@
 //! Fault: **duplicate delivery** (`duplicate_prob` in [`super::MqFaults`]):
 //! a delivered message is also put back in its queue, flagged redelivered,
 //! as a broker that lost an ack would; the inbox absorbs the repeat.
+//!
+//! **A cluster** (RabbitMQ 3.10 as measured in `outbox/tests/cluster.rs`):
+//! the broker is a set of nodes, each up or down, each reachable from the
+//! others or cut off. Every queue has a type:
+//! - a **classic** queue lives on the node that declared it. While that
+//!   node is down or cut off from the publisher's node, what is routed to
+//!   the queue is dropped and the publish is still confirmed: the loss the
+//!   quorum default exists to prevent. Its messages are on that node's
+//!   disk: they come back with it.
+//! - a **quorum** queue is on every node and has a leader (first the
+//!   declaring node). A publish routed to it is confirmed once the leader
+//!   holds it with a majority of the nodes reachable; without a leader or
+//!   without a majority the publish waits (neither ack nor nack, as
+//!   measured), and is stored and confirmed when a leader with a majority
+//!   is back. A leader that goes down or loses its majority steps down; a
+//!   new leader is elected [`ELECTION_DELAY`] later among the nodes that
+//!   have a majority. Its dead-lettering is at-least-once: a dead letter
+//!   that cannot reach `<queue>.dlq` waits until it can.
+//!
+//! A node that goes down closes its connections: their consumers'
+//! unacknowledged deliveries come back redelivered, and their clients
+//! reconnect to another node of their list.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
+
+use outbox::QueueType;
+use uuid::Uuid;
 
 use crate::trace::{Event, FaultKind, Settle, Trace};
 use crate::wire::{MqReply, WireBody, WireTrace};
+
+/// How long a quorum queue without a leader takes to elect one.
+pub const ELECTION_DELAY: Duration = Duration::from_secs(1);
 
 /// Where a connection's frames go: (not before, frame).
 pub type Outbox = tokio::sync::mpsc::UnboundedSender<(Duration, MqReply)>;
@@ -37,17 +65,78 @@ pub struct QueuedMessage {
 }
 
 /// A durable queue.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Queue {
     pub ready: VecDeque<QueuedMessage>,
     /// (exchange, routing key) a message nacked without requeue goes to.
     dead_letter: Option<(String, String)>,
+    pub kind: QueueType,
+    /// A classic queue's node; a quorum queue's leader (`None` while it
+    /// elects one).
+    pub leader: Option<usize>,
+    /// A quorum queue without a leader elects one from then on.
+    elect_at: Duration,
+}
+
+impl Queue {
+    fn new(kind: QueueType, node: usize) -> Self {
+        Self {
+            ready: VecDeque::new(),
+            dead_letter: None,
+            kind,
+            leader: Some(node),
+            elect_at: Duration::ZERO,
+        }
+    }
+}
+
+/// A node of the cluster, as the others see it.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    up: bool,
+    /// Cut off from the other nodes.
+    isolated: bool,
+}
+
+/// A publish waiting for quorum queues without a leader or a majority.
+#[derive(Debug)]
+pub struct Held {
+    pub message: QueuedMessage,
+    /// The queues it still waits for.
+    waiting: BTreeSet<String>,
+    /// Who to confirm it to once every queue holds it.
+    pub confirm: HeldConfirm,
+}
+
+/// The confirm a held publish owes.
+#[derive(Debug)]
+pub struct HeldConfirm {
+    pub client: String,
+    pub message_id: Uuid,
+    pub routing_key: String,
+    pub channel: u32,
+    pub seq: u64,
+    /// `None` on a channel not in confirm mode.
+    pub out: Option<Outbox>,
+    /// The confirm delay in force when it was published.
+    pub delay: Duration,
+}
+
+/// Where a routed message went.
+#[derive(Debug, Default)]
+pub struct Routed {
+    /// Quorum queues that cannot take it now: the publish waits for them.
+    pub held: BTreeSet<String>,
+    /// A classic queue out of reach dropped it.
+    pub dropped: bool,
 }
 
 #[derive(Debug)]
 struct Consumer {
     /// The client (connection) name, for the trace.
     client: String,
+    /// The node its connection is on.
+    node: usize,
     queue: String,
     prefetch: u16,
     next_tag: u64,
@@ -65,6 +154,16 @@ pub struct Queues {
     consumers: BTreeMap<(u64, u32), Consumer>,
     /// Channel prefetch set by `basic.qos`, by (connection, channel).
     prefetch: BTreeMap<(u64, u32), u16>,
+    nodes: Vec<Node>,
+    /// The node of each open connection.
+    conns: BTreeMap<u64, usize>,
+    /// Publishes waiting for quorum queues, in arrival order.
+    held: Vec<Held>,
+    /// Dead letters of quorum queues waiting for their dead-letter queue:
+    /// (exchange, message).
+    held_dead_letters: VecDeque<(String, QueuedMessage)>,
+    /// While set, no quorum queue elects a leader (a slow election).
+    elections_blocked: bool,
     trace: Trace,
 }
 
@@ -88,15 +187,210 @@ pub fn topic_matches(pattern: &str, key: &str) -> bool {
 }
 
 impl Queues {
-    /// No queues yet; deliveries and settlements go into `trace`.
-    pub fn new(trace: Trace) -> Self {
+    /// No queues yet, on a cluster of `nodes` nodes (at least one), all up;
+    /// deliveries and settlements go into `trace`.
+    pub fn new(trace: Trace, nodes: usize) -> Self {
         Self {
             queues: BTreeMap::new(),
             bindings: Vec::new(),
             consumers: BTreeMap::new(),
             prefetch: BTreeMap::new(),
+            nodes: vec![
+                Node {
+                    up: true,
+                    isolated: false
+                };
+                nodes.max(1)
+            ],
+            conns: BTreeMap::new(),
+            held: Vec::new(),
+            held_dead_letters: VecDeque::new(),
+            elections_blocked: false,
             trace,
         }
+    }
+
+    /// How many nodes the cluster has.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether node `node` is up.
+    pub fn node_is_up(&self, node: usize) -> bool {
+        self.nodes[node].up
+    }
+
+    /// Whether node `a` can reach node `b` (a node reaches itself while up).
+    fn reachable(&self, a: usize, b: usize) -> bool {
+        let (x, y) = (self.nodes[a], self.nodes[b]);
+        x.up && y.up && (a == b || (!x.isolated && !y.isolated))
+    }
+
+    /// Whether `node` reaches a majority of the cluster (itself included).
+    fn has_majority(&self, node: usize) -> bool {
+        let n = self.nodes.len();
+        (0..n).filter(|&m| self.reachable(node, m)).count() * 2 > n
+    }
+
+    /// Whether a client on `node` can put messages in (or take them from)
+    /// `q`.
+    fn available(&self, q: &Queue, node: usize) -> bool {
+        match (q.kind, q.leader) {
+            (_, None) => false,
+            (QueueType::Classic, Some(home)) => self.reachable(node, home),
+            (QueueType::Quorum, Some(leader)) => {
+                self.reachable(node, leader) && self.has_majority(leader)
+            }
+        }
+    }
+
+    /// A connection opened on `node`.
+    pub fn connection_opened(&mut self, conn: u64, node: usize) {
+        self.conns.insert(conn, node);
+    }
+
+    /// Node `node` goes down (`up == false`) or comes back: a node that
+    /// goes down closes its connections.
+    pub fn set_node_up(&mut self, node: usize, up: bool, now: Duration) {
+        self.nodes[node].up = up;
+        if !up {
+            let conns: Vec<u64> = self
+                .conns
+                .iter()
+                .filter(|(_, n)| **n == node)
+                .map(|(c, _)| *c)
+                .collect();
+            for c in conns {
+                self.close(c, None);
+            }
+        }
+        self.elect(now);
+    }
+
+    /// Node `node` is cut off from the other nodes (or joins them again).
+    pub fn set_node_isolated(&mut self, node: usize, isolated: bool, now: Duration) {
+        self.nodes[node].isolated = isolated;
+        self.elect(now);
+    }
+
+    /// Holds back every quorum queue's election while `blocked`; starting
+    /// the block, every leader steps down (a leader election in the middle
+    /// of whatever is being confirmed).
+    pub fn block_elections(&mut self, blocked: bool, now: Duration) {
+        self.elections_blocked = blocked;
+        if blocked {
+            let names: Vec<String> = self
+                .queues
+                .iter()
+                .filter(|(_, q)| q.kind == QueueType::Quorum && q.leader.is_some())
+                .map(|(n, _)| n.clone())
+                .collect();
+            for name in names {
+                self.step_down(&name, now, "its leader steps down");
+            }
+        }
+        self.elect(now);
+    }
+
+    fn step_down(&mut self, name: &str, now: Duration, why: &str) {
+        let q = self.queues.get_mut(name).expect("listed");
+        let old = q.leader.take();
+        q.elect_at = now + ELECTION_DELAY;
+        self.trace.now(Event::Fault {
+            kind: FaultKind::LeaderElection,
+            detail: format!(
+                "quorum queue {name}: {why} (node {}); electing",
+                old.map_or(0, |n| n + 1)
+            ),
+        });
+    }
+
+    /// Steps down every quorum leader that lost its node or its majority,
+    /// elects the due ones, then stores what waited for them. Returns the
+    /// publishes now held by every queue they were routed to, whose
+    /// confirms the broker owes.
+    pub fn elect(&mut self, now: Duration) -> Vec<Held> {
+        let names: Vec<String> = self
+            .queues
+            .iter()
+            .filter(|(_, q)| q.kind == QueueType::Quorum)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in &names {
+            let leader = self.queues[name].leader;
+            if let Some(l) = leader
+                && !(self.nodes[l].up && self.has_majority(l))
+            {
+                self.step_down(name, now, "its leader lost its node or its majority");
+            }
+            let q = &self.queues[name];
+            if q.leader.is_none() && now >= q.elect_at && !self.elections_blocked {
+                let n = self.nodes.len();
+                let from = q.elect_at.as_millis() as usize % n;
+                let candidate = (0..n)
+                    .map(|i| (from + i) % n)
+                    .find(|&c| self.nodes[c].up && self.has_majority(c));
+                if let Some(c) = candidate {
+                    self.queues.get_mut(name).expect("listed").leader = Some(c);
+                    self.trace.now(Event::Fault {
+                        kind: FaultKind::LeaderElection,
+                        detail: format!("quorum queue {name}: node {} elected leader", c + 1),
+                    });
+                }
+            }
+        }
+        self.release_held()
+    }
+
+    /// Stores held publishes and dead letters in the queues that can take
+    /// them now; returns the publishes every queue now holds.
+    fn release_held(&mut self) -> Vec<Held> {
+        let mut done = Vec::new();
+        for mut h in std::mem::take(&mut self.held) {
+            let ready: Vec<String> = h
+                .waiting
+                .iter()
+                .filter(|q| self.quorum_writable(q))
+                .cloned()
+                .collect();
+            for q in ready {
+                h.waiting.remove(&q);
+                if let Some(queue) = self.queues.get_mut(&q) {
+                    queue.ready.push_back(h.message.clone());
+                }
+            }
+            if h.waiting.is_empty() {
+                done.push(h);
+            } else {
+                self.held.push(h);
+            }
+        }
+        for (x, m) in std::mem::take(&mut self.held_dead_letters) {
+            self.dead_letter(&x, m);
+        }
+        done
+    }
+
+    /// Whether a quorum queue has a leader with a majority.
+    fn quorum_writable(&self, name: &str) -> bool {
+        self.queues.get(name).is_none_or(|q| {
+            q.leader
+                .is_some_and(|l| self.reachable(l, l) && self.has_majority(l))
+        })
+    }
+
+    /// Holds a publish until every queue in `routed.held` can take it.
+    pub fn hold(&mut self, message: QueuedMessage, routed: Routed, confirm: HeldConfirm) {
+        self.held.push(Held {
+            message,
+            waiting: routed.held,
+            confirm,
+        });
+    }
+
+    /// Publishes waiting for a quorum queue.
+    pub fn held_count(&self) -> usize {
+        self.held.len() + self.held_dead_letters.len()
     }
 
     /// A queue's ready messages (for the world and the conformance suite).
@@ -108,16 +402,42 @@ impl Queues {
     }
 
     /// Declares `<queue>.dlq` bound to `canopy.dlq`, the queue with its
-    /// dead-letter route, and its bindings on `exchange` (idempotent).
-    pub fn declare_subscription(&mut self, queue: &str, exchange: &str, bindings: &[String]) {
+    /// dead-letter route, and its bindings on `exchange`, both of type
+    /// `kind`, on (led by) `node` (idempotent). A queue that exists with
+    /// another type is refused, as RabbitMQ refuses it
+    /// (`PRECONDITION_FAILED - inequivalent arg 'x-queue-type'`).
+    pub fn declare_subscription(
+        &mut self,
+        queue: &str,
+        exchange: &str,
+        bindings: &[String],
+        kind: QueueType,
+        node: usize,
+    ) -> Result<(), String> {
         let dlq = format!("{queue}.dlq");
-        self.queues.entry(dlq.clone()).or_default();
+        for name in [queue, dlq.as_str()] {
+            if let Some(q) = self.queues.get(name)
+                && q.kind != kind
+            {
+                return Err(format!(
+                    "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue \
+                     '{name}': received '{kind}' but current is '{}'",
+                    q.kind
+                ));
+            }
+        }
+        self.queues
+            .entry(dlq.clone())
+            .or_insert_with(|| Queue::new(kind, node));
         self.bind(DLQ_EXCHANGE, queue, &dlq);
-        self.queues.entry(queue.to_owned()).or_default().dead_letter =
-            Some((DLQ_EXCHANGE.to_owned(), queue.to_owned()));
+        self.queues
+            .entry(queue.to_owned())
+            .or_insert_with(|| Queue::new(kind, node))
+            .dead_letter = Some((DLQ_EXCHANGE.to_owned(), queue.to_owned()));
         for b in bindings {
             self.bind(exchange, b, queue);
         }
+        Ok(())
     }
 
     fn bind(&mut self, exchange: &str, pattern: &str, queue: &str) {
@@ -127,28 +447,92 @@ impl Queues {
         }
     }
 
-    /// Routes a stored message to every bound queue.
-    pub fn route(&mut self, exchange: &str, message: QueuedMessage) {
-        let targets: Vec<String> = self
-            .bindings
-            .iter()
-            .filter(|(x, p, _)| {
-                x == exchange
-                    && if x == DLQ_EXCHANGE {
-                        *p == message.routing_key
-                    } else {
-                        topic_matches(p, &message.routing_key)
+    /// Routes a message published on `node` to every bound queue: a
+    /// classic queue out of reach drops it; a quorum queue without a
+    /// leader or a majority cannot take it yet (see [`Routed`]).
+    pub fn route(&mut self, node: usize, exchange: &str, message: QueuedMessage) -> Routed {
+        let mut routed = Routed::default();
+        for q in self.targets(exchange, &message.routing_key) {
+            let Some(queue) = self.queues.get(&q) else {
+                continue;
+            };
+            match queue.kind {
+                QueueType::Quorum if !self.quorum_writable(&q) => {
+                    routed.held.insert(q);
+                }
+                QueueType::Classic if !self.available(queue, node) => {
+                    routed.dropped = true;
+                    let home = queue.leader.map_or(0, |n| n + 1);
+                    self.trace.now(Event::Fault {
+                        kind: FaultKind::QueueUnreachable,
+                        detail: format!(
+                            "classic queue {q} on node {home}, out of reach of node {}, \
+                             drops {:?}",
+                            node + 1,
+                            message.message_id
+                        ),
+                    });
+                }
+                _ => {
+                    if let Some(queue) = self.queues.get_mut(&q) {
+                        queue.ready.push_back(message.clone());
                     }
-            })
-            .map(|(_, _, q)| q.clone())
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        for q in targets {
+                }
+            }
+        }
+        routed
+    }
+
+    /// Puts a foreign publisher's message in every queue bound to it, as
+    /// stored (the world's hostile messages).
+    pub fn inject(&mut self, exchange: &str, message: QueuedMessage) {
+        for q in self.targets(exchange, &message.routing_key) {
             if let Some(queue) = self.queues.get_mut(&q) {
                 queue.ready.push_back(message.clone());
             }
         }
+    }
+
+    /// The queues a message on `exchange` with `key` is routed to.
+    fn targets(&self, exchange: &str, key: &str) -> Vec<String> {
+        self.bindings
+            .iter()
+            .filter(|(x, p, _)| {
+                x == exchange
+                    && if x == DLQ_EXCHANGE {
+                        p == key
+                    } else {
+                        topic_matches(p, key)
+                    }
+            })
+            .map(|(_, _, q)| q.clone())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect()
+    }
+
+    /// Dead-letters `m` to `exchange`: a quorum dead-letter queue that
+    /// cannot take it yet keeps it waiting (at-least-once); a classic one
+    /// out of reach drops it (at-most-once, RabbitMQ's classic behaviour).
+    fn dead_letter(&mut self, exchange: &str, m: QueuedMessage) {
+        let waits = self.targets(exchange, &m.routing_key).iter().any(|q| {
+            self.queues
+                .get(q)
+                .is_some_and(|x| x.kind == QueueType::Quorum)
+                && !self.quorum_writable(q)
+        });
+        if waits {
+            self.held_dead_letters.push_back((exchange.to_owned(), m));
+            return;
+        }
+        // Dead-lettering happens on the queue's leader: its node routes.
+        let node = self
+            .targets(exchange, &m.routing_key)
+            .first()
+            .and_then(|q| self.queues.get(q))
+            .and_then(|q| q.leader)
+            .unwrap_or(0);
+        self.route(node, exchange, m);
     }
 
     /// `basic.qos` on a channel.
@@ -168,6 +552,7 @@ impl Queues {
         if !self.queues.contains_key(queue) {
             return false;
         }
+        let node = self.conns.get(&conn).copied().unwrap_or(0);
         let prefetch = self
             .prefetch
             .get(&(conn, channel))
@@ -177,6 +562,7 @@ impl Queues {
             (conn, channel),
             Consumer {
                 client: client.to_owned(),
+                node,
                 queue: queue.to_owned(),
                 prefetch,
                 next_tag: 1,
@@ -242,7 +628,7 @@ impl Queues {
         } else if let Some((x, rk)) = self.queues.get(&queue).and_then(|q| q.dead_letter.clone()) {
             m.routing_key = rk;
             m.redelivered = false;
-            self.route(&x, m);
+            self.dead_letter(&x, m);
         }
         true
     }
@@ -250,6 +636,9 @@ impl Queues {
     /// A channel (or, with `None`, every channel of a connection) closed:
     /// its consumers' unacknowledged deliveries go back to their queues.
     pub fn close(&mut self, conn: u64, channel: Option<u32>) {
+        if channel.is_none() {
+            self.conns.remove(&conn);
+        }
         let keys: Vec<(u64, u32)> = self
             .consumers
             .keys()
@@ -274,7 +663,16 @@ impl Queues {
     /// consumer order; `duplicate` decides, per delivery, whether the broker
     /// also keeps a redelivered copy.
     pub fn dispatch(&mut self, now: Duration, mut duplicate: impl FnMut() -> bool) {
-        let keys: Vec<(u64, u32)> = self.consumers.keys().copied().collect();
+        let keys: Vec<(u64, u32)> = self
+            .consumers
+            .iter()
+            .filter(|(_, c)| {
+                self.queues
+                    .get(&c.queue)
+                    .is_some_and(|q| self.available(q, c.node))
+            })
+            .map(|(k, _)| *k)
+            .collect();
         loop {
             let mut delivered = false;
             for key in &keys {
