@@ -127,15 +127,21 @@ pub async fn claim_and_mark(
     Ok((ids, marked))
 }
 
-/// Declares a durable topic exchange and a durable queue bound to all of
-/// it (`#`): the harness's queue, and the chaos run's observer.
+/// Declares a durable topic exchange and a durable queue of `queue_type`
+/// bound to all of it (`#`): the chaos run's observer.
 pub async fn declare_catch_all(
     ch: &lapin::Channel,
     exchange: &str,
     queue: &str,
+    queue_type: outbox::QueueType,
 ) -> Result<(), lapin::Error> {
     use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-    use lapin::types::FieldTable;
+    use lapin::types::{AMQPValue, FieldTable};
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(queue_type.as_str().into()),
+    );
     ch.exchange_declare(
         exchange.into(),
         lapin::ExchangeKind::Topic,
@@ -152,7 +158,7 @@ pub async fn declare_catch_all(
             durable: true,
             ..Default::default()
         },
-        FieldTable::default(),
+        args,
     )
     .await?;
     ch.queue_bind(

@@ -4,13 +4,17 @@
 //!
 //! ```text
 //! chaos run [--events N] [--faults F] [--seed S] [--rate R] [--out DIR]
-//!           [--settle-secs S] [--keep]
+//!           [--settle-secs S] [--keep] [--amqp-url URL[,URL...]] [--cluster]
 //! ```
 //! Defaults: 20 000 events, 8 faults, seed 1, about a minute of production
 //! (300 to 3 000 events/s), `target/chaos`, 180 s to settle. Exit status 0
 //! if every rule held, 1 if one broke, 2 on a usage or set-up error. The
 //! services come from `DATABASE_URL` (any database of the server: the run
-//! creates and drops its own) and `AMQP_URL`, with the local defaults.
+//! creates and drops its own) and `AMQP_URL` (or `--amqp-url`, a list of
+//! a cluster's nodes), with the local defaults. `--cluster` runs on the
+//! project's three-node cluster (`.ci/rabbit-cluster start`; its nodes'
+//! URLs unless `--amqp-url` lists them, in node order) with node faults:
+//! a node SIGKILLed, stopped (`stop_app`), cut off from the others.
 //! `chaos producer|drainer|subscriber` are the run's processes (the
 //! orchestrator starts them).
 
@@ -20,7 +24,7 @@ use std::time::Duration;
 use benches::chaos::{roles, run};
 
 const USAGE: &str = "usage: chaos run [--events N] [--faults F] [--seed S] [--rate R] [--out DIR] \
-                     [--settle-secs S] [--keep]";
+                     [--settle-secs S] [--keep] [--amqp-url URL[,URL...]] [--cluster]";
 
 fn parse(args: &[String]) -> Result<run::Args, String> {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -33,8 +37,8 @@ fn parse(args: &[String]) -> Result<run::Args, String> {
         settle: Duration::from_secs(180),
         pg_admin: std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
-        amqp: std::env::var("AMQP_URL")
-            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+        amqp: String::new(),
+        cluster: false,
         keep: false,
     };
     let mut it = args.iter();
@@ -52,11 +56,29 @@ fn parse(args: &[String]) -> Result<run::Args, String> {
             "--settle-secs" => a.settle = Duration::from_secs_f64(num(flag, it.next())?),
             "--out" => a.out = it.next().ok_or("--out needs a folder")?.into(),
             "--keep" => a.keep = true,
+            "--cluster" => a.cluster = true,
+            "--amqp-url" => a.amqp = it.next().ok_or("--amqp-url needs a URL list")?.clone(),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
     }
     if a.events == 0 {
         return Err("--events must be at least 1".into());
+    }
+    if a.amqp.is_empty() {
+        a.amqp = if a.cluster {
+            benches::chaos::cluster::default_list()
+        } else {
+            std::env::var("AMQP_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+        };
+    }
+    outbox::LapinBroker::from_list(&a.amqp).map_err(|e| format!("--amqp-url: {e}"))?;
+    let nodes = benches::chaos::nodes(&a.amqp).len();
+    if a.cluster && nodes != usize::from(benches::chaos::cluster::NODES) {
+        return Err(format!(
+            "--cluster needs the cluster's {} nodes in --amqp-url, in node order; it lists {nodes}",
+            benches::chaos::cluster::NODES
+        ));
     }
     if a.rate <= 0.0 {
         a.rate = run::Args::default_rate(a.events);

@@ -10,7 +10,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use lapin::options::BasicGetOptions;
-use lapin::{Connection, ConnectionProperties};
 use sim::checker::{SubscriptionEnd, Verdict, check_end_state};
 use sim::model::{FinalState, Model};
 use sqlx::{PgPool, Row};
@@ -120,7 +119,7 @@ pub async fn read_subscription(pool: &PgPool) -> Result<SubscriptionState, BoxEr
 /// Takes every message out of `queue` (a dead-letter queue), by
 /// `message_id`.
 pub async fn drain_queue(amqp: &str, queue: &str) -> Result<BTreeMap<String, u32>, BoxError> {
-    let conn = Connection::connect(amqp, ConnectionProperties::default()).await?;
+    let conn = super::connect_any(amqp).await?;
     let ch = conn.create_channel().await?;
     let mut ids = BTreeMap::new();
     while let Some(m) = ch

@@ -29,6 +29,7 @@
 //! `sim` crate whose rules it reuses; the production crate stays lean, and
 //! `sim`'s madsim build (whose tokio is madsim's) stays free of real I/O.
 
+pub mod cluster;
 pub mod judge;
 pub mod observer;
 pub mod plan;
@@ -98,6 +99,30 @@ pub const SUBSCRIPTIONS: [Subscription; 2] = [
         fails: true,
     },
 ];
+
+/// Connects to the first node of `list` (AMQP URLs separated by commas)
+/// that answers: the orchestrator's and the observer's own connections,
+/// which must outlive any one node of a cluster.
+/// The error names each node with its password hidden.
+pub async fn connect_any(list: &str) -> Result<lapin::Connection, String> {
+    let mut errors = Vec::new();
+    for url in list.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        match lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await {
+            Ok(c) => return Ok(c),
+            Err(e) => errors.push(format!("{}: {e}", outbox::redact_url(url))),
+        }
+    }
+    Err(format!("no broker node answered ({})", errors.join("; ")))
+}
+
+/// The nodes `list` names (AMQP URLs separated by commas).
+pub fn nodes(list: &str) -> Vec<String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
 
 /// The subscription named `name`.
 pub fn subscription(name: &str) -> Option<Subscription> {

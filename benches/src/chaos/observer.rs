@@ -5,7 +5,8 @@
 //! as a new message (a republish is one more); a broker redelivery of
 //! something it already saw (its ack was lost with a connection) is counted
 //! apart, not as a publish. Reconnects across broker restarts: the queue and
-//! its persistent messages survive them.
+//! its persistent messages survive them. On a cluster it takes the node
+//! list and reconnects to the first node that answers.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -14,7 +15,6 @@ use std::time::{Duration, Instant};
 use futures_lite::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
 use tokio::sync::watch;
 use uuid::Uuid;
 
@@ -33,10 +33,17 @@ pub struct Observed {
 
 /// Declares the exchange and the observer's durable queue bound to it
 /// (before the producer starts, so nothing is routed past it).
-pub async fn declare(amqp: &str, exchange: &str, queue: &str) -> Result<(), lapin::Error> {
-    let conn = Connection::connect(amqp, ConnectionProperties::default()).await?;
+/// On a cluster it is a quorum queue, which keeps what it confirmed when
+/// a node goes.
+pub async fn declare(
+    amqp: &str,
+    exchange: &str,
+    queue: &str,
+    queue_type: outbox::QueueType,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let conn = super::connect_any(amqp).await?;
     let ch = conn.create_channel().await?;
-    crate::declare_catch_all(&ch, exchange, queue).await?;
+    crate::declare_catch_all(&ch, exchange, queue, queue_type).await?;
     let _ = conn.close(200, "OK".into()).await;
     Ok(())
 }
@@ -65,9 +72,7 @@ pub async fn observe(
 
 /// One connection's worth of reading; returns when it breaks.
 async fn read(amqp: &str, queue: &str, seen: &Mutex<Observed>, start: Instant) -> Option<()> {
-    let conn = Connection::connect(amqp, ConnectionProperties::default())
-        .await
-        .ok()?;
+    let conn = super::connect_any(amqp).await.ok()?;
     let ch = conn.create_channel().await.ok()?;
     ch.basic_qos(1000, BasicQosOptions::default()).await.ok()?;
     let mut deliveries = ch

@@ -10,6 +10,14 @@
 //! `claimed_by` guard's case, #478) and a subscriber killed mid-batch,
 //! then the other kinds in a seeded order: any run of two faults or more
 //! restarts both services, of four or more has all four.
+//!
+//! On a cluster (`chaos run --cluster`) node faults take the broker
+//! restart's place: a node's Erlang VM SIGKILLed (started again after), a
+//! node's app stopped (`stop_app`, `start_app` after) and a node cut off
+//! from the other nodes and from every client; each comes twice in the
+//! rotation, so six of its sixteen kinds are node faults and a run of 30
+//! faults has at least ten; the rotation starts with the three of them and
+//! a PostgreSQL restart, so a run of four faults has each.
 
 use std::time::Duration;
 
@@ -69,6 +77,15 @@ pub enum Fault {
     /// late (a trigger the run installs, keyed by the session's
     /// `application_name`).
     StallMarks { target: String, stalled: Duration },
+    /// SIGKILL broker node `node`'s Erlang VM (1-based), start it again
+    /// after `restart_after`.
+    NodeKill { node: u16, restart_after: Duration },
+    /// `rabbitmqctl -n rabbitN stop_app`, `down` later `start_app`.
+    NodeStop { node: u16, down: Duration },
+    /// Broker node `node` cut off from the other nodes (their
+    /// distribution connections refused) and from every client (their
+    /// proxies to it hold everything) for `cut`.
+    NodePartition { node: u16, cut: Duration },
 }
 
 impl Fault {
@@ -84,7 +101,18 @@ impl Fault {
             Fault::Blackhole { .. } => "blackhole",
             Fault::Cut { .. } => "cut",
             Fault::StallMarks { .. } => "stall_marks",
+            Fault::NodeKill { .. } => "node_kill",
+            Fault::NodeStop { .. } => "node_stop",
+            Fault::NodePartition { .. } => "node_partition",
         }
+    }
+
+    /// Whether it is a fault of one broker node.
+    pub fn is_node_fault(&self) -> bool {
+        matches!(
+            self,
+            Fault::NodeKill { .. } | Fault::NodeStop { .. } | Fault::NodePartition { .. }
+        )
     }
 
     /// How long the fault lasts once injected (zero for an instant one).
@@ -95,6 +123,9 @@ impl Fault {
             Fault::RestartBroker { down } => *down,
             Fault::Blackhole { held, .. } => *held,
             Fault::StallMarks { stalled, .. } => *stalled,
+            Fault::NodeKill { restart_after, .. } => *restart_after,
+            Fault::NodeStop { down, .. } => *down,
+            Fault::NodePartition { cut, .. } => *cut,
             _ => Duration::ZERO,
         }
     }
@@ -137,6 +168,24 @@ impl std::fmt::Display for Fault {
                     s(stalled)
                 )
             }
+            Fault::NodeKill {
+                node,
+                restart_after,
+            } => write!(
+                f,
+                "SIGKILL broker node rabbit{node}, restart after {}",
+                s(restart_after)
+            ),
+            Fault::NodeStop { node, down } => write!(
+                f,
+                "rabbitmqctl -n rabbit{node} stop_app, start_app {} later",
+                s(down)
+            ),
+            Fault::NodePartition { node, cut } => write!(
+                f,
+                "broker node rabbit{node} cut off from the other nodes and every client for {}",
+                s(cut)
+            ),
         }
     }
 }
@@ -166,21 +215,46 @@ const KINDS: [&str; 11] = [
     "pg_terminate_backend",
 ];
 
+/// The kinds on a cluster: the three node faults and a PostgreSQL restart
+/// lead (a short run has them all), node faults come twice, and the broker
+/// restart's place is theirs.
+const CLUSTER_KINDS: [&str; 16] = [
+    "node_partition",
+    "node_kill",
+    "postgres_restart",
+    "node_stop",
+    "stall_marks",
+    "kill_subscriber",
+    "node_kill",
+    "node_stop",
+    "node_partition",
+    "stall_drainer_db",
+    "kill_drainer",
+    "sigstop",
+    "close_all_connections",
+    "blackhole",
+    "cut",
+    "pg_terminate_backend",
+];
+
 /// `count` faults over `window`, on the processes `drainers` and
-/// `subscribers`.
+/// `subscribers`, and on the broker's `nodes` (node faults only when there
+/// are three or more).
 pub fn plan(
     seed: u64,
     count: usize,
     window: Duration,
-    drainers: &[String],
-    subscribers: &[String],
+    (drainers, subscribers): (&[String], &[String]),
+    nodes: u16,
 ) -> Vec<Planned> {
     let mut rng = Rng::new(seed, "chaos faults");
-    let mut rest: Vec<&str> = KINDS[FIRST..].to_vec();
+    let kinds: &[&str] = if nodes >= 3 { &CLUSTER_KINDS } else { &KINDS };
+    let mut rest: Vec<&str> = kinds[FIRST..].to_vec();
     for i in (1..rest.len()).rev() {
         rest.swap(i, rng.below(i as u64 + 1) as usize);
     }
-    let rotation: Vec<&str> = KINDS[..FIRST].iter().copied().chain(rest).collect();
+    let rotation: Vec<&str> = kinds[..FIRST].iter().copied().chain(rest).collect();
+    let node = |rng: &mut Rng| 1 + rng.below(u64::from(nodes.max(1))) as u16;
     let slot = window / count.max(1) as u32;
     let pick = |rng: &mut Rng, from: &[String]| from[rng.below(from.len() as u64) as usize].clone();
     let mut planned = Vec::with_capacity(count);
@@ -214,6 +288,18 @@ pub fn plan(
                 stopped: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
             },
             "close_all_connections" => Fault::CloseAllConnections,
+            "node_kill" => Fault::NodeKill {
+                node: node(&mut rng),
+                restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(5)),
+            },
+            "node_stop" => Fault::NodeStop {
+                node: node(&mut rng),
+                down: rng.between(Duration::from_secs(2), Duration::from_secs(6)),
+            },
+            "node_partition" => Fault::NodePartition {
+                node: node(&mut rng),
+                cut: rng.between(Duration::from_secs(4), Duration::from_secs(10)),
+            },
             "blackhole" => Fault::Blackhole {
                 target: pick(&mut rng, &everyone),
                 service: if rng.below(2) == 0 {
@@ -249,16 +335,20 @@ mod tests {
     #[test]
     fn two_faults_or_more_restart_both_services_and_the_plan_is_the_seeds() {
         let (d, s) = (names("drainer", 3), names("billing", 2));
-        let a = plan(7, 8, Duration::from_secs(60), &d, &s);
-        assert_eq!(a, plan(7, 8, Duration::from_secs(60), &d, &s));
-        assert_ne!(a, plan(8, 8, Duration::from_secs(60), &d, &s));
+        let a = plan(7, 8, Duration::from_secs(60), (&d, &s), 1);
+        assert_eq!(a, plan(7, 8, Duration::from_secs(60), (&d, &s), 1));
+        assert_ne!(a, plan(8, 8, Duration::from_secs(60), (&d, &s), 1));
         let kinds: Vec<&str> = a.iter().map(|p| p.fault.kind()).collect();
         assert!(kinds.contains(&"rabbitmq_restart") && kinds.contains(&"postgres_restart"));
         assert!(a.windows(2).all(|w| w[0].at < w[1].at), "in time order");
         assert!(a.iter().all(|p| p.at < Duration::from_secs(60)));
         let stall = a.iter().any(|p| matches!(&p.fault, Fault::StallMarks { target, stalled } if target.starts_with("drainer-") && *stalled > LEASE_TTL));
         assert!(stall, "a drainer's marks stall past its lease");
-        let all = plan(3, 20, Duration::from_secs(60), &d, &s);
+        let all = plan(3, 20, Duration::from_secs(60), (&d, &s), 1);
+        assert!(
+            all.iter().all(|p| !p.fault.is_node_fault()),
+            "one node: no node faults"
+        );
         for kind in [
             "kill",
             "sigstop",
@@ -276,9 +366,46 @@ mod tests {
     }
 
     #[test]
+    fn on_a_cluster_a_third_of_the_faults_are_node_faults_of_every_kind() {
+        let (d, s) = (names("drainer", 3), names("billing", 2));
+        for seed in 0..20 {
+            let p = plan(seed, 30, Duration::from_secs(60), (&d, &s), 3);
+            let node: Vec<&Fault> = p
+                .iter()
+                .map(|p| &p.fault)
+                .filter(|f| f.is_node_fault())
+                .collect();
+            assert!(node.len() >= 10, "seed {seed}: {} node faults", node.len());
+            for kind in ["node_kill", "node_stop", "node_partition"] {
+                assert!(node.iter().any(|f| f.kind() == kind), "{kind}");
+            }
+            assert!(p.iter().all(|p| p.fault.kind() != "rabbitmq_restart"));
+            let first: Vec<&str> = plan(seed, 4, Duration::from_secs(20), (&d, &s), 3)
+                .iter()
+                .map(|p| p.fault.kind())
+                .collect();
+            assert_eq!(
+                first,
+                [
+                    "node_partition",
+                    "node_kill",
+                    "postgres_restart",
+                    "node_stop"
+                ]
+            );
+            assert!(node.iter().all(|f| match f {
+                Fault::NodeKill { node, .. }
+                | Fault::NodeStop { node, .. }
+                | Fault::NodePartition { node, .. } => (1..=3).contains(node),
+                _ => false,
+            }));
+        }
+    }
+
+    #[test]
     fn a_paused_drainer_sleeps_past_its_lease() {
         let (d, s) = (names("drainer", 3), names("billing", 2));
-        for p in plan(11, 27, Duration::from_secs(90), &d, &s) {
+        for p in plan(11, 27, Duration::from_secs(90), (&d, &s), 3) {
             if let Fault::Pause { stopped, target } = p.fault {
                 assert!(stopped > LEASE_TTL && target.starts_with("drainer-"));
             }

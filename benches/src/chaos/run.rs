@@ -11,10 +11,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
 use sqlx::{Executor, PgPool, Row};
 use tokio::sync::watch;
 
+use super::cluster;
 use super::judge::{self, Outcome};
 use super::observer::{self, Observed};
 use super::plan::{self, Fault, Service};
@@ -40,8 +40,14 @@ pub struct Args {
     pub settle: Duration,
     /// A PostgreSQL URL with a database to administer from (`postgres`).
     pub pg_admin: String,
-    /// The broker's URL (for the observer and the set-up: never proxied).
+    /// The broker's nodes: AMQP URLs separated by commas (the observer and
+    /// the set-up connect to the first that answers, never proxied; each
+    /// process gets a proxy to each node, and the list of its proxies).
     pub amqp: String,
+    /// The broker is the project's three-node cluster (`--cluster`):
+    /// `amqp` lists its nodes in order, node faults are planned, and the
+    /// observer reads a quorum queue.
+    pub cluster: bool,
     /// Keep the databases and queues after the run.
     pub keep: bool,
 }
@@ -175,7 +181,7 @@ async fn command(program: &str, args: &[&str]) -> Result<(), String> {
 async fn broker_up(amqp: &str, within: Duration) -> Result<(), String> {
     let until = Instant::now() + within;
     while Instant::now() < until {
-        if let Ok(c) = Connection::connect(amqp, ConnectionProperties::default()).await {
+        if let Ok(c) = super::connect_any(amqp).await {
             let _ = c.close(200, "OK".into()).await;
             return Ok(());
         }
@@ -306,10 +312,88 @@ struct World {
 }
 
 impl World {
-    fn proxy(&self, target: &str, service: Service) -> Result<&Proxy, String> {
+    /// The proxies between `target` and `service` (one per broker node).
+    fn proxies_of(&self, target: &str, service: Service) -> Result<Vec<&Proxy>, String> {
+        let (one, node) = (
+            format!("{target}/{}", service.name()),
+            format!("{target}/{}-", service.name()),
+        );
+        let found: Vec<&Proxy> = self
+            .proxies
+            .iter()
+            .filter(|(k, _)| **k == one || k.starts_with(&node))
+            .map(|(_, p)| p)
+            .collect();
+        if found.is_empty() {
+            Err(format!("no proxy {one}"))
+        } else {
+            Ok(found)
+        }
+    }
+
+    /// Every process's proxy to broker node `n` (1-based).
+    fn node_proxies(&self, n: u16) -> Vec<&Proxy> {
+        let suffix = format!("/rabbit-{n}");
         self.proxies
-            .get(&format!("{target}/{}", service.name()))
-            .ok_or_else(|| format!("no proxy {target}/{}", service.name()))
+            .iter()
+            .filter(|(k, _)| k.ends_with(&suffix))
+            .map(|(_, p)| p)
+            .collect()
+    }
+
+    /// The broker's nodes this run faults (1-based): one unless a cluster.
+    fn broker_nodes(&self) -> std::ops::RangeInclusive<u16> {
+        1..=if self.args.cluster { cluster::NODES } else { 1 }
+    }
+
+    /// `rabbitmqctl ARGS` on every node of the broker.
+    async fn ctl_all(&self, args: &[&str]) -> Result<(), String> {
+        if !self.args.cluster {
+            return command("rabbitmqctl", args).await;
+        }
+        for n in self.broker_nodes() {
+            cluster::ctl(n, args).await?;
+        }
+        Ok(())
+    }
+
+    /// Injects a node fault and heals it.
+    async fn inject_node(&self, fault: &Fault) -> Result<(), String> {
+        if !self.args.cluster {
+            return Err(format!("{fault}: not a cluster run"));
+        }
+        match fault {
+            Fault::NodeKill {
+                node,
+                restart_after,
+            } => {
+                cluster::kill(*node).await?;
+                tokio::time::sleep(*restart_after).await;
+                cluster::start_down_nodes().await
+            }
+            Fault::NodeStop { node, down } => {
+                cluster::ctl(*node, &["stop_app"]).await?;
+                tokio::time::sleep(*down).await;
+                cluster::ctl(*node, &["start_app"]).await?;
+                cluster::await_all().await
+            }
+            Fault::NodePartition { node, cut } => {
+                let proxies = self.node_proxies(*node);
+                for p in &proxies {
+                    p.hold();
+                }
+                let cut_off = cluster::cut_off(*node).await;
+                tokio::time::sleep(*cut).await;
+                let rejoined = cluster::rejoin(*node).await;
+                for p in &proxies {
+                    p.pass();
+                }
+                cut_off?;
+                rejoined?;
+                cluster::await_all().await
+            }
+            other => Err(format!("{other} is no node fault")),
+        }
     }
 
     fn with_slot<T>(&self, target: &str, f: impl FnOnce(&mut Slot) -> T) -> Result<T, String> {
@@ -348,13 +432,16 @@ impl World {
                 r
             }
             Fault::CloseAllConnections => {
-                command("rabbitmqctl", &["close_all_connections", "chaos run"]).await
+                self.ctl_all(&["close_all_connections", "chaos run"]).await
             }
             Fault::RestartBroker { down } => {
-                command("rabbitmqctl", &["stop_app"]).await?;
+                self.ctl_all(&["stop_app"]).await?;
                 tokio::time::sleep(*down).await;
-                command("rabbitmqctl", &["start_app"]).await?;
+                self.ctl_all(&["start_app"]).await?;
                 broker_up(&self.args.amqp, Duration::from_secs(60)).await
+            }
+            Fault::NodeKill { .. } | Fault::NodeStop { .. } | Fault::NodePartition { .. } => {
+                self.inject_node(fault).await
             }
             Fault::RestartPostgres => {
                 let version = pg_version();
@@ -385,14 +472,20 @@ impl World {
                 service,
                 held,
             } => {
-                let proxy = self.proxy(target, *service)?;
-                proxy.hold();
+                let proxies = self.proxies_of(target, *service)?;
+                for p in &proxies {
+                    p.hold();
+                }
                 tokio::time::sleep(*held).await;
-                proxy.pass();
+                for p in &proxies {
+                    p.pass();
+                }
                 Ok(())
             }
             Fault::Cut { target, service } => {
-                self.proxy(target, *service)?.cut();
+                for p in self.proxies_of(target, *service)? {
+                    p.cut();
+                }
                 Ok(())
             }
             Fault::StallMarks { target, stalled } => {
@@ -435,7 +528,7 @@ fn queues() -> Vec<String> {
 
 /// Deletes the run's queues and exchange (what is missing is skipped).
 async fn clean_broker(amqp: &str) -> Result<(), BoxError> {
-    let conn = Connection::connect(amqp, ConnectionProperties::default()).await?;
+    let conn = super::connect_any(amqp).await?;
     for q in queues() {
         // A failed delete closes the channel: one channel per attempt.
         let ch = conn.create_channel().await?;
@@ -455,7 +548,7 @@ async fn clean_broker(amqp: &str) -> Result<(), BoxError> {
 /// after declaring it and consumes after binding, so only then is nothing
 /// published to the exchange routed nowhere.
 async fn queue_consumed(amqp: &str, queue: &str) -> bool {
-    let Ok(conn) = Connection::connect(amqp, ConnectionProperties::default()).await else {
+    let Ok(conn) = super::connect_any(amqp).await else {
         return false;
     };
     let ok = match conn.create_channel().await {
@@ -575,10 +668,16 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
         pool.execute(EFFECTS_DDL).await?;
         subs.insert(s.name.to_owned(), pool);
     }
-    observer::declare(&args.amqp, EXCHANGE, OBSERVER_QUEUE).await?;
+    let observer_queue = if args.cluster {
+        outbox::QueueType::Quorum
+    } else {
+        outbox::QueueType::Classic
+    };
+    observer::declare(&args.amqp, EXCHANGE, OBSERVER_QUEUE, observer_queue).await?;
 
     // The processes and their proxies.
-    let (pg_up, mq_up) = (host_port(&args.pg_admin, 5432), host_port(&args.amqp, 5672));
+    let pg_up = host_port(&args.pg_admin, 5432);
+    let mq_nodes = super::nodes(&args.amqp);
     let mut proxies = BTreeMap::new();
     let mut slots = BTreeMap::new();
     let mut specs: Vec<Spec<'_>> = vec![(
@@ -623,9 +722,19 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
             ("CHAOS_OUT".into(), out_str.clone()),
         ];
         if role != "producer" {
-            let mq = Proxy::start(mq_up.clone()).await?;
-            env.push(("CHAOS_AMQP".into(), through(&args.amqp, mq.port)));
-            proxies.insert(format!("{name}/rabbit"), mq);
+            // One proxy per node; the process gets the list of them.
+            let mut list = Vec::new();
+            for (k, url) in (1..).zip(&mq_nodes) {
+                let mq = Proxy::start(host_port(url, 5672)).await?;
+                list.push(through(url, mq.port));
+                let key = if mq_nodes.len() == 1 {
+                    format!("{name}/rabbit")
+                } else {
+                    format!("{name}/rabbit-{k}")
+                };
+                proxies.insert(key, mq);
+            }
+            env.push(("CHAOS_AMQP".into(), list.join(",")));
         }
         env.extend(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
         let log = out.join(format!("{name}.log"));
@@ -684,7 +793,14 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
         }
     }
     let window = Duration::from_secs_f64(args.events as f64 / args.rate);
-    let planned = plan::plan(args.seed, args.faults, window, &drainers, &subscribers);
+    let nodes = if args.cluster { cluster::NODES } else { 1 };
+    let planned = plan::plan(
+        args.seed,
+        args.faults,
+        window,
+        (&drainers, &subscribers),
+        nodes,
+    );
     println!(
         "chaos: seed {}, {} events at {:.0}/s over {:.0} s, {} faults (each at its \
          instant, or later once its share of the events reached the broker):",
