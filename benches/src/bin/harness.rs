@@ -32,10 +32,8 @@ use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Connection, ConnectionProperties};
-use outbox::{
-    DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, Publisher, QueueType, redact_url,
-};
+use lapin::{BasicProperties, Connection};
+use outbox::{DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, Publisher, QueueType};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgPool};
 
@@ -106,12 +104,13 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => {
                 return Err("usage: harness [--rows N] [--p2-rows N] [--p3-bounds R,R] \
                      [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5] \
-                     [--json FILE] [--database-url URL] [--amqp-url URL]"
+                     [--json FILE] [--database-url URL] [--amqp-url URL[,URL...]]"
                     .into());
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
         }
     }
+    outbox::LapinBroker::from_list(&a.amqp_url).map_err(|e| format!("--amqp-url: {e}"))?;
     Ok(a)
 }
 
@@ -258,7 +257,11 @@ async fn drain(
                 .replica_id(format!("harness-{r}"))
                 .build()
                 .expect("defaults are valid");
-            DrainerHandle::spawn(pool.clone(), LapinBroker::new(amqp_url), config)
+            DrainerHandle::spawn(
+                pool.clone(),
+                LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start"),
+                config,
+            )
         })
         .collect();
     loop {
@@ -301,7 +304,7 @@ async fn phases(
         .expect("defaults are valid");
     let drainer = outbox::Drainer::new(
         Arc::new(outbox::PgOutboxStore::new(pool.clone())),
-        Arc::new(LapinBroker::new(amqp_url)),
+        Arc::new(LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start")),
         Arc::new(outbox::TokioClock::default()),
         Arc::new(outbox::SplitMix64::new(1)),
         config,
@@ -334,7 +337,7 @@ async fn antipattern_drain(
     amqp_url: String,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<u64, Box<dyn std::error::Error + Send + Sync>> {
-    let conn = Connection::connect(&amqp_url, ConnectionProperties::default()).await?;
+    let conn = benches::chaos::connect_any(&amqp_url).await?;
     let ch = conn.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let mut published = 0u64;
@@ -583,7 +586,11 @@ async fn foreground_impact(
             .max_rows_per_sec(bound)
             .build()
             .expect("defaults are valid");
-        let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::new(amqp_url), config);
+        let drainer = DrainerHandle::spawn(
+            pool.clone(),
+            LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start"),
+            config,
+        );
         let draining = measured(pool, &publisher).await?;
         drainer.shutdown().await;
         let name = match bound {
@@ -655,7 +662,11 @@ async fn end_to_end(
         .replica_id("harness-e2e")
         .build()
         .expect("defaults are valid");
-    let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::new(amqp_url), config);
+    let drainer = DrainerHandle::spawn(
+        pool.clone(),
+        LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start"),
+        config,
+    );
     let publisher = Publisher::new(pool.clone());
     let mut committed = Vec::new();
     let every = Duration::from_micros(1_000_000 / rate);
@@ -827,7 +838,7 @@ async fn p7_subscribe(
 ) -> Result<(f64, f64), Box<dyn std::error::Error>> {
     let subscriber = std::sync::Arc::new(outbox::Subscriber::new(
         std::sync::Arc::new(outbox::PgInboxStore::new(pool.clone())),
-        std::sync::Arc::new(LapinBroker::new(amqp_url)),
+        std::sync::Arc::new(LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start")),
         std::sync::Arc::new(outbox::TokioClock::default()),
         std::sync::Arc::new(Applies),
         p7_settings(batch_max, kind),
@@ -866,14 +877,14 @@ async fn p7_topology(
 ) -> Result<(), Box<dyn std::error::Error>> {
     use outbox::core::ports::{ConsumerBroker, DeliverySource};
     if up {
-        let broker = LapinBroker::new(amqp_url);
+        let broker = LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start");
         let consumer = broker
             .subscription_open(&p7_settings(None, kind).spec)
             .await?;
         consumer.consumer_close().await;
         return Ok(());
     }
-    let conn = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+    let conn = benches::chaos::connect_any(amqp_url).await?;
     let ch = conn.create_channel().await?;
     for q in [P7_QUEUE.to_owned(), format!("{P7_QUEUE}.dlq")] {
         ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
@@ -945,9 +956,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let want = |section: &str| args.only.is_empty() || args.only.iter().any(|s| s == section);
     let pool = fresh_database(&args.database_url, DATABASE, 16).await?;
-    let conn = Connection::connect(&args.amqp_url, ConnectionProperties::default())
-        .await
-        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.amqp_url)))?;
+    let conn = benches::chaos::connect_any(&args.amqp_url).await?;
     broker_topology(&conn).await?;
     let n = args.rows;
     let mut table = vec![
