@@ -50,6 +50,11 @@ pub struct EventEnvelope {
     pub headers: BTreeMap<String, String>,
     /// The event body proper.
     pub payload: serde_json::Value,
+    /// The ordering key, if the event has one (see
+    /// [`with_ordering_key`](Self::with_ordering_key)); absent from the
+    /// encoded envelope when unset, so unkeyed envelopes are as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ordering_key: Option<String>,
 }
 
 /// [`EventEnvelope`] borrowed, serialized exactly as it is (field order,
@@ -63,6 +68,8 @@ struct EnvelopeView<'a> {
     #[serde(skip_serializing_if = "no_headers")]
     headers: &'a BTreeMap<String, String>,
     payload: &'a serde_json::Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ordering_key: Option<&'a str>,
 }
 
 fn no_headers(headers: &&BTreeMap<String, String>) -> bool {
@@ -78,7 +85,35 @@ impl EventEnvelope {
             occurred_at: OffsetDateTime::now_utc(),
             headers: BTreeMap::new(),
             payload,
+            ordering_key: None,
         }
+    }
+
+    /// Gives the event an ordering key: `publish_tx` numbers the events of
+    /// one key in the order their transactions commit (a second transaction
+    /// writing the same key waits at its write until the first has
+    /// committed or rolled back). The key is 1 to
+    /// [`ORDERING_KEY_MAX_BYTES`] bytes without NUL; a bad key is refused at
+    /// `publish_tx` with [`PublishError::InvalidOrderingKey`].
+    ///
+    /// Issue 27 in progress: the commit order is recorded (`key_seq`); the
+    /// drainer and the subscriber do not yet hold to it.
+    ///
+    /// ```
+    /// use outbox::EventEnvelope;
+    /// let env = EventEnvelope::new("orders.paid", serde_json::json!({"order": 7}))
+    ///     .with_ordering_key("order-7");
+    /// assert_eq!(env.ordering_key.as_deref(), Some("order-7"));
+    /// env.validate(&outbox::EnvelopeLimits::default()).unwrap();
+    /// assert!(EventEnvelope::new("orders.paid", serde_json::json!({}))
+    ///     .with_ordering_key("")
+    ///     .validate(&outbox::EnvelopeLimits::default())
+    ///     .is_err());
+    /// ```
+    #[must_use]
+    pub fn with_ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
     }
 
     /// Adds (or replaces) one header.
@@ -128,6 +163,7 @@ impl EventEnvelope {
                     occurred_at: self.occurred_at,
                     headers: &headers,
                     payload: &self.payload,
+                    ordering_key: self.ordering_key.as_deref(),
                 })
             }
             // The common path serializes the envelope itself (measured:
@@ -155,6 +191,9 @@ impl EventEnvelope {
             });
         }
         validate_routing_key(&self.routing_key)?;
+        if let Some(key) = &self.ordering_key {
+            validate_ordering_key(key)?;
+        }
         for (name, value) in &self.headers {
             if name.is_empty() || name.len() > ROUTING_KEY_MAX_BYTES {
                 return Err(PublishError::InvalidHeaderName {
@@ -211,6 +250,27 @@ pub fn validate_routing_key(routing_key: &str) -> Result<(), PublishError> {
         });
     }
     Ok(())
+}
+
+/// Longest ordering key, in bytes.
+pub const ORDERING_KEY_MAX_BYTES: usize = 255;
+
+/// Checks an ordering key: non-empty, at most [`ORDERING_KEY_MAX_BYTES`]
+/// bytes, no NUL (PostgreSQL `text` refuses it).
+pub fn validate_ordering_key(key: &str) -> Result<(), PublishError> {
+    let reason = if key.is_empty() {
+        "it is empty".to_owned()
+    } else if key.len() > ORDERING_KEY_MAX_BYTES {
+        format!(
+            "it is {} bytes long; the limit is {ORDERING_KEY_MAX_BYTES}",
+            key.len()
+        )
+    } else if key.contains('\0') {
+        "it contains a NUL character, which PostgreSQL cannot store".to_owned()
+    } else {
+        return Ok(());
+    };
+    Err(PublishError::InvalidOrderingKey { reason })
 }
 
 /// Limits enforced on every envelope before it is written.

@@ -59,6 +59,12 @@ pub enum PublishError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The envelope's ordering key is empty, too long or holds a NUL.
+    #[error("invalid ordering key: {reason}")]
+    InvalidOrderingKey {
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The envelope could not be encoded as JSON.
     #[error("envelope could not be encoded: {0}")]
     Encode(String),

@@ -40,6 +40,10 @@ pub const FILES: &[(&str, &str)] = &[
         "20261203000000_keep_the_envelope_as_written.sql",
         include_str!("../migrations/20261203000000_keep_the_envelope_as_written.sql"),
     ),
+    (
+        "20261204000000_add_event_outbox_ordering_keys.sql",
+        include_str!("../migrations/20261204000000_add_event_outbox_ordering_keys.sql"),
+    ),
 ];
 
 /// The embedded sqlx migrator over `migrations/`.

@@ -31,6 +31,8 @@ pub(crate) mod sql {
     pub const UNPARK: &str = include_str!("sql/outbox_unpark.sql");
     pub const INSERT: &str = include_str!("sql/outbox_insert.sql");
     pub const INSERT_MANY: &str = include_str!("sql/outbox_insert_many.sql");
+    pub const INSERT_KEYED: &str = include_str!("sql/outbox_insert_keyed.sql");
+    pub const INSERT_MANY_KEYED: &str = include_str!("sql/outbox_insert_many_keyed.sql");
     pub const INBOX_BEGIN: &str = include_str!("sql/inbox_begin.sql");
     pub const INBOX_CHECK: &str = include_str!("sql/inbox_check.sql");
     pub const INBOX_TERMINATE: &str = include_str!("sql/inbox_terminate.sql");
@@ -309,8 +311,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn both_inserts_notify_the_channel_the_drainer_listens_on() {
-        for statement in [sql::INSERT, sql::INSERT_MANY] {
+    fn every_insert_notifies_the_channel_the_drainer_listens_on() {
+        for statement in [
+            sql::INSERT,
+            sql::INSERT_MANY,
+            sql::INSERT_KEYED,
+            sql::INSERT_MANY_KEYED,
+        ] {
             assert!(
                 statement.contains(&format!("pg_notify('{WAKEUP_CHANNEL}'")),
                 "{statement}"

@@ -78,10 +78,19 @@ impl Publisher {
         );
         let trace = propagation::capture(&span);
         let body = envelope.encode_traced(&self.limits, trace.as_ref())?;
-        sqlx::query(sql::INSERT)
+        // Unkeyed envelopes take the statement they always took.
+        let statement = match envelope.ordering_key {
+            None => sql::INSERT,
+            Some(_) => sql::INSERT_KEYED,
+        };
+        let mut query = sqlx::query(statement)
             .bind(envelope.id)
             .bind(&envelope.routing_key)
-            .bind(body)
+            .bind(body);
+        if let Some(key) = &envelope.ordering_key {
+            query = query.bind(key);
+        }
+        query
             .execute(&mut **tx)
             .instrument(span)
             .await
@@ -118,10 +127,23 @@ impl Publisher {
             ids.push(env.id);
             keys.push(env.routing_key.as_str());
         }
-        sqlx::query(sql::INSERT_MANY)
-            .bind(&ids)
-            .bind(&keys)
-            .bind(&bodies)
+        let ordering: Vec<Option<&str>> = envelopes
+            .iter()
+            .map(|e| e.ordering_key.as_deref())
+            .collect();
+        let keyed = ordering.iter().any(Option::is_some);
+        let mut query = sqlx::query(if keyed {
+            sql::INSERT_MANY_KEYED
+        } else {
+            sql::INSERT_MANY
+        })
+        .bind(&ids)
+        .bind(&keys)
+        .bind(&bodies);
+        if keyed {
+            query = query.bind(&ordering);
+        }
+        query
             .execute(&mut **tx)
             .instrument(span)
             .await

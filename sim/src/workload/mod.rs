@@ -187,5 +187,6 @@ fn envelope(rng: &mut SmallRng, key: &str, n: u32, k: u32) -> EventEnvelope {
         occurred_at: time::OffsetDateTime::UNIX_EPOCH + Duration::from_millis(ms),
         headers: Default::default(),
         payload: serde_json::json!({ "tx": n, "k": k }),
+        ordering_key: None,
     }
 }

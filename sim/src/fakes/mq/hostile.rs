@@ -145,6 +145,7 @@ fn envelope(rng: &mut SmallRng, key: &str, pad: usize) -> outbox::EventEnvelope 
         occurred_at: time::OffsetDateTime::UNIX_EPOCH + std::time::Duration::from_millis(ms),
         headers: Default::default(),
         payload: serde_json::json!({ "hostile": true, "pad": "p".repeat(pad) }),
+        ordering_key: None,
     }
 }
 
