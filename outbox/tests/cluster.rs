@@ -17,11 +17,11 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::cluster::{Cluster, node_url};
+use common::cluster::{Cluster, connect, node_url, queue_len};
 use common::{eventually, unique};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Confirmation, Connection};
 use outbox::core::ports::Broker;
 use outbox::{
     DrainError, Drainer, DrainerConfig, EventEnvelope, Handler, HandlerError, LapinBroker,
@@ -31,36 +31,11 @@ use outbox::{
 use sqlx::PgPool;
 use tokio::sync::watch;
 
-async fn connect(n: u16) -> Connection {
-    Connection::connect(&node_url(n), ConnectionProperties::default())
-        .await
-        .unwrap_or_else(|e| panic!("rabbit{n}: {e}"))
-}
-
 fn durable() -> QueueDeclareOptions {
     QueueDeclareOptions {
         durable: true,
         ..QueueDeclareOptions::default()
     }
-}
-
-/// Messages in `queue`, asked of node `n`.
-async fn queue_len(n: u16, queue: &str) -> u32 {
-    let conn = connect(n).await;
-    let ch = conn.create_channel().await.unwrap();
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..durable()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let _ = conn.close(200, "OK".into()).await;
-    q.message_count()
 }
 
 async fn delete_queues(n: u16, queues: &[&str]) {

@@ -85,3 +85,30 @@ impl Drop for Stopped {
         ctl(self.0, &["await_startup", "--timeout", "60"]);
     }
 }
+
+/// A connection to node `n`; panics naming the node if it does not answer.
+pub async fn connect(n: u16) -> Connection {
+    Connection::connect(&node_url(n), ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("rabbit{n}: {e}"))
+}
+
+/// Messages ready in `queue`, asked of node `n`.
+pub async fn queue_len(n: u16, queue: &str) -> u32 {
+    let conn = connect(n).await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                durable: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let _ = conn.close(200, "OK".into()).await;
+    q.message_count()
+}

@@ -24,6 +24,9 @@ use crate::common;
 /// Longest wait for a confirm or a delivery that must come: a quorum queue
 /// whose leader stopped confirms once it has elected another.
 const ARRIVES: Duration = Duration::from_secs(30);
+/// How long a publish without a majority is watched for a confirm that
+/// must not come.
+const NO_MAJORITY_WAIT: Duration = Duration::from_secs(3);
 /// Most connection attempts a client makes while its node goes away.
 const TRIES: u32 = 20;
 
@@ -76,32 +79,8 @@ impl ClusterArm for Real {
         self.stopped.retain(|s| s.node() != n);
     }
     async fn ready(&self, queue: &str) -> usize {
-        for n in 1..=3 {
-            let Ok(conn) = lapin::Connection::connect(
-                &common::cluster::node_url(n),
-                lapin::ConnectionProperties::default(),
-            )
-            .await
-            else {
-                continue;
-            };
-            let ch = conn.create_channel().await.unwrap();
-            let q = ch
-                .queue_declare(
-                    queue.into(),
-                    lapin::options::QueueDeclareOptions {
-                        passive: true,
-                        durable: true,
-                        ..Default::default()
-                    },
-                    Default::default(),
-                )
-                .await
-                .unwrap();
-            let _ = conn.close(200, "OK".into()).await;
-            return q.message_count() as usize;
-        }
-        panic!("no node of the cluster answers");
+        // No body stops node 1 while it asks.
+        common::cluster::queue_len(1, queue).await as usize
     }
 }
 
@@ -122,12 +101,7 @@ where
     let (queue, exchange) = (arm.queue.clone(), arm.exchange.clone());
     // Every node is up again before the cleanup.
     drop(arm);
-    let conn = lapin::Connection::connect(
-        &common::cluster::node_url(1),
-        lapin::ConnectionProperties::default(),
-    )
-    .await
-    .unwrap();
+    let conn = common::cluster::connect(1).await;
     common::delete_subscription(&conn, &queue, &exchange).await;
 }
 
@@ -275,6 +249,41 @@ async fn a_quorum_queue_keeps_what_it_confirmed_while_its_leader_is_down<A: Clus
     arm
 }
 
+async fn a_quorum_queue_without_a_majority_confirms_once_it_has_one<A: ClusterArm>(
+    mut arm: A,
+) -> A {
+    let spec = arm.spec(QueueType::Quorum);
+    declare(&arm.client(1), &spec).await;
+    let publisher = arm.client(1);
+    let mut ch = publisher.channel_open().await.unwrap();
+    ch.channel_confirm_select().await.unwrap();
+    arm.stop(2).await;
+    arm.stop(3).await;
+    let e = EventEnvelope::new("cluster.event", serde_json::json!({ "n": 1 }));
+    let body = e.encode(&Default::default()).unwrap();
+    let mut confirm = ch
+        .channel_publish(OutgoingMessage {
+            exchange: &spec.exchange,
+            routing_key: "cluster.event",
+            message_id: e.id,
+            body: body.as_bytes(),
+            trace: None,
+        })
+        .await
+        .unwrap();
+    let early = tokio::time::timeout(NO_MAJORITY_WAIT, &mut confirm).await;
+    assert!(early.is_err(), "without a majority, neither ack nor nack");
+    arm.start(2).await;
+    let late = tokio::time::timeout(ARRIVES, confirm)
+        .await
+        .expect("confirmed once the majority is back");
+    assert_eq!(late.unwrap(), Confirm::Ack);
+    ch.channel_close().await;
+    arm.start(3).await;
+    assert_eq!(arm.ready(&spec.queue).await, 1, "and kept");
+    arm
+}
+
 async fn a_publisher_moves_to_the_next_node_when_its_node_stops<A: ClusterArm>(mut arm: A) -> A {
     let spec = arm.spec(QueueType::Quorum);
     declare(&arm.client(2), &spec).await;
@@ -375,6 +384,7 @@ conformance! {
     rabbitmq_cluster: with_real, fake: with_fake;
     a_classic_queue_on_a_stopped_node_drops_what_is_confirmed,
     a_quorum_queue_keeps_what_it_confirmed_while_its_leader_is_down,
+    a_quorum_queue_without_a_majority_confirms_once_it_has_one,
     a_publisher_moves_to_the_next_node_when_its_node_stops,
     a_consumer_moves_and_gets_its_unacked_deliveries_again,
     dead_letters_reach_the_dlq_while_a_node_is_down,

@@ -157,7 +157,7 @@ impl MqState {
                 detail: format!("broker node {} goes down", node + 1),
             });
         }
-        self.with_queues(now, |q| q.set_node_up(node, up, now));
+        self.with_queues(now, |q| q.set_node_up(node, up));
         if !up {
             self.node_down[node].bump();
         }
@@ -175,7 +175,7 @@ impl MqState {
 
     /// Node `node` is cut off from the other nodes, or joins them again.
     pub fn set_node_isolated(&self, node: usize, isolated: bool, now: Duration) {
-        self.with_queues(now, |q| q.set_node_isolated(node, isolated, now));
+        self.with_queues(now, |q| q.set_node_isolated(node, isolated));
     }
 
     /// Holds back (or lets go) every quorum queue's leader election, its
@@ -639,5 +639,68 @@ fn closed(channel: u32, reason: &str) -> MqReply {
     MqReply::ChannelClosed {
         channel,
         reason: reason.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A publish held by a quorum queue without a leader is confirmed (and
+    /// stored) once the queue has one again, however the leader comes back.
+    #[test]
+    fn a_held_publish_is_confirmed_once_its_queue_has_a_leader_again() {
+        for heal in ["election", "node"] {
+            let state = MqState::cluster(1, Trace::default(), 3);
+            let (out, mut frames) = tokio::sync::mpsc::unbounded_channel();
+            let mut conn = state.open_connection(out, 0);
+            let t0 = Duration::from_secs(10);
+            for req in [
+                MqRequest::ChannelOpen { channel: 1 },
+                MqRequest::ConfirmSelect { channel: 1 },
+                MqRequest::DeclareSubscription {
+                    channel: 1,
+                    queue: "q".into(),
+                    exchange: "x".into(),
+                    bindings: vec!["#".into()],
+                    quorum: true,
+                },
+            ] {
+                assert!(conn.request(req, t0));
+            }
+            if heal == "election" {
+                state.block_elections(true, t0);
+            } else {
+                // The leader (node 1, the declaring node) and a second node
+                // go: no majority.
+                state.set_node_up(1, false, t0);
+                state.set_node_up(0, false, t0);
+            }
+            let id = Uuid::now_v7();
+            assert!(conn.request(
+                MqRequest::Publish {
+                    channel: 1,
+                    exchange: "x".into(),
+                    routing_key: "k".into(),
+                    message_id: id,
+                    body: crate::wire::WireBody::from_bytes(b"{}"),
+                    trace: None,
+                },
+                t0,
+            ));
+            let later = t0 + queues::ELECTION_DELAY * 2;
+            if heal == "election" {
+                state.block_elections(false, later);
+            } else {
+                state.set_node_up(1, true, later);
+            }
+            let mut confirmed = false;
+            while let Ok((_, frame)) = frames.try_recv() {
+                confirmed |= matches!(frame, MqReply::Confirm { ack: true, .. });
+            }
+            assert!(confirmed, "{heal}: the held publish is confirmed");
+            assert_eq!(state.stored.lock().unwrap().counts().get(&id), Some(&1));
+            assert_eq!(state.queues.lock().unwrap().ready("q").len(), 1);
+        }
     }
 }

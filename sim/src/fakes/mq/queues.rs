@@ -226,7 +226,8 @@ impl Queues {
         x.up && y.up && (a == b || (!x.isolated && !y.isolated))
     }
 
-    /// Whether `node` reaches a majority of the cluster (itself included).
+    /// Whether `node` reaches a majority of the cluster (itself included;
+    /// a node that is down reaches nothing).
     fn has_majority(&self, node: usize) -> bool {
         let n = self.nodes.len();
         (0..n).filter(|&m| self.reachable(node, m)).count() * 2 > n
@@ -250,8 +251,10 @@ impl Queues {
     }
 
     /// Node `node` goes down (`up == false`) or comes back: a node that
-    /// goes down closes its connections.
-    pub fn set_node_up(&mut self, node: usize, up: bool, now: Duration) {
+    /// goes down closes its connections. Like the two below, it leaves the
+    /// elections to its caller, `MqState::with_queues`, which confirms what
+    /// they release.
+    pub(super) fn set_node_up(&mut self, node: usize, up: bool) {
         self.nodes[node].up = up;
         if !up {
             let conns: Vec<u64> = self
@@ -264,19 +267,17 @@ impl Queues {
                 self.close(c, None);
             }
         }
-        self.elect(now);
     }
 
     /// Node `node` is cut off from the other nodes (or joins them again).
-    pub fn set_node_isolated(&mut self, node: usize, isolated: bool, now: Duration) {
+    pub(super) fn set_node_isolated(&mut self, node: usize, isolated: bool) {
         self.nodes[node].isolated = isolated;
-        self.elect(now);
     }
 
     /// Holds back every quorum queue's election while `blocked`; starting
     /// the block, every leader steps down (a leader election in the middle
     /// of whatever is being confirmed).
-    pub fn block_elections(&mut self, blocked: bool, now: Duration) {
+    pub(super) fn block_elections(&mut self, blocked: bool, now: Duration) {
         self.elections_blocked = blocked;
         if blocked {
             let names: Vec<String> = self
@@ -289,7 +290,6 @@ impl Queues {
                 self.step_down(&name, now, "its leader steps down");
             }
         }
-        self.elect(now);
     }
 
     fn step_down(&mut self, name: &str, now: Duration, why: &str) {
@@ -319,7 +319,7 @@ impl Queues {
         for name in &names {
             let leader = self.queues[name].leader;
             if let Some(l) = leader
-                && !(self.nodes[l].up && self.has_majority(l))
+                && !self.has_majority(l)
             {
                 self.step_down(name, now, "its leader lost its node or its majority");
             }
@@ -373,10 +373,9 @@ impl Queues {
 
     /// Whether a quorum queue has a leader with a majority.
     fn quorum_writable(&self, name: &str) -> bool {
-        self.queues.get(name).is_none_or(|q| {
-            q.leader
-                .is_some_and(|l| self.reachable(l, l) && self.has_majority(l))
-        })
+        self.queues
+            .get(name)
+            .is_none_or(|q| q.leader.is_some_and(|l| self.has_majority(l)))
     }
 
     /// Holds a publish until every queue in `routed.held` can take it.
@@ -515,7 +514,8 @@ impl Queues {
     /// cannot take it yet keeps it waiting (at-least-once); a classic one
     /// out of reach drops it (at-most-once, RabbitMQ's classic behaviour).
     fn dead_letter(&mut self, exchange: &str, m: QueuedMessage) {
-        let waits = self.targets(exchange, &m.routing_key).iter().any(|q| {
+        let targets = self.targets(exchange, &m.routing_key);
+        let waits = targets.iter().any(|q| {
             self.queues
                 .get(q)
                 .is_some_and(|x| x.kind == QueueType::Quorum)
@@ -526,8 +526,7 @@ impl Queues {
             return;
         }
         // Dead-lettering happens on the queue's leader: its node routes.
-        let node = self
-            .targets(exchange, &m.routing_key)
+        let node = targets
             .first()
             .and_then(|q| self.queues.get(q))
             .and_then(|q| q.leader)
