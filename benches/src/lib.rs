@@ -128,7 +128,8 @@ pub async fn claim_and_mark(
 }
 
 /// Declares a durable topic exchange and a durable queue of `queue_type`
-/// bound to all of it (`#`): the chaos run's observer.
+/// bound to all of it (`#`): the chaos run's observer and the harness's
+/// sink.
 pub async fn declare_catch_all(
     ch: &lapin::Channel,
     exchange: &str,

@@ -135,40 +135,9 @@ async fn broker_topology(conn: &Connection) -> Result<(), Box<dyn std::error::Er
 /// exchange (declared if need be) with `#`.
 async fn sink(conn: &Connection, kind: QueueType) -> Result<(), Box<dyn std::error::Error>> {
     let ch = conn.create_channel().await?;
-    ch.exchange_declare(
-        EXCHANGE.into(),
-        lapin::ExchangeKind::Topic,
-        lapin::options::ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
     ch.queue_delete(QUEUE.into(), QueueDeleteOptions::default())
         .await?;
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        lapin::types::AMQPValue::LongString(kind.as_str().into()),
-    );
-    ch.queue_declare(
-        QUEUE.into(),
-        lapin::options::QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await?;
-    ch.queue_bind(
-        QUEUE.into(),
-        EXCHANGE.into(),
-        "#".into(),
-        Default::default(),
-        FieldTable::default(),
-    )
-    .await?;
+    benches::declare_catch_all(&ch, EXCHANGE, QUEUE, kind).await?;
     Ok(())
 }
 

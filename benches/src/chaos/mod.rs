@@ -106,10 +106,10 @@ pub const SUBSCRIPTIONS: [Subscription; 2] = [
 /// The error names each node with its password hidden.
 pub async fn connect_any(list: &str) -> Result<lapin::Connection, String> {
     let mut errors = Vec::new();
-    for url in list.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-        match lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await {
+    for url in nodes(list) {
+        match lapin::Connection::connect(&url, lapin::ConnectionProperties::default()).await {
             Ok(c) => return Ok(c),
-            Err(e) => errors.push(format!("{}: {e}", outbox::redact_url(url))),
+            Err(e) => errors.push(format!("{}: {e}", outbox::redact_url(&url))),
         }
     }
     Err(format!("no broker node answered ({})", errors.join("; ")))

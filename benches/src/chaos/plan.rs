@@ -197,15 +197,16 @@ pub struct Planned {
     pub fault: Fault,
 }
 
-/// How many kinds lead the rotation in a fixed order.
-const FIRST: usize = 4;
-
-/// The kinds: the first [`FIRST`] in this order, then the rest shuffled.
-const KINDS: [&str; 11] = [
+/// The kinds that lead a single node's rotation, in this order.
+const LEAD: [&str; 4] = [
     "rabbitmq_restart",
     "postgres_restart",
     "stall_marks",
     "kill_subscriber",
+];
+
+/// The kinds every rotation shuffles after its leaders.
+const SHUFFLED: [&str; 7] = [
     "stall_drainer_db",
     "kill_drainer",
     "sigstop",
@@ -215,26 +216,24 @@ const KINDS: [&str; 11] = [
     "pg_terminate_backend",
 ];
 
-/// The kinds on a cluster: the three node faults and a PostgreSQL restart
-/// lead (a short run has them all), node faults come twice, and the broker
-/// restart's place is theirs.
-const CLUSTER_KINDS: [&str; 16] = [
+/// The kinds that lead a cluster's rotation: the three node faults and a
+/// PostgreSQL restart (a short run has them all; the broker restart's
+/// place is theirs).
+const CLUSTER_LEAD: [&str; 4] = [
     "node_partition",
     "node_kill",
     "postgres_restart",
     "node_stop",
+];
+
+/// What a cluster's rotation shuffles besides [`SHUFFLED`]: the single
+/// node's other leaders, and each node fault a second time.
+const CLUSTER_SHUFFLED: [&str; 5] = [
     "stall_marks",
     "kill_subscriber",
     "node_kill",
     "node_stop",
     "node_partition",
-    "stall_drainer_db",
-    "kill_drainer",
-    "sigstop",
-    "close_all_connections",
-    "blackhole",
-    "cut",
-    "pg_terminate_backend",
 ];
 
 /// `count` faults over `window`, on the processes `drainers` and
@@ -248,12 +247,16 @@ pub fn plan(
     nodes: u16,
 ) -> Vec<Planned> {
     let mut rng = Rng::new(seed, "chaos faults");
-    let kinds: &[&str] = if nodes >= 3 { &CLUSTER_KINDS } else { &KINDS };
-    let mut rest: Vec<&str> = kinds[FIRST..].to_vec();
+    let (lead, extra): (&[&str], &[&str]) = if nodes >= 3 {
+        (&CLUSTER_LEAD, &CLUSTER_SHUFFLED)
+    } else {
+        (&LEAD, &[])
+    };
+    let mut rest: Vec<&str> = extra.iter().chain(&SHUFFLED).copied().collect();
     for i in (1..rest.len()).rev() {
         rest.swap(i, rng.below(i as u64 + 1) as usize);
     }
-    let rotation: Vec<&str> = kinds[..FIRST].iter().copied().chain(rest).collect();
+    let rotation: Vec<&str> = lead.iter().copied().chain(rest).collect();
     let node = |rng: &mut Rng| 1 + rng.below(u64::from(nodes.max(1))) as u16;
     let slot = window / count.max(1) as u32;
     let pick = |rng: &mut Rng, from: &[String]| from[rng.below(from.len() as u64) as usize].clone();
