@@ -11,7 +11,8 @@
 //! - [`consume`]: the same, consumer side.
 //! - [`cluster`]: `LapinBroker` on the local three-node RabbitMQ cluster vs
 //!   `SimBroker` on the fake cluster: classic loss, quorum survival,
-//!   failover of a publisher and of a consumer, dead-lettering.
+//!   a publish held without a majority, failover of a publisher and of a
+//!   consumer, dead-lettering.
 //!
 //! Real arms use the local services (a fresh database per test, unique
 //! exchange and queue names); fake arms run inside a simulation of the
