@@ -120,6 +120,7 @@ pub async fn claim_and_mark(
             replica_id: replica,
             batch_size: 100,
             lease_ttl: std::time::Duration::from_secs(60),
+            key_heads: &[],
         })
         .await?;
     let ids: Vec<uuid::Uuid> = claimed.iter().map(|r| r.id).collect();

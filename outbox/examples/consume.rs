@@ -171,6 +171,7 @@ async fn prefill(broker: &LapinBroker, exchange: &str, args: &Args) -> Result<u6
                     message_id: e.id,
                     body: body.as_bytes(),
                     trace: None,
+                    ordering: None,
                 })
                 .await
                 .map_err(|e| e.to_string())?;

@@ -28,3 +28,20 @@ pub async fn unpark<S: OutboxStore>(
     tracing::info!(unparked = n, ?selector, "outbox rows unparked by operator");
     Ok(n)
 }
+
+/// Skips the selected parked rows: they are marked done without being
+/// published (recorded in `skipped_at`; the janitor deletes them with the
+/// published rows), so the later events of their ordering keys go on.
+/// Returns how many were skipped (ids that are not parked are ignored).
+///
+/// Skipping gives an event up: its subscribers never see it. Unpark instead
+/// when the cause is fixed and the event should still be delivered.
+pub async fn skip<S: OutboxStore>(store: &S, selector: &UnparkSelector) -> Result<u64, StoreError> {
+    let n = store.outbox_skip(selector).await?;
+    tracing::warn!(
+        skipped = n,
+        ?selector,
+        "parked outbox rows skipped by operator"
+    );
+    Ok(n)
+}

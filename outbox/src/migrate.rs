@@ -44,6 +44,22 @@ pub const FILES: &[(&str, &str)] = &[
         "20261204000000_add_event_outbox_ordering_keys.sql",
         include_str!("../migrations/20261204000000_add_event_outbox_ordering_keys.sql"),
     ),
+    (
+        "20261205000000_add_event_outbox_skip.sql",
+        include_str!("../migrations/20261205000000_add_event_outbox_skip.sql"),
+    ),
+    (
+        "20261205000001_index_event_outbox_key_heads.sql",
+        include_str!("../migrations/20261205000001_index_event_outbox_key_heads.sql"),
+    ),
+    (
+        "20261205000002_index_event_outbox_unkeyed_claim.sql",
+        include_str!("../migrations/20261205000002_index_event_outbox_unkeyed_claim.sql"),
+    ),
+    (
+        "20261205000003_drop_event_outbox_claim_idx.sql",
+        include_str!("../migrations/20261205000003_drop_event_outbox_claim_idx.sql"),
+    ),
 ];
 
 /// The embedded sqlx migrator over `migrations/`.

@@ -285,6 +285,14 @@ async fn a_black_holed_broker_times_out_releases_claims_and_drains_after(pool: P
 struct StuckMark(PgOutboxStore);
 
 impl OutboxStore for StuckMark {
+    async fn outbox_key_window(
+        &self,
+        after: &str,
+        limit: u32,
+        ttl: Duration,
+    ) -> Result<outbox::core::ports::KeyWindow, outbox::StoreError> {
+        self.0.outbox_key_window(after, limit, ttl).await
+    }
     async fn outbox_claim(
         &self,
         p: outbox::core::ports::ClaimParams<'_>,
@@ -327,6 +335,9 @@ impl OutboxStore for StuckMark {
     }
     async fn outbox_unpark(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
         self.0.outbox_unpark(s).await
+    }
+    async fn outbox_skip(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
+        self.0.outbox_skip(s).await
     }
 }
 
@@ -701,7 +712,20 @@ async fn the_claim_rewrites_no_index(pool: PgPool) {
             "an index the claim must update: {def}"
         );
     }
-    write_events(&pool, "hot.event", 50).await;
+    write_events(&pool, "hot.event", 25).await;
+    // Keyed heads (issue 27) are claimed by the same UPDATE.
+    let publisher = Publisher::new(pool.clone());
+    for k in 0..25 {
+        let e = EventEnvelope::new("hot.keyed", serde_json::json!({}))
+            .with_ordering_key(format!("k{k}"));
+        publisher.publish(&e).await.unwrap();
+    }
+    let store = PgOutboxStore::new(pool.clone());
+    let window = store
+        .outbox_key_window("", 100, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let heads: Vec<uuid::Uuid> = window.heads.iter().map(|h| h.id).collect();
     let mut tx = pool.begin().await.unwrap();
     sqlx::raw_sql(include_str!("../src/pg/sql/outbox_claim_plan.sql"))
         .execute(&mut *tx)
@@ -711,6 +735,7 @@ async fn the_claim_rewrites_no_index(pool: PgPool) {
         .bind("hot")
         .bind(60.0_f64)
         .bind(100_i64)
+        .bind(&heads)
         .fetch_all(&mut *tx)
         .await
         .unwrap();
@@ -731,4 +756,73 @@ async fn the_claim_rewrites_no_index(pool: PgPool) {
         hot * 10 >= updated * 8,
         "{hot} of {updated} claimed rows HOT"
     );
+}
+
+/// Ordering keys (issue 27) end to end on the real services: two drainers
+/// race over interleaved events of 30 keys (more keys than a batch, so the
+/// key window moves and wraps) and unkeyed ones; the broker receives each
+/// key's events in the order their transactions committed, each once, with
+/// the key and its number as headers.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn two_drainers_publish_each_keys_events_in_commit_order(pool: PgPool) {
+    let exchange = unique("ex");
+    let consumer = PlainConsumer::start(&exchange, "#").await;
+    let publisher = Publisher::new(pool.clone());
+    let mut written = 0;
+    for round in 0..8 {
+        for k in 0..30 {
+            let e = EventEnvelope::new("keyed.event", serde_json::json!({ "round": round }))
+                .with_ordering_key(format!("key-{k:02}"));
+            publisher.publish(&e).await.unwrap();
+            written += 1;
+        }
+        publisher
+            .publish(&EventEnvelope::new("plain.event", serde_json::json!({})))
+            .await
+            .unwrap();
+        written += 1;
+    }
+    let cfg = |r: &str| config(&exchange, r).batch_size(8).build().unwrap();
+    let (a, b) = (
+        drainer(&pool, &common::amqp_url(), cfg("a")),
+        drainer(&pool, &common::amqp_url(), cfg("b")),
+    );
+    let mut published = 0;
+    for _ in 0..200 {
+        let (pa, pb) = tokio::join!(drain_all(&a), drain_all(&b));
+        published += pa + pb;
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM event_outbox WHERE published_at IS NULL")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        if left == 0 {
+            break;
+        }
+    }
+    assert_eq!(published, written);
+    let got = consumer
+        .wait_for(written as usize, Duration::from_secs(10))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let got_now = consumer.snapshot().await;
+    assert_eq!(got_now.len(), got.len(), "nothing published twice");
+    let mut per_key: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+    for r in &got_now {
+        match (
+            r.headers.get("x-canopy-ordering-key"),
+            r.headers.get("x-canopy-key-seq"),
+        ) {
+            (Some(k), Some(seq)) => per_key
+                .entry(k.clone())
+                .or_default()
+                .push(seq.parse().unwrap()),
+            (None, None) => assert_eq!(r.routing_key, "plain.event"),
+            other => panic!("half an ordering: {other:?}"),
+        }
+    }
+    assert_eq!(per_key.len(), 30);
+    for (key, seqs) in per_key {
+        assert_eq!(seqs, (1..=8).collect::<Vec<i64>>(), "{key} out of order");
+    }
 }

@@ -260,6 +260,7 @@ async fn readyz_and_metrics_report_the_outbox_and_need_no_token() {
             pending: 12_000,
             oldest_unpublished_age_secs: 4.5,
             parked: 3,
+            blocked: 0,
         }),
     };
     let r = AdminRouter::new(AdminAuth::bearer(TOKEN).unwrap())

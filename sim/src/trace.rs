@@ -301,6 +301,8 @@ pub enum Event {
     Deleted { ids: Vec<Uuid> },
     /// An operator unparked rows.
     Unparked { ids: Vec<Uuid> },
+    /// An operator skipped parked rows: marked published, never sent.
+    Skipped { ids: Vec<Uuid> },
 
     // --- the broker, producer side ------------------------------------------
     /// A client sent a publish; `body_id` is the envelope id its body holds.

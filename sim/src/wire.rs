@@ -134,11 +134,21 @@ pub enum PgRequest {
     Insert {
         rows: Vec<NewRow>,
     },
-    /// Phase 1; inside a transaction (the adapter brackets it like the real one).
+    /// `outbox_key_window.sql`: the heads of up to `limit` keys after
+    /// `after`, in byte order.
+    KeyWindow {
+        after: String,
+        limit: u32,
+        lease_ttl_ms: u64,
+    },
+    /// Phase 1; inside a transaction (the adapter brackets it like the real
+    /// one). `key_heads`: the keyed rows it may take, each if still its
+    /// key's head.
     Claim {
         replica: String,
         batch_size: u32,
         lease_ttl_ms: u64,
+        key_heads: Vec<Uuid>,
     },
     MarkPublished {
         replica: String,
@@ -163,6 +173,10 @@ pub enum PgRequest {
     },
     /// `None`: every parked row.
     Unpark {
+        ids: Option<Vec<Uuid>>,
+    },
+    /// `outbox_skip.sql`; `None`: every parked row.
+    Skip {
         ids: Option<Vec<Uuid>>,
     },
     /// `inbox_try_insert`: in a transaction; waits while another open
@@ -299,7 +313,12 @@ pub struct NewRow {
     pub routing_key: String,
     /// The encoded envelope.
     pub body: String,
+    /// Its ordering key, if it has one (numbered by the insert).
+    pub ordering_key: Option<String>,
 }
+
+/// An event's ordering key and number within it.
+pub type WireOrdering = (String, i64);
 
 /// One claimed row on the wire.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -312,6 +331,7 @@ pub struct WireRow {
     pub attempts: i32,
     /// Simulated milliseconds since the row was written.
     pub age_ms: u64,
+    pub ordering: Option<WireOrdering>,
 }
 
 /// A parked row on the wire (times in simulated milliseconds).
@@ -323,6 +343,7 @@ pub struct WireParked {
     pub last_error: Option<String>,
     pub enqueued_ms: u64,
     pub parked_ms: u64,
+    pub ordering: Option<WireOrdering>,
 }
 
 /// A reply from the fake PostgreSQL.
@@ -344,7 +365,10 @@ pub enum PgReply {
         pending: u64,
         oldest_age_ms: u64,
         parked: u64,
+        blocked: u64,
     },
+    /// The reply to `KeyWindow`: (key, head, claimable), in key order.
+    KeyWindow(Vec<(String, Uuid, bool)>),
     Parked(Vec<WireParked>),
     Inbox(WireInsertOutcome),
     Attempt {
@@ -379,6 +403,8 @@ pub enum MqRequest {
         body: WireBody,
         /// The `traceparent` and `tracestate` AMQP headers.
         trace: Option<WireTrace>,
+        /// The `x-canopy-ordering-key` and `x-canopy-key-seq` headers.
+        ordering: Option<WireOrdering>,
     },
     ChannelClose {
         channel: u32,
@@ -441,6 +467,7 @@ pub enum MqReply {
         body: WireBody,
         redelivered: bool,
         trace: Option<WireTrace>,
+        ordering: Option<WireOrdering>,
     },
 }
 

@@ -43,6 +43,7 @@ async fn commit_stored_as(pg: &PgClient, first: u64, n: u64, key: &str, stored: 
                 id: e.id,
                 routing_key: stored.to_owned(),
                 body: e.encode(&Default::default()).unwrap(),
+                ordering_key: None,
             }
         })
         .collect();

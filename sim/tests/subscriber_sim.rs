@@ -85,6 +85,7 @@ fn the_subscriber_applies_each_event_once_and_dead_letters_then_replays_poison()
                     message_id: e.id,
                     body: body.as_bytes(),
                     trace: None,
+                    ordering: None,
                 })
                 .await
                 .unwrap();
@@ -224,6 +225,7 @@ fn database_trouble_is_retried_in_place_with_a_doubling_backoff_and_counts_no_at
                 message_id: e.id,
                 body: body.as_bytes(),
                 trace: None,
+                ordering: None,
             })
             .await
             .unwrap();

@@ -239,6 +239,7 @@ impl DeliverySource for LapinConsumer {
                     body: d.data,
                     redelivered: d.redelivered,
                     trace: super::trace_from_headers(d.properties.headers().as_ref()),
+                    ordering: super::ordering_from_headers(d.properties.headers().as_ref()),
                 })
             }
             Some(Err(e)) => {

@@ -17,7 +17,9 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareO
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
-use crate::core::ports::{Broker, Confirm, OutgoingMessage, PublishChannel};
+use crate::core::ports::{
+    Broker, Confirm, KEY_SEQ_HEADER, KeySeq, ORDERING_KEY_HEADER, OutgoingMessage, PublishChannel,
+};
 
 pub mod consumer;
 use crate::error::{BrokerError, ConfigError};
@@ -315,8 +317,8 @@ impl PublishChannel for LapinChannel {
             .with_message_id(message.message_id.to_string().into())
             .with_content_type("application/json".into())
             .with_delivery_mode(PERSISTENT);
-        if let Some(trace) = message.trace {
-            properties = properties.with_headers(trace_headers(trace));
+        if let Some(headers) = message_headers(message.trace, message.ordering) {
+            properties = properties.with_headers(headers);
         }
         let confirm = self
             .channel
@@ -339,18 +341,55 @@ impl PublishChannel for LapinChannel {
     }
 }
 
-/// The W3C trace context as AMQP headers (long strings, as every
-/// OpenTelemetry AMQP propagator reads them).
-fn trace_headers(trace: &TraceContext) -> FieldTable {
-    let mut headers = FieldTable::default();
-    headers.insert(
-        TRACEPARENT.into(),
-        AMQPValue::LongString(trace.traceparent().into()),
-    );
-    if let Some(state) = trace.tracestate() {
-        headers.insert(TRACESTATE.into(), AMQPValue::LongString(state.into()));
+/// A message's AMQP headers, if it has any: the W3C trace context (long
+/// strings, as every OpenTelemetry AMQP propagator reads them) and the
+/// ordering key (a long string) and its number (a 64-bit integer).
+fn message_headers(trace: Option<&TraceContext>, ordering: Option<&KeySeq>) -> Option<FieldTable> {
+    if trace.is_none() && ordering.is_none() {
+        return None;
     }
-    headers
+    let mut headers = FieldTable::default();
+    if let Some(trace) = trace {
+        headers.insert(
+            TRACEPARENT.into(),
+            AMQPValue::LongString(trace.traceparent().into()),
+        );
+        if let Some(state) = trace.tracestate() {
+            headers.insert(TRACESTATE.into(), AMQPValue::LongString(state.into()));
+        }
+    }
+    if let Some(o) = ordering {
+        headers.insert(
+            ORDERING_KEY_HEADER.into(),
+            AMQPValue::LongString(o.key.as_str().into()),
+        );
+        headers.insert(KEY_SEQ_HEADER.into(), AMQPValue::LongLongInt(o.seq));
+    }
+    Some(headers)
+}
+
+/// A delivery's ordering key and number from its AMQP headers, if it
+/// carries both and they are well formed (a key as
+/// [`crate::EventEnvelope::with_ordering_key`] accepts it, a positive
+/// integer of any AMQP integer type); anything else is no ordering.
+pub(crate) fn ordering_from_headers(headers: Option<&FieldTable>) -> Option<KeySeq> {
+    let headers = headers?.inner();
+    let key = match headers.get(ORDERING_KEY_HEADER)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.to_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        _ => return None,
+    };
+    let seq = match headers.get(KEY_SEQ_HEADER)? {
+        AMQPValue::LongLongInt(n) => *n,
+        AMQPValue::LongInt(n) => i64::from(*n),
+        AMQPValue::LongUInt(n) => i64::from(*n),
+        AMQPValue::ShortInt(n) => i64::from(*n),
+        AMQPValue::ShortUInt(n) => i64::from(*n),
+        AMQPValue::ShortShortInt(n) => i64::from(*n),
+        AMQPValue::ShortShortUInt(n) => i64::from(*n),
+        _ => return None,
+    };
+    KeySeq::from_headers(key, seq)
 }
 
 /// A valid trace context from a delivery's AMQP headers, if it has one.
@@ -631,8 +670,65 @@ mod tests {
     #[test]
     fn trace_headers_round_trip() {
         let tc = TraceContext::parse(TP, Some("congo=t61rcWkgMzE")).unwrap();
-        let headers = trace_headers(&tc);
+        let headers = message_headers(Some(&tc), None).unwrap();
         assert_eq!(trace_from_headers(Some(&headers)), Some(tc));
+    }
+
+    #[test]
+    fn ordering_headers_round_trip_beside_the_trace_context() {
+        let tc = TraceContext::parse(TP, None).unwrap();
+        let ks = KeySeq {
+            key: "order-7".into(),
+            seq: 42,
+        };
+        let both = message_headers(Some(&tc), Some(&ks)).unwrap();
+        assert_eq!(trace_from_headers(Some(&both)), Some(tc));
+        assert_eq!(ordering_from_headers(Some(&both)), Some(ks.clone()));
+        let alone = message_headers(None, Some(&ks)).unwrap();
+        assert_eq!(ordering_from_headers(Some(&alone)), Some(ks));
+        assert_eq!(message_headers(None, None), None);
+    }
+
+    #[test]
+    fn malformed_ordering_headers_are_no_ordering() {
+        let table = |key: AMQPValue, seq: Option<AMQPValue>| {
+            let mut t = FieldTable::default();
+            t.insert(ORDERING_KEY_HEADER.into(), key);
+            if let Some(seq) = seq {
+                t.insert(KEY_SEQ_HEADER.into(), seq);
+            }
+            t
+        };
+        let key = || AMQPValue::LongString("k".into());
+        for hostile in [
+            table(key(), None),
+            table(key(), Some(AMQPValue::LongLongInt(0))),
+            table(key(), Some(AMQPValue::LongLongInt(-3))),
+            table(key(), Some(AMQPValue::LongString("7".into()))),
+            table(key(), Some(AMQPValue::Double(7.0))),
+            table(
+                AMQPValue::LongString("".into()),
+                Some(AMQPValue::LongLongInt(1)),
+            ),
+            table(
+                AMQPValue::LongString("a\0b".into()),
+                Some(AMQPValue::LongLongInt(1)),
+            ),
+            table(
+                AMQPValue::LongString(vec![0xff, 0xfe].into()),
+                Some(AMQPValue::LongLongInt(1)),
+            ),
+            table(
+                AMQPValue::LongString("x".repeat(256).into()),
+                Some(AMQPValue::LongLongInt(1)),
+            ),
+            table(AMQPValue::Boolean(true), Some(AMQPValue::LongLongInt(1))),
+            FieldTable::default(),
+        ] {
+            assert_eq!(ordering_from_headers(Some(&hostile)), None, "{hostile:?}");
+        }
+        let narrow = table(key(), Some(AMQPValue::ShortUInt(9)));
+        assert_eq!(ordering_from_headers(Some(&narrow)).map(|o| o.seq), Some(9));
     }
 
     #[test]

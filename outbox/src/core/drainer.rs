@@ -30,7 +30,7 @@ use super::ports::{
 use super::{sleep_or_shutdown, truncate_chars, with_deadline};
 use crate::config::DrainerConfig;
 use crate::envelope::ROUTING_KEY_MAX_BYTES;
-use crate::error::{BrokerError, DrainError};
+use crate::error::{BrokerError, DrainError, StoreError};
 use crate::telemetry::{drainer as metric, propagation};
 
 /// After this long without work or errors the drainer polls at the idle tick.
@@ -96,6 +96,10 @@ pub struct Drainer<S, B, C, E> {
     /// more. Set where the failure is detected, before any release is
     /// awaited, so no claim slips in meanwhile.
     failing: AtomicBool,
+    /// Ordering keys: where the next key window starts (`""`: the first
+    /// key). It moves past a window once every claimable head in it was
+    /// claimed, and starts over after the last key.
+    key_cursor: std::sync::Mutex<String>,
 }
 
 impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
@@ -133,6 +137,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             marks: Marks::default(),
             reconnect_due: AtomicU64::new(0),
             failing: AtomicBool::new(false),
+            key_cursor: std::sync::Mutex::default(),
         }
     }
 
@@ -415,15 +420,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             (None, poll)
         };
         let t0 = self.clock.now();
-        let rows = self
-            .store
-            .outbox_claim(ClaimParams {
-                replica_id: &cfg.replica_id,
-                batch_size: cfg.batch_size,
-                lease_ttl: cfg.lease_ttl,
-            })
-            .instrument(claim_span.clone())
-            .await;
+        let rows = self.claim_rows().instrument(claim_span.clone()).await;
         let at = self.clock.now();
         metrics::histogram!(metric::CLAIM_DURATION).record(at.saturating_sub(t0).as_secs_f64());
         let rows = rows.inspect_err(|_| {
@@ -457,6 +454,55 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         report.claimed += rows.len();
         report.claim_time += at.saturating_sub(t0);
         Ok(Claimed { rows, at: t0, span })
+    }
+
+    /// The claim's statements: the next window of key heads, then the
+    /// claim of unkeyed rows and of those heads; moves the key cursor.
+    async fn claim_rows(&self) -> Result<Vec<ClaimedRow>, StoreError> {
+        let cfg = &self.config;
+        let after = self.key_cursor.lock().expect("key cursor").clone();
+        let mut window = self
+            .store
+            .outbox_key_window(&after, cfg.batch_size, cfg.lease_ttl)
+            .await?;
+        if window.exhausted && !after.is_empty() {
+            // The last keys: the window goes on from the first key (up to
+            // the cursor), so a claim never comes back empty while a key
+            // before the cursor has work.
+            let room = cfg.batch_size.saturating_sub(window.heads.len() as u32);
+            let rest = self
+                .store
+                .outbox_key_window("", room, cfg.lease_ttl)
+                .await?;
+            // Past the cursor again: every key was seen, start over next time.
+            let wrapped = rest.heads.iter().any(|h| h.key > after);
+            window.exhausted = rest.exhausted || wrapped;
+            let before = rest.heads.into_iter().filter(|h| h.key <= after);
+            window.heads.extend(before);
+        }
+        let heads: Vec<Uuid> = window
+            .heads
+            .iter()
+            .filter(|h| h.claimable)
+            .map(|h| h.id)
+            .collect();
+        let rows = self
+            .store
+            .outbox_claim(ClaimParams {
+                replica_id: &cfg.replica_id,
+                batch_size: cfg.batch_size,
+                lease_ttl: cfg.lease_ttl,
+                key_heads: &heads,
+            })
+            .await?;
+        if heads.iter().all(|h| rows.iter().any(|r| r.id == *h)) {
+            let next = match window.heads.last() {
+                Some(last) if !window.exhausted => last.key.clone(),
+                _ => String::new(),
+            };
+            *self.key_cursor.lock().expect("key cursor") = next;
+        }
+        Ok(rows)
     }
 
     /// The span of one batch: parent of its phases' spans.
@@ -767,6 +813,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                         message_id: row.id,
                         body: &row.body,
                         trace: row.trace.as_ref(),
+                        ordering: row.ordering.as_ref(),
                     })
                     .await?;
                 pending.push_back((row.id, confirm, permit));

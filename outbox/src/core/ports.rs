@@ -55,6 +55,31 @@ pub struct ClaimParams<'a> {
     pub batch_size: u32,
     /// Leases older than this are reclaimable.
     pub lease_ttl: Duration,
+    /// Keyed rows the claim may take (from [`OutboxStore::outbox_key_window`]),
+    /// each only if it is still its key's head; unkeyed rows are found by
+    /// the claim itself.
+    pub key_heads: &'a [Uuid],
+}
+
+/// One key's head, as [`OutboxStore::outbox_key_window`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyHead {
+    /// The ordering key.
+    pub key: String,
+    /// Its lowest-numbered unpublished row.
+    pub id: Uuid,
+    /// Not parked, and its lease free or expired.
+    pub claimable: bool,
+}
+
+/// The heads of a run of keys with unpublished rows, in key byte order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct KeyWindow {
+    /// One per key, in byte order of the keys.
+    pub heads: Vec<KeyHead>,
+    /// No key with unpublished rows comes after the last one (fewer keys
+    /// than asked for).
+    pub exhausted: bool,
 }
 
 /// One claimed outbox row, as Phase 2 needs it.
@@ -74,6 +99,36 @@ pub struct ClaimedRow {
     /// How long ago the row was written, as the store saw it at the claim
     /// (the start of the commit-to-confirm lag).
     pub age: Duration,
+    /// Its ordering key and number, if it has a key: the store claimed it
+    /// as its key's head (every earlier event of the key is published).
+    pub ordering: Option<KeySeq>,
+}
+
+/// The AMQP header carrying an event's ordering key (a long string).
+pub const ORDERING_KEY_HEADER: &str = "x-canopy-ordering-key";
+/// The AMQP header carrying an event's number within its ordering key (a
+/// signed 64-bit integer).
+pub const KEY_SEQ_HEADER: &str = "x-canopy-key-seq";
+
+/// An event's place in its ordering key (issue 27): the key, and the
+/// event's number among the key's events, 1 for the first, in the order
+/// their transactions committed.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct KeySeq {
+    /// The ordering key.
+    pub key: String,
+    /// The event's number within the key.
+    pub seq: i64,
+}
+
+impl KeySeq {
+    /// A key and number as a delivery's headers carry them, if well formed:
+    /// a key [`crate::EventEnvelope::with_ordering_key`] accepts and a
+    /// positive number.
+    pub fn from_headers(key: String, seq: i64) -> Option<Self> {
+        let valid = seq > 0 && crate::envelope::validate_ordering_key(&key).is_ok();
+        valid.then_some(Self { key, seq })
+    }
 }
 
 /// A row-culpable failure to record in Phase 3.
@@ -103,6 +158,9 @@ pub struct OutboxStats {
     pub oldest_unpublished_age_secs: f64,
     /// Parked rows.
     pub parked: u64,
+    /// Pending rows that wait behind a parked row of their ordering key:
+    /// none of them is claimed until that row is unparked or skipped.
+    pub blocked: u64,
 }
 
 /// A parked row, for operators deciding whether to unpark it.
@@ -122,9 +180,12 @@ pub struct ParkedRow {
     /// When it parked.
     #[serde(with = "time::serde::rfc3339")]
     pub parked_at: OffsetDateTime,
+    /// Its ordering key and number, if it has a key: while it is parked,
+    /// its key's later events wait.
+    pub ordering: Option<KeySeq>,
 }
 
-/// Which parked rows to unpark.
+/// Which parked rows to unpark or skip.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UnparkSelector {
     /// Exactly these ids (those that are parked).
@@ -135,9 +196,23 @@ pub enum UnparkSelector {
 
 /// The outbox table.
 pub trait OutboxStore: Send + Sync + 'static {
+    /// Ordering keys: the heads of up to `limit` keys that have unpublished
+    /// rows, the first key after `after` in byte order (`""`: from the
+    /// first), whatever each key's backlog. `claimable` as the claim would
+    /// see it under `lease_ttl`; a hint only, the claim checks again.
+    fn outbox_key_window(
+        &self,
+        after: &str,
+        limit: u32,
+        lease_ttl: Duration,
+    ) -> impl Future<Output = Result<KeyWindow, StoreError>> + Send;
+
     /// Phase 1: claims up to `batch_size` unpublished, unparked rows that are
     /// unclaimed or whose lease expired, stamping the lease, in
-    /// `(enqueued_at, id)` order. Never touches `attempts`.
+    /// `(enqueued_at, id)` order. Never touches `attempts`. Rows without an
+    /// ordering key are found by the claim; a keyed row is claimed only if
+    /// it is among `key_heads` and is its key's head (no row of its key
+    /// with a lower number is unpublished).
     fn outbox_claim(
         &self,
         params: ClaimParams<'_>,
@@ -192,6 +267,15 @@ pub trait OutboxStore: Send + Sync + 'static {
         &self,
         selector: &UnparkSelector,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Skips parked rows: marks them done without publishing them (they
+    /// count as published for the claim, the gauges and retention, and are
+    /// recorded as skipped), so their keys' later events go on. Returns how
+    /// many it skipped; rows that are not parked are left alone.
+    fn outbox_skip(
+        &self,
+        selector: &UnparkSelector,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 }
 
 /// The broker's verdict on one publish.
@@ -217,6 +301,8 @@ pub struct OutgoingMessage<'a> {
     pub body: &'a [u8],
     /// Sent as the `traceparent`/`tracestate` AMQP headers.
     pub trace: Option<&'a TraceContext>,
+    /// Sent as the `x-canopy-ordering-key`/`x-canopy-key-seq` AMQP headers.
+    pub ordering: Option<&'a KeySeq>,
 }
 
 /// The message broker, as the drainer uses it.
@@ -692,6 +778,9 @@ pub struct Delivery {
     /// A valid trace context from its `traceparent`/`tracestate` AMQP
     /// headers, if it carries one.
     pub trace: Option<TraceContext>,
+    /// Its ordering key and number, from its `x-canopy-ordering-key` and
+    /// `x-canopy-key-seq` AMQP headers, if it carries both.
+    pub ordering: Option<KeySeq>,
 }
 
 /// The message broker, as the subscriber uses it.

@@ -20,6 +20,8 @@ pub mod gauges {
     pub const OLDEST_AGE: &str = "canopy_mq_outbox_oldest_unpublished_age_seconds";
     /// Parked rows.
     pub const PARKED: &str = "canopy_mq_outbox_parked";
+    /// Pending rows that wait behind a parked row of their ordering key.
+    pub const BLOCKED: &str = "canopy_mq_outbox_blocked_behind_parked";
 }
 
 /// Why the outbox is not ready.
@@ -163,6 +165,7 @@ pub async fn sample<S: OutboxStore, C: Clock>(
     metrics::gauge!(gauges::PENDING).set(stats.pending as f64);
     metrics::gauge!(gauges::OLDEST_AGE).set(stats.oldest_unpublished_age_secs);
     metrics::gauge!(gauges::PARKED).set(stats.parked as f64);
+    metrics::gauge!(gauges::BLOCKED).set(stats.blocked as f64);
     health.record(stats, clock.now());
     let reasons = threshold_reasons(&stats, config);
     metrics::gauge!(crate::telemetry::drainer::READY).set(if reasons.is_empty() {
@@ -176,7 +179,9 @@ pub async fn sample<S: OutboxStore, C: Clock>(
     if stats.parked > 0 {
         tracing::warn!(
             parked = stats.parked,
-            "outbox has parked rows; inspect and unpark them once the cause is fixed"
+            blocked = stats.blocked,
+            "outbox has parked rows; inspect and unpark them once the cause is fixed \
+             (or skip them; `blocked` events of their ordering keys wait behind them)"
         );
     }
     Ok(stats)

@@ -9,8 +9,8 @@ use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
 use crate::core::ports::{
-    ClaimParams, ClaimedRow, FailOutcome, OutboxStats, OutboxStore, ParkedRow, RowFailure,
-    UnparkSelector,
+    ClaimParams, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats, OutboxStore,
+    ParkedRow, RowFailure, UnparkSelector,
 };
 use crate::error::StoreError;
 use crate::trace_context::TraceContext;
@@ -21,6 +21,7 @@ pub mod publisher;
 pub(crate) mod sql {
     pub const CLAIM_PLAN: &str = include_str!("sql/outbox_claim_plan.sql");
     pub const CLAIM: &str = include_str!("sql/outbox_claim.sql");
+    pub const KEY_WINDOW: &str = include_str!("sql/outbox_key_window.sql");
     pub const MARK_PUBLISHED: &str = include_str!("sql/outbox_mark_published.sql");
     pub const MARK_FAILED: &str = include_str!("sql/outbox_mark_failed.sql");
     pub const RELEASE: &str = include_str!("sql/outbox_release.sql");
@@ -29,6 +30,7 @@ pub(crate) mod sql {
     pub const DELETE_PUBLISHED: &str = include_str!("sql/outbox_delete_published.sql");
     pub const LIST_PARKED: &str = include_str!("sql/outbox_list_parked.sql");
     pub const UNPARK: &str = include_str!("sql/outbox_unpark.sql");
+    pub const SKIP: &str = include_str!("sql/outbox_skip.sql");
     pub const INSERT: &str = include_str!("sql/outbox_insert.sql");
     pub const INSERT_MANY: &str = include_str!("sql/outbox_insert_many.sql");
     pub const INSERT_KEYED: &str = include_str!("sql/outbox_insert_keyed.sql");
@@ -157,6 +159,38 @@ pub(crate) fn map_err_ref(e: &sqlx::Error) -> StoreError {
 }
 
 impl OutboxStore for PgOutboxStore {
+    async fn outbox_key_window(
+        &self,
+        after: &str,
+        limit: u32,
+        lease_ttl: Duration,
+    ) -> Result<KeyWindow, StoreError> {
+        bounded(async {
+            let rows = sqlx::query(sql::KEY_WINDOW)
+                .bind(after)
+                .bind(i32::try_from(limit).unwrap_or(i32::MAX))
+                .bind(lease_ttl.as_secs_f64())
+                .fetch_all(&self.pool)
+                .await
+                .map_err(map_err)?;
+            let heads = rows
+                .into_iter()
+                .map(|r| {
+                    Ok(KeyHead {
+                        key: r.try_get("ordering_key").map_err(map_err)?,
+                        id: r.try_get("id").map_err(map_err)?,
+                        claimable: r.try_get("claimable").map_err(map_err)?,
+                    })
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            Ok(KeyWindow {
+                exhausted: heads.len() < limit as usize,
+                heads,
+            })
+        })
+        .await
+    }
+
     async fn outbox_claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
         bounded(async {
             // One short transaction: planner settings, the claim CTE, commit.
@@ -170,6 +204,7 @@ impl OutboxStore for PgOutboxStore {
                 .bind(p.replica_id)
                 .bind(p.lease_ttl.as_secs_f64())
                 .bind(i64::from(p.batch_size))
+                .bind(p.key_heads)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(map_err)?;
@@ -195,6 +230,7 @@ impl OutboxStore for PgOutboxStore {
                             r.try_get::<f64, _>("age_secs").map_err(map_err)?,
                         )
                         .unwrap_or_default(),
+                        ordering: key_seq(&r)?,
                     })
                 })
                 .collect()
@@ -249,10 +285,12 @@ impl OutboxStore for PgOutboxStore {
             let pending: i64 = row.try_get("pending").map_err(map_err)?;
             let parked: i64 = row.try_get("parked").map_err(map_err)?;
             let oldest: f64 = row.try_get("oldest_age_secs").map_err(map_err)?;
+            let blocked: i64 = row.try_get("blocked").map_err(map_err)?;
             Ok(OutboxStats {
                 pending: pending.max(0) as u64,
                 oldest_unpublished_age_secs: oldest.max(0.0),
                 parked: parked.max(0) as u64,
+                blocked: blocked.max(0) as u64,
             })
         })
         .await
@@ -282,6 +320,7 @@ impl OutboxStore for PgOutboxStore {
                         last_error: r.try_get("last_error").map_err(map_err)?,
                         enqueued_at: r.try_get("enqueued_at").map_err(map_err)?,
                         parked_at: r.try_get("parked_at").map_err(map_err)?,
+                        ordering: key_seq(&r)?,
                     })
                 })
                 .collect()
@@ -290,12 +329,35 @@ impl OutboxStore for PgOutboxStore {
     }
 
     async fn outbox_unpark(&self, selector: &UnparkSelector) -> Result<u64, StoreError> {
+        self.parked_update(sql::UNPARK, selector).await
+    }
+
+    async fn outbox_skip(&self, selector: &UnparkSelector) -> Result<u64, StoreError> {
+        self.parked_update(sql::SKIP, selector).await
+    }
+}
+
+/// The row's ordering key and number, if it has a key.
+fn key_seq(r: &sqlx::postgres::PgRow) -> Result<Option<KeySeq>, StoreError> {
+    let key: Option<String> = r.try_get("ordering_key").map_err(map_err)?;
+    let seq: Option<i64> = r.try_get("key_seq").map_err(map_err)?;
+    Ok(key.zip(seq).map(|(key, seq)| KeySeq { key, seq }))
+}
+
+impl PgOutboxStore {
+    /// An operator's update of the selected parked rows (`$1`: their ids,
+    /// or NULL for all); returns how many it changed.
+    async fn parked_update(
+        &self,
+        statement: &'static str,
+        selector: &UnparkSelector,
+    ) -> Result<u64, StoreError> {
         bounded(async {
             let ids: Option<&[Uuid]> = match selector {
                 UnparkSelector::Ids(ids) => Some(ids),
                 UnparkSelector::All => None,
             };
-            let done = sqlx::query(sql::UNPARK)
+            let done = sqlx::query(statement)
                 .bind(ids)
                 .execute(&self.pool)
                 .await

@@ -54,7 +54,7 @@ pub struct Received {
     pub routing_key: String,
     pub body: Vec<u8>,
     pub persistent: bool,
-    /// Its AMQP headers, as text (long or short strings only).
+    /// Its AMQP headers, as text (strings, and 64-bit integers in decimal).
     pub headers: std::collections::BTreeMap<String, String>,
 }
 
@@ -124,6 +124,7 @@ impl PlainConsumer {
                             let text = match v {
                                 AMQPValue::LongString(s) => s.to_string(),
                                 AMQPValue::ShortString(s) => s.as_str().to_owned(),
+                                AMQPValue::LongLongInt(n) => n.to_string(),
                                 _ => return None,
                             };
                             Some((k.as_str().to_owned(), text))
@@ -258,6 +259,7 @@ pub async fn publish_confirmed(
             message_id,
             body,
             trace: None,
+            ordering: None,
         })
         .await
         .unwrap();

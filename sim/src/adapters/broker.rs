@@ -83,6 +83,7 @@ impl Waiters {
                 body,
                 redelivered,
                 trace,
+                ordering,
             } => {
                 if let Some(tx) = self.deliveries.get(&channel) {
                     let _ = tx.send(Delivery {
@@ -94,6 +95,8 @@ impl Waiters {
                         trace: trace.and_then(|(tp, ts)| {
                             outbox::trace_context::TraceContext::parse(&tp, ts.as_deref()).ok()
                         }),
+                        ordering: ordering
+                            .and_then(|(key, seq)| outbox::KeySeq::from_headers(key, seq)),
                     });
                 }
             }
@@ -351,6 +354,7 @@ impl PublishChannel for SimChannel {
                         t.tracestate().map(str::to_owned),
                     )
                 }),
+                ordering: m.ordering.map(|o| (o.key.clone(), o.seq)),
             })
             .await?;
         self.published += 1;

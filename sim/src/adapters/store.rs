@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use outbox::StoreError;
 use outbox::core::ports::{
-    ClaimParams, ClaimedRow, FailOutcome, OutboxStats, OutboxStore, ParkedRow, RowFailure,
-    UnparkSelector,
+    ClaimParams, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats, OutboxStore,
+    ParkedRow, RowFailure, UnparkSelector,
 };
 use outbox::trace_context::TraceContext;
 use uuid::Uuid;
@@ -30,6 +30,10 @@ pub struct SimStore {
     replica: String,
     hooks: Hooks,
     trace: Trace,
+    /// A key window began this replica's claim: the claim call that
+    /// follows is the same call in the trace (traced once, from the
+    /// window's start, so the checker sees how long the replica was in it).
+    in_claim: std::sync::atomic::AtomicBool,
 }
 
 impl SimStore {
@@ -41,6 +45,7 @@ impl SimStore {
             replica,
             hooks,
             trace,
+            in_claim: Default::default(),
         }
     }
 
@@ -51,6 +56,19 @@ impl SimStore {
             call,
             ids,
         });
+    }
+
+    /// Records a drainer call's failure (its success is recorded by the
+    /// call it is part of), and passes the result on.
+    fn answered_if_failed<T>(
+        &self,
+        call: Call,
+        result: Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if result.is_err() {
+            return self.answered(call, result);
+        }
+        result
     }
 
     /// Records how a drainer call ended, and passes the result on.
@@ -77,6 +95,7 @@ impl SimStore {
                     replica: p.replica_id.to_owned(),
                     batch_size: p.batch_size,
                     lease_ttl_ms: p.lease_ttl.as_millis() as u64,
+                    key_heads: p.key_heads.to_vec(),
                 },
             ])
             .await?;
@@ -99,6 +118,7 @@ impl SimStore {
                 body: r.body.into_bytes(),
                 attempts: r.attempts,
                 age: Duration::from_millis(r.age_ms),
+                ordering: r.ordering.map(|(key, seq)| KeySeq { key, seq }),
             })
             .collect())
     }
@@ -159,10 +179,47 @@ impl SimStore {
 }
 
 impl OutboxStore for SimStore {
-    async fn outbox_claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
+    async fn outbox_key_window(
+        &self,
+        after: &str,
+        limit: u32,
+        lease_ttl: Duration,
+    ) -> Result<KeyWindow, StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
         self.trace.now(Event::ClaimCalled {
             replica: self.replica.clone(),
         });
+        self.in_claim.store(true, SeqCst);
+        let reply = self
+            .pg
+            .call(PgRequest::KeyWindow {
+                after: after.to_owned(),
+                limit,
+                lease_ttl_ms: lease_ttl.as_millis() as u64,
+            })
+            .await;
+        let reply = reply.inspect_err(|_| self.in_claim.store(false, SeqCst));
+        match self.answered_if_failed(Call::Claim, reply)? {
+            PgReply::KeyWindow(heads) => Ok(KeyWindow {
+                exhausted: heads.len() < limit as usize,
+                heads: heads
+                    .into_iter()
+                    .map(|(key, id, claimable)| KeyHead { key, id, claimable })
+                    .collect(),
+            }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn outbox_claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
+        if !self
+            .in_claim
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            self.trace.now(Event::ClaimCalled {
+                replica: self.replica.clone(),
+            });
+        }
         let rows = self.answered(Call::Claim, self.claim(p).await)?;
         self.trace.now(Event::ClaimReturned {
             replica: self.replica.clone(),
@@ -204,6 +261,7 @@ impl OutboxStore for SimStore {
                 pending,
                 oldest_age_ms,
                 parked,
+                blocked,
             }) => {
                 self.trace.now(Event::StatsAnswered {
                     replica: self.replica.clone(),
@@ -215,6 +273,7 @@ impl OutboxStore for SimStore {
                     pending,
                     oldest_unpublished_age_secs: oldest_age_ms as f64 / 1000.0,
                     parked,
+                    blocked,
                 });
             }
             Ok(other) => Err(unexpected(other)),
@@ -256,6 +315,7 @@ impl OutboxStore for SimStore {
                     last_error: r.last_error,
                     enqueued_at: epoch + Duration::from_millis(r.enqueued_ms),
                     parked_at: epoch + Duration::from_millis(r.parked_ms),
+                    ordering: r.ordering.map(|(key, seq)| KeySeq { key, seq }),
                 })
                 .collect()),
             other => Err(unexpected(other)),
@@ -263,14 +323,37 @@ impl OutboxStore for SimStore {
     }
 
     async fn outbox_unpark(&self, selector: &UnparkSelector) -> Result<u64, StoreError> {
-        let ids = match selector {
-            UnparkSelector::Ids(ids) => Some(ids.clone()),
-            UnparkSelector::All => None,
-        };
-        match self.pg.call(PgRequest::Unpark { ids }).await? {
+        match self
+            .pg
+            .call(PgRequest::Unpark {
+                ids: ids_of(selector),
+            })
+            .await?
+        {
             PgReply::Count(n) => Ok(n),
             other => Err(unexpected(other)),
         }
+    }
+
+    async fn outbox_skip(&self, selector: &UnparkSelector) -> Result<u64, StoreError> {
+        match self
+            .pg
+            .call(PgRequest::Skip {
+                ids: ids_of(selector),
+            })
+            .await?
+        {
+            PgReply::Count(n) => Ok(n),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+/// The ids a selector names (`None`: every parked row).
+fn ids_of(selector: &UnparkSelector) -> Option<Vec<Uuid>> {
+    match selector {
+        UnparkSelector::Ids(ids) => Some(ids.clone()),
+        UnparkSelector::All => None,
     }
 }
 

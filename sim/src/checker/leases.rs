@@ -108,7 +108,7 @@ fn guard(ctx: &Context<'_>, out: &mut Findings) {
                     };
                 }
             }
-            Event::Unparked { ids } => {
+            Event::Unparked { ids } | Event::Skipped { ids } => {
                 for id in ids {
                     owner.remove(id);
                 }

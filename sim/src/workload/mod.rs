@@ -109,6 +109,7 @@ pub async fn run(
                 id: env.id,
                 routing_key: env.routing_key,
                 body: encoded,
+                ordering_key: env.ordering_key,
             });
         }
         // One INSERT for the transaction's envelopes, as publish_many_tx.

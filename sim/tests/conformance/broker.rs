@@ -152,6 +152,7 @@ async fn publish_one_unbounded<B: Broker>(
             message_id: Uuid::now_v7(),
             body: b"{}",
             trace: None,
+            ordering: None,
         })
         .await?;
     let r = confirm.await;

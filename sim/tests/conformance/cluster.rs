@@ -201,6 +201,7 @@ async fn publish_one<B: Broker>(client: &B, exchange: &str) -> Result<Confirm, S
             message_id: e.id,
             body: body.as_bytes(),
             trace: None,
+            ordering: None,
         })
         .await
         .map_err(|e| e.to_string())?;
@@ -268,6 +269,7 @@ async fn a_quorum_queue_without_a_majority_confirms_once_it_has_one<A: ClusterAr
             message_id: e.id,
             body: body.as_bytes(),
             trace: None,
+            ordering: None,
         })
         .await
         .unwrap();

@@ -180,6 +180,7 @@ async fn publish<A: ConsumeArm>(arm: &A, exchange: &str, keys: &[&str]) -> Vec<E
                 message_id: e.id,
                 body: body.as_bytes(),
                 trace: None,
+                ordering: None,
             })
             .await
             .unwrap();
@@ -233,6 +234,8 @@ async fn ends_and_gives_back<A: ConsumeArm>(
 
 // ---- bodies --------------------------------------------------------------
 
+/// The trace context and the ordering key and number (issue 27) travel as
+/// AMQP headers, beside each other or not at all.
 async fn trace_context_headers_travel_with_the_message<A: ConsumeArm>(arm: A) {
     let spec = arm.spec(10);
     let c = arm.broker().subscription_open(&spec).await.unwrap();
@@ -243,7 +246,11 @@ async fn trace_context_headers_travel_with_the_message<A: ConsumeArm>(arm: A) {
     .unwrap();
     let mut ch = arm.publisher().channel_open().await.unwrap();
     ch.channel_confirm_select().await.unwrap();
-    for trace in [Some(&tc), None] {
+    let ks = outbox::KeySeq {
+        key: "order-7".into(),
+        seq: 3,
+    };
+    for (trace, ordering) in [(Some(&tc), Some(&ks)), (None, None)] {
         let e = EventEnvelope::new("orders.t", serde_json::json!({}));
         let body = e.encode(&Default::default()).unwrap();
         let confirm = ch
@@ -253,6 +260,7 @@ async fn trace_context_headers_travel_with_the_message<A: ConsumeArm>(arm: A) {
                 message_id: e.id,
                 body: body.as_bytes(),
                 trace,
+                ordering,
             })
             .await
             .unwrap();
@@ -261,8 +269,10 @@ async fn trace_context_headers_travel_with_the_message<A: ConsumeArm>(arm: A) {
     ch.channel_close().await;
     let first = next(&c).await;
     assert_eq!(first.trace.as_ref(), Some(&tc));
+    assert_eq!(first.ordering.as_ref(), Some(&ks));
     let second = next(&c).await;
     assert_eq!(second.trace, None);
+    assert_eq!(second.ordering, None);
     c.delivery_ack(first.tag).await.unwrap();
     c.delivery_ack(second.tag).await.unwrap();
     c.consumer_close().await;

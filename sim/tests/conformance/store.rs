@@ -46,6 +46,13 @@ trait StoreArm {
     async fn row(&self, id: Uuid) -> Option<RowView>;
     /// Moves a row's `published_at` `secs` into the past.
     async fn backdate_published(&self, id: Uuid, secs: u64);
+    /// An open transaction of the caller's.
+    type Tx;
+    async fn begin(&self) -> Self::Tx;
+    /// `publish_tx` of `e` in `tx` (waits while another open transaction
+    /// holds `e`'s ordering key).
+    async fn write(&self, tx: &mut Self::Tx, e: &EventEnvelope);
+    async fn commit(&self, tx: Self::Tx);
 }
 
 struct RealStore {
@@ -55,6 +62,19 @@ struct RealStore {
 
 impl StoreArm for RealStore {
     type S = PgOutboxStore;
+    type Tx = sqlx::Transaction<'static, sqlx::Postgres>;
+    async fn begin(&self) -> Self::Tx {
+        self.pool.begin().await.unwrap()
+    }
+    async fn write(&self, tx: &mut Self::Tx, e: &EventEnvelope) {
+        Publisher::new(self.pool.clone())
+            .publish_tx(tx, e)
+            .await
+            .unwrap();
+    }
+    async fn commit(&self, tx: Self::Tx) {
+        tx.commit().await.unwrap();
+    }
     fn store(&self) -> &PgOutboxStore {
         &self.store
     }
@@ -95,6 +115,29 @@ struct FakeStore {
 
 impl StoreArm for FakeStore {
     type S = SimStore;
+    type Tx = PgClient;
+    async fn begin(&self) -> PgClient {
+        let c = PgClient::new("writer-tx", Trace::default());
+        c.call(PgRequest::Begin).await.unwrap();
+        c
+    }
+    async fn write(&self, tx: &mut PgClient, e: &EventEnvelope) {
+        let reply = tx
+            .call(PgRequest::Insert {
+                rows: vec![NewRow {
+                    id: e.id,
+                    routing_key: e.routing_key.clone(),
+                    body: e.encode(&Default::default()).unwrap(),
+                    ordering_key: e.ordering_key.clone(),
+                }],
+            })
+            .await
+            .unwrap();
+        assert!(matches!(reply, sim::wire::PgReply::Count(1)), "{reply:?}");
+    }
+    async fn commit(&self, tx: PgClient) {
+        tx.call(PgRequest::Commit).await.unwrap();
+    }
     fn store(&self) -> &SimStore {
         &self.store
     }
@@ -106,6 +149,7 @@ impl StoreArm for FakeStore {
                     id: e.id,
                     routing_key: e.routing_key.clone(),
                     body,
+                    ordering_key: e.ordering_key.clone(),
                 }],
             }])
             .await
@@ -153,7 +197,33 @@ fn params(replica: &str, batch: u32, ttl_ms: u64) -> ClaimParams<'_> {
         replica_id: replica,
         batch_size: batch,
         lease_ttl: Duration::from_millis(ttl_ms),
+        key_heads: &[],
     }
+}
+
+/// The drainer's claim with ordering keys: the claimable heads of the
+/// first 100 keys, then the claim; the ids claimed.
+async fn claim_keyed<S: OutboxStore>(s: &S, replica: &str, ttl_ms: u64) -> Vec<Uuid> {
+    let ttl = Duration::from_millis(ttl_ms);
+    let w = s.outbox_key_window("", 100, ttl).await.unwrap();
+    let heads: Vec<Uuid> = w
+        .heads
+        .iter()
+        .filter(|h| h.claimable)
+        .map(|h| h.id)
+        .collect();
+    let rows = s
+        .outbox_claim(ClaimParams {
+            key_heads: &heads,
+            ..params(replica, 100, ttl_ms)
+        })
+        .await
+        .unwrap();
+    rows.iter().map(|r| r.id).collect()
+}
+
+fn keyed(key: &str) -> EventEnvelope {
+    EventEnvelope::new("k", serde_json::json!({})).with_ordering_key(key)
 }
 
 // ---- store bodies ------------------------------------------------------
@@ -436,6 +506,108 @@ async fn two_concurrent_claimers_never_share_a_row<A: StoreArm>(arm: A) {
     );
 }
 
+async fn a_claim_takes_only_each_keys_head<A: StoreArm>(arm: A) {
+    let (a1, a2, b1) = (keyed("a"), keyed("a"), keyed("b"));
+    let plain = EventEnvelope::new("k", serde_json::json!({}));
+    for e in [&a1, &a2, &b1, &plain] {
+        arm.insert_envelope(e).await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let s = arm.store();
+    assert_eq!(claim_keyed(s, "r1", 60_000).await, [a1.id, b1.id, plain.id]);
+    assert!(
+        claim_keyed(s, "r2", 60_000).await.is_empty(),
+        "a2 waits while a1 is claimed"
+    );
+    let stale = s
+        .outbox_claim(ClaimParams {
+            key_heads: &[a2.id],
+            ..params("r2", 10, 60_000)
+        })
+        .await
+        .unwrap();
+    assert!(stale.is_empty(), "a candidate that is not its key's head");
+    assert_eq!(s.outbox_mark_published("r1", &[a1.id]).await.unwrap(), 1);
+    let rows = s
+        .outbox_claim(ClaimParams {
+            key_heads: &[a2.id],
+            ..params("r2", 10, 60_000)
+        })
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    let o = rows[0].ordering.clone().unwrap();
+    assert_eq!((o.key.as_str(), o.seq), ("a", 2));
+}
+
+async fn a_parked_head_holds_its_key_until_skipped<A: StoreArm>(arm: A) {
+    let (k1, k2) = (keyed("k"), keyed("k"));
+    arm.insert_envelope(&k1).await;
+    arm.insert_envelope(&k2).await;
+    let s = arm.store();
+    assert_eq!(claim_keyed(s, "r", 60_000).await, [k1.id]);
+    let fail = RowFailure {
+        id: k1.id,
+        error: "refused".into(),
+    };
+    assert_eq!(
+        s.outbox_mark_failed("r", &[fail], 1).await.unwrap().parked,
+        1
+    );
+    assert!(claim_keyed(s, "r", 60_000).await.is_empty());
+    let st = s.outbox_stats().await.unwrap();
+    assert_eq!((st.pending, st.parked, st.blocked), (1, 1, 1));
+    let w = s.outbox_key_window("", 10, Duration::ZERO).await.unwrap();
+    assert_eq!(w.heads.len(), 1);
+    assert!(!w.heads[0].claimable && w.heads[0].id == k1.id);
+    assert_eq!(
+        s.outbox_skip(&UnparkSelector::Ids(vec![k2.id]))
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(s.outbox_skip(&UnparkSelector::All).await.unwrap(), 1);
+    let v = arm.row(k1.id).await.unwrap();
+    assert!(v.published && v.parked, "skipped: done, never sent");
+    assert_eq!(s.outbox_stats().await.unwrap().blocked, 0);
+    assert_eq!(claim_keyed(s, "r", 60_000).await, [k2.id]);
+}
+
+/// Two writers of one key overlap: the one that began first writes second,
+/// waits at its write until the other commits, and is numbered (and
+/// claimed) second.
+async fn overlapping_writers_of_a_key_are_claimed_in_commit_order<A: StoreArm>(arm: A) {
+    let (early, late) = (keyed("k"), keyed("k"));
+    let mut first = arm.begin().await;
+    let mut second = arm.begin().await;
+    arm.write(&mut second, &late).await;
+    let done = std::cell::Cell::new(false);
+    let waiting = async {
+        arm.write(&mut first, &early).await;
+        done.set(true);
+        arm.commit(first).await;
+    };
+    let other = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!done.get(), "the second writer of the key waits");
+        arm.commit(second).await;
+    };
+    futures_lite::future::zip(waiting, other).await;
+    let s = arm.store();
+    let rows = s
+        .outbox_claim(ClaimParams {
+            key_heads: &[early.id, late.id],
+            ..params("r", 10, 60_000)
+        })
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].id, late.id, "committed first, numbered first");
+    assert_eq!(rows[0].ordering.as_ref().map(|o| o.seq), Some(1));
+    s.outbox_mark_published("r", &[late.id]).await.unwrap();
+    assert_eq!(claim_keyed(s, "r", 60_000).await, [early.id]);
+}
+
 /// Runs `body` against PostgreSQL (a fresh database).
 async fn with_real<F, Fut>(pool: PgPool, body: F)
 where
@@ -458,4 +630,7 @@ conformance!(postgres: with_real, fake: with_fake_store;
     failures_bump_attempts_park_at_the_budget_and_unpark_resets,
     the_retention_sweep_deletes_only_old_published_rows,
     two_concurrent_claimers_never_share_a_row,
+    a_claim_takes_only_each_keys_head,
+    a_parked_head_holds_its_key_until_skipped,
+    overlapping_writers_of_a_key_are_claimed_in_commit_order,
 );

@@ -1,30 +1,64 @@
--- Phase 1 (#478): claim up to $3 rows, stamping the lease. Walks
--- event_outbox_claim_idx in (enqueued_at, id) order; rows under a live lease
--- are filtered, rows locked by a concurrent claim or mark are skipped. Never
--- touches attempts. $1 replica id, $2 lease TTL in seconds, $3 batch size.
--- Also returns the trace context the row was written under (its envelope's
--- headers) and its age, where the commit-to-confirm lag starts. The body is
--- the envelope as written (jsonb's rendering only for rows written before
--- the envelope column existed).
-WITH candidates AS (
-    SELECT id
-    FROM event_outbox
-    WHERE published_at IS NULL
-      AND parked_at IS NULL
-      AND (claimed_at IS NULL OR claimed_at < now() - make_interval(secs => $2))
+-- Phase 1 (#478): claim up to $3 rows, stamping the lease. $1 replica id,
+-- $2 lease TTL in seconds, $3 batch size, $4 keyed candidates (issue 27:
+-- heads found by outbox_key_window.sql). Never touches attempts.
+-- Unkeyed rows: walks event_outbox_claim_unkeyed_idx in (enqueued_at, id)
+-- order; rows under a live lease are filtered, rows locked by a concurrent
+-- claim or mark are skipped.
+-- Keyed rows: only the candidates, and each only if it is still its key's
+-- head: no row of its key with a lower number is unpublished, whether
+-- leased, locked or parked (one probe of event_outbox_key_head_idx, read
+-- whatever locks another claim holds). So a key has at most one row
+-- claimed, the next only once this one is marked, and a parked head holds
+-- back its key.
+-- The oldest $3 of both, in (enqueued_at, id) order. Also returns the
+-- trace context the row was written under (its envelope's headers), its
+-- key and number, and its age, where the commit-to-confirm lag starts. The
+-- body is the envelope as written (jsonb's rendering only for rows written
+-- before the envelope column existed).
+WITH unkeyed AS (
+    SELECT o.id, o.enqueued_at
+    FROM event_outbox o
+    WHERE o.published_at IS NULL
+      AND o.parked_at IS NULL
+      AND o.ordering_key IS NULL
+      AND (o.claimed_at IS NULL OR o.claimed_at < now() - make_interval(secs => $2))
+    ORDER BY o.enqueued_at, o.id
+    LIMIT $3
+    FOR UPDATE OF o SKIP LOCKED
+), keyed AS (
+    SELECT o.id, o.enqueued_at
+    FROM event_outbox o
+    WHERE o.id = ANY($4::uuid[])
+      AND o.published_at IS NULL
+      AND o.parked_at IS NULL
+      AND o.ordering_key IS NOT NULL
+      AND (o.claimed_at IS NULL OR o.claimed_at < now() - make_interval(secs => $2))
+      AND NOT EXISTS (
+          SELECT 1
+          FROM event_outbox e
+          WHERE e.ordering_key COLLATE "C" = o.ordering_key COLLATE "C"
+            AND e.key_seq < o.key_seq
+            AND e.published_at IS NULL
+            AND e.ordering_key IS NOT NULL
+      )
+    ORDER BY o.enqueued_at, o.id
+    LIMIT $3
+    FOR UPDATE OF o SKIP LOCKED
+), candidates AS (
+    SELECT id FROM (SELECT * FROM unkeyed UNION ALL SELECT * FROM keyed) c
     ORDER BY enqueued_at, id
     LIMIT $3
-    FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE event_outbox o
     SET claimed_at = now(), claimed_by = $1
     FROM candidates c
     WHERE o.id = c.id
     RETURNING o.id, o.routing_key, coalesce(o.envelope, o.payload::text) AS body, o.attempts, o.enqueued_at,
+        o.ordering_key, o.key_seq,
         o.payload->'headers'->>'traceparent' AS traceparent,
         o.payload->'headers'->>'tracestate' AS tracestate
 )
-SELECT id, routing_key, body, attempts, traceparent, tracestate,
+SELECT id, routing_key, body, attempts, ordering_key, key_seq, traceparent, tracestate,
     greatest(extract(epoch FROM clock_timestamp() - enqueued_at), 0)::float8 AS age_secs
 FROM claimed
 ORDER BY enqueued_at, id

@@ -126,6 +126,7 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
             body,
             redelivered: false,
             trace,
+            ordering: None,
         },
         envelope_id,
     }

@@ -370,6 +370,7 @@ struct Publish {
     message_id: Uuid,
     body: crate::wire::WireBody,
     trace: Option<crate::wire::WireTrace>,
+    ordering: Option<crate::wire::WireOrdering>,
 }
 
 impl Conn {
@@ -515,6 +516,7 @@ impl Conn {
                 message_id,
                 body,
                 trace,
+                ordering,
             } => {
                 return self.publish(
                     Publish {
@@ -524,6 +526,7 @@ impl Conn {
                         message_id,
                         body,
                         trace,
+                        ordering,
                     },
                     now,
                 );
@@ -571,6 +574,7 @@ impl Conn {
                 body: p.body,
                 redelivered: false,
                 trace: p.trace,
+                ordering: p.ordering,
             };
             let held = queues::HeldConfirm {
                 client: client.clone(),
@@ -685,6 +689,7 @@ mod tests {
                     message_id: id,
                     body: crate::wire::WireBody::from_bytes(b"{}"),
                     trace: None,
+                    ordering: None,
                 },
                 t0,
             ));

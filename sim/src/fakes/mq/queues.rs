@@ -43,7 +43,7 @@ use outbox::QueueType;
 use uuid::Uuid;
 
 use crate::trace::{Event, FaultKind, Settle, Trace};
-use crate::wire::{MqReply, WireBody, WireTrace};
+use crate::wire::{MqReply, WireBody, WireOrdering, WireTrace};
 
 /// How long a quorum queue without a leader takes to elect one.
 pub const ELECTION_DELAY: Duration = Duration::from_secs(1);
@@ -62,6 +62,8 @@ pub struct QueuedMessage {
     pub redelivered: bool,
     /// Its `traceparent`/`tracestate` headers, as published.
     pub trace: Option<WireTrace>,
+    /// Its ordering key and number headers, as published.
+    pub ordering: Option<WireOrdering>,
 }
 
 /// A durable queue.
@@ -712,6 +714,7 @@ impl Queues {
                     body: m.body.clone(),
                     redelivered: m.redelivered,
                     trace: m.trace.clone(),
+                    ordering: m.ordering.clone(),
                 };
                 c.unacked.insert(tag, m);
                 let _ = c.out.send((now, frame));

@@ -479,7 +479,13 @@ impl Session {
         }
         if !self.tx.as_ref().is_some_and(|t| t.aborted) {
             let tx = self.tx.as_ref().map(|t| &t.inbox);
-            if let Some((holders, on)) = self.state.lock().inbox.blocked(req, self.id, tx) {
+            let db = self.state.lock();
+            let blocked = db
+                .inbox
+                .blocked(req, self.id, tx)
+                .or_else(|| key_wait(&db.outbox, req, self.id));
+            drop(db);
+            if let Some((holders, on)) = blocked {
                 return Handled::Blocked { holders, on };
             }
         }
@@ -636,11 +642,17 @@ fn outbox_statement(
 ) -> PgReply {
     let (trace, session, now) = (at.trace, at.session, at.now);
     match req {
-        PgRequest::Insert { rows } => insert(tx, table, rows, now),
+        PgRequest::Insert { rows } => insert(tx, table, rows, session, now),
+        PgRequest::KeyWindow {
+            after,
+            limit,
+            lease_ttl_ms,
+        } => PgReply::KeyWindow(table.key_window(after, *limit, *lease_ttl_ms, now)),
         PgRequest::Claim {
             replica,
             batch_size,
             lease_ttl_ms,
+            key_heads,
         } => {
             let Some(tx) = tx.as_mut() else {
                 return PgReply::Error(PgError::new("25P01", "claim outside a transaction"));
@@ -651,6 +663,7 @@ fn outbox_statement(
                 replica,
                 *batch_size,
                 *lease_ttl_ms,
+                key_heads,
                 now,
             );
             trace.now(Event::Claimed {
@@ -714,16 +727,39 @@ fn outbox_statement(
             trace.now(Event::Unparked { ids });
             PgReply::Count(n)
         }
+        PgRequest::Skip { ids } => {
+            let ids = table.skip(ids.as_deref(), now);
+            let n = ids.len() as u64;
+            trace.now(Event::Skipped { ids });
+            PgReply::Count(n)
+        }
         other => unreachable!("{} is handled before the outbox", request_name(other)),
     }
 }
 
+/// A keyed insert waits while another open transaction holds one of its
+/// keys (it wrote the key and has not ended).
+fn key_wait(
+    table: &OutboxTable,
+    req: &PgRequest,
+    session: u64,
+) -> Option<(Vec<u64>, &'static str)> {
+    let PgRequest::Insert { rows } = req else {
+        return None;
+    };
+    let keys = rows.iter().filter_map(|r| r.ordering_key.as_deref());
+    let holders = table.key_holders(keys, session);
+    (!holders.is_empty()).then_some((holders, "event_outbox_key"))
+}
+
 /// `publish_tx` / `publish_many_tx`: one statement inserting every row,
-/// all or nothing, in the open transaction.
+/// all or nothing, in the open transaction; a keyed row takes its key's
+/// next number (in batch order) under the key's lock.
 fn insert(
     tx: &mut Option<Tx>,
-    table: &OutboxTable,
+    table: &mut OutboxTable,
     rows: &[crate::wire::NewRow],
+    session: u64,
     now: u64,
 ) -> PgReply {
     let Some(tx) = tx.as_mut() else {
@@ -745,10 +781,14 @@ fn insert(
             return PgReply::Error(PgError::new(r.code, r.message));
         }
     }
-    tx.inserts.extend(
-        rows.iter()
-            .map(|r| Row::new(r.id, r.routing_key.clone(), r.body.clone(), now)),
-    );
+    for r in rows {
+        let mut row = Row::new(r.id, r.routing_key.clone(), r.body.clone(), now);
+        row.ordering = r
+            .ordering_key
+            .as_ref()
+            .map(|key| (key.clone(), table.take_number(key, session)));
+        tx.inserts.push(row);
+    }
     PgReply::Count(rows.len() as u64)
 }
 
@@ -818,6 +858,9 @@ impl Session {
             }
         }
         db.outbox.unlock(&tx.claimed);
+        if db.outbox.end_key_locks(self.id, true) {
+            self.state.unlocked.notify_waiters();
+        }
         if !ids.is_empty() {
             trace.now(Event::Committed {
                 client: self.client.clone(),
@@ -849,6 +892,7 @@ impl Session {
         self.batch_ended(&tx.inbox, false);
         let mut db = self.state.lock();
         db.inbox.rollback(tx.inbox, self.id);
+        db.outbox.end_key_locks(self.id, false);
         self.state.unlocked.notify_waiters();
         let owners = db.outbox.restore(tx.claimed);
         drop(db);
@@ -898,6 +942,8 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::DeletePublished { .. } => "delete_published",
         PgRequest::ListParked { .. } => "list_parked",
         PgRequest::Unpark { .. } => "unpark",
+        PgRequest::Skip { .. } => "skip",
+        PgRequest::KeyWindow { .. } => "key_window",
         PgRequest::InboxTryInsert { .. } => "inbox_try_insert",
         PgRequest::InboxMarkProcessed { .. } => "inbox_mark_processed",
         PgRequest::Effect { .. } => "effect",

@@ -2,15 +2,21 @@
 //! committed rows in claim order, the row locks of open claim transactions
 //! (other claims skip them, as `SKIP LOCKED` does), leases on simulated
 //! time, the `claimed_by` guard on marks and releases, attempts and parking,
-//! unpark, and the bounded retention sweep. Each method is one statement of
-//! `outbox/src/pg/sql/`; the sessions in `mod.rs` call them.
+//! unpark and skip, and the bounded retention sweep. Ordering keys as
+//! PostgreSQL has them (issue 27): a keyed insert takes its key's lock
+//! (`event_outbox_key`'s row) until its transaction ends, and a second
+//! writer of the key waits for it; numbers follow from the committed ones;
+//! the claim takes a keyed row only as a candidate that is still its key's
+//! head; the key window steps through the keys in byte order. Each method
+//! is one statement of `outbox/src/pg/sql/`; the sessions in `mod.rs` call
+//! them.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use uuid::Uuid;
 
 use crate::trace::{Event, Trace};
-use crate::wire::{PgReply, WireParked, WireRow};
+use crate::wire::{PgReply, WireOrdering, WireParked, WireRow};
 
 /// A routing key no broker accepts: the drainer blames and parks such rows.
 pub fn unpublishable_key(key: &str) -> bool {
@@ -30,6 +36,10 @@ pub struct Row {
     pub claimed_ms: Option<u64>,
     pub claimed_by: Option<String>,
     pub parked_ms: Option<u64>,
+    /// Its ordering key and number.
+    pub ordering: Option<WireOrdering>,
+    /// Skipped by an operator (`skipped_at`): marked published, never sent.
+    pub skipped_ms: Option<u64>,
 }
 
 impl Row {
@@ -46,6 +56,8 @@ impl Row {
             claimed_ms: None,
             claimed_by: None,
             parked_ms: None,
+            ordering: None,
+            skipped_ms: None,
         }
     }
 }
@@ -58,8 +70,17 @@ pub type PriorLease = (Uuid, Option<u64>, Option<String>);
 #[derive(Debug, Default)]
 pub struct OutboxTable {
     rows: BTreeMap<Uuid, Row>,
-    /// Unpublished, unparked rows in claim order.
+    /// Unpublished, unparked rows without an ordering key, in claim order
+    /// (`event_outbox_claim_unkeyed_idx`).
     pending: BTreeSet<(u64, Uuid)>,
+    /// Unpublished keyed rows, parked ones included, in (key, number)
+    /// order (`event_outbox_key_head_idx`): a key's first entry is its head.
+    heads: BTreeSet<(String, i64, Uuid)>,
+    /// `event_outbox_key`: each key's last committed number.
+    key_last: BTreeMap<String, i64>,
+    /// Keys whose `event_outbox_key` row an open transaction holds locked
+    /// (it wrote the key), with how many numbers it took.
+    key_locks: BTreeMap<String, (u64, i64)>,
     /// Rows locked by an open transaction, by session number.
     locks: BTreeMap<Uuid, u64>,
     /// Every envelope ever committed (the janitor deletes rows; this keeps
@@ -91,17 +112,93 @@ impl OutboxTable {
     /// Commits an inserted row.
     pub fn commit_row(&mut self, row: Row) {
         self.committed.insert(row.id);
-        self.pending.insert((row.enqueued_ms, row.id));
+        match &row.ordering {
+            Some((key, seq)) => {
+                self.heads.insert((key.clone(), *seq, row.id));
+            }
+            None => {
+                self.pending.insert((row.enqueued_ms, row.id));
+            }
+        }
         self.rows.insert(row.id, row);
+    }
+
+    /// The sessions other than `session` holding the lock of a key among
+    /// `keys`: an insert of those keys waits for them.
+    pub fn key_holders<'k>(
+        &self,
+        keys: impl IntoIterator<Item = &'k str>,
+        session: u64,
+    ) -> Vec<u64> {
+        let mut holders: Vec<u64> = keys
+            .into_iter()
+            .filter_map(|k| self.key_locks.get(k))
+            .map(|(s, _)| *s)
+            .filter(|s| *s != session)
+            .collect();
+        holders.sort_unstable();
+        holders.dedup();
+        holders
+    }
+
+    /// The next number of `key` for `session`'s insert, taking the key's
+    /// lock (the caller checked nobody else holds it).
+    pub fn take_number(&mut self, key: &str, session: u64) -> i64 {
+        let last = self.key_last.get(key).copied().unwrap_or(0);
+        let (holder, taken) = self.key_locks.entry(key.to_owned()).or_insert((session, 0));
+        debug_assert_eq!(*holder, session, "the key is locked by another");
+        *taken += 1;
+        last + *taken
+    }
+
+    /// `session`'s transaction ended: the numbers it took become the keys'
+    /// last if it committed (given back if not), and its key locks are
+    /// released. True if it held any.
+    pub fn end_key_locks(&mut self, session: u64, committed: bool) -> bool {
+        let mine: Vec<String> = self
+            .key_locks
+            .iter()
+            .filter(|(_, (s, _))| *s == session)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in &mine {
+            let (_, taken) = self.key_locks.remove(key).expect("listed above");
+            if committed {
+                *self.key_last.entry(key.clone()).or_insert(0) += taken;
+            }
+        }
+        !mine.is_empty()
+    }
+
+    /// Whether a keyed row is its key's head: no row of its key with a
+    /// lower number is unpublished.
+    fn is_head(&self, key: &str, seq: i64) -> bool {
+        self.heads
+            .range((key.to_owned(), i64::MIN, Uuid::nil())..)
+            .next()
+            .is_some_and(|(k, s, _)| k == key && *s == seq)
     }
 
     fn refresh_pending(&mut self, id: Uuid) {
         if let Some(r) = self.rows.get(&id) {
-            let key = (r.enqueued_ms, r.id);
-            if r.published_ms.is_none() && r.parked_ms.is_none() {
-                self.pending.insert(key);
-            } else {
-                self.pending.remove(&key);
+            let unpublished = r.published_ms.is_none();
+            match &r.ordering {
+                Some((key, seq)) => {
+                    let entry = (key.clone(), *seq, r.id);
+                    if unpublished {
+                        self.heads.insert(entry);
+                    } else {
+                        self.heads.remove(&entry);
+                    }
+                }
+                None => {
+                    let entry = (r.enqueued_ms, r.id);
+                    if unpublished && r.parked_ms.is_none() {
+                        self.pending.insert(entry);
+                    } else {
+                        self.pending.remove(&entry);
+                    }
+                }
             }
         }
     }
@@ -135,16 +232,36 @@ impl OutboxTable {
         }
     }
 
-    /// Unparks the parked rows among `ids` (all parked rows for `None`):
-    /// a fresh attempts budget and no lease. Returns the rows unparked.
-    pub fn unpark(&mut self, ids: Option<&[Uuid]>) -> Vec<Uuid> {
-        let targets: Vec<Uuid> = self
-            .rows
+    /// The parked rows among `ids` (all parked rows for `None`).
+    fn parked_among(&self, ids: Option<&[Uuid]>) -> Vec<Uuid> {
+        self.rows
             .values()
             .filter(|r| r.published_ms.is_none() && r.parked_ms.is_some())
             .filter(|r| ids.is_none_or(|ids| ids.contains(&r.id)))
             .map(|r| r.id)
-            .collect();
+            .collect()
+    }
+
+    /// `outbox_skip.sql`: the parked rows among `ids` (all for `None`) are
+    /// marked published without being sent, recorded as skipped, their
+    /// lease dropped. Returns the rows skipped.
+    pub fn skip(&mut self, ids: Option<&[Uuid]>, now: u64) -> Vec<Uuid> {
+        let targets = self.parked_among(ids);
+        for id in &targets {
+            let row = self.rows.get_mut(id).expect("listed above");
+            row.published_ms = Some(now);
+            row.skipped_ms = Some(now);
+            row.claimed_ms = None;
+            row.claimed_by = None;
+            self.refresh_pending(*id);
+        }
+        targets
+    }
+
+    /// Unparks the parked rows among `ids` (all parked rows for `None`):
+    /// a fresh attempts budget and no lease. Returns the rows unparked.
+    pub fn unpark(&mut self, ids: Option<&[Uuid]>) -> Vec<Uuid> {
+        let targets = self.parked_among(ids);
         for id in &targets {
             let row = self.rows.get_mut(id).expect("listed above");
             row.parked_ms = None;
@@ -167,9 +284,39 @@ impl OutboxTable {
             .filter(|r| r.claimed_by.as_deref() == Some(replica))
     }
 
+    /// `outbox_key_window.sql`: the heads of up to `limit` keys after
+    /// `after` in byte order, each with whether it is claimable (not
+    /// parked, lease free or expired).
+    pub fn key_window(
+        &self,
+        after: &str,
+        limit: u32,
+        lease_ttl_ms: u64,
+        now: u64,
+    ) -> Vec<(String, Uuid, bool)> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let from = (after.to_owned(), i64::MAX, Uuid::max());
+        let mut out: Vec<(String, Uuid, bool)> = Vec::new();
+        for (key, _, id) in self.heads.range((Excluded(from), Unbounded)) {
+            if out.last().is_some_and(|(k, _, _)| k == key) {
+                continue; // not the key's first entry: not its head
+            }
+            if out.len() == limit as usize {
+                break;
+            }
+            let r = &self.rows[id];
+            let claimable =
+                r.parked_ms.is_none() && r.claimed_ms.is_none_or(|c| c + lease_ttl_ms < now);
+            out.push((key.clone(), *id, claimable));
+        }
+        out
+    }
+
     /// `outbox_claim.sql`: up to `batch` unpublished, unparked rows that are
     /// unclaimed or whose lease expired, skipping locked ones, in claim
-    /// order; stamps the lease and locks them for the open transaction.
+    /// order: unkeyed rows, and the `key_heads` that are still their key's
+    /// head; stamps the lease and locks them for the open transaction.
+    #[allow(clippy::too_many_arguments)]
     pub fn claim(
         &mut self,
         claimed: &mut Vec<PriorLease>,
@@ -177,22 +324,41 @@ impl OutboxTable {
         replica: &str,
         batch: u32,
         lease_ttl_ms: u64,
+        key_heads: &[Uuid],
         now: u64,
     ) -> Vec<WireRow> {
-        let candidates: Vec<Uuid> = self
-            .pending
-            .iter()
-            .map(|(_, id)| *id)
-            .filter(|id| !self.locks.contains_key(id))
-            .filter(|id| {
-                self.rows[id]
+        let free = |id: &Uuid| {
+            !self.locks.contains_key(id)
+                && self.rows[id]
                     .claimed_ms
                     .is_none_or(|c| c + lease_ttl_ms < now)
-            })
+        };
+        let mut candidates: Vec<(u64, Uuid)> = self
+            .pending
+            .iter()
+            .filter(|(_, id)| free(id))
             .take(batch as usize)
+            .copied()
             .collect();
+        let mut keyed: Vec<(u64, Uuid)> = key_heads
+            .iter()
+            .filter_map(|id| self.rows.get(id))
+            .filter(|r| r.published_ms.is_none() && r.parked_ms.is_none() && free(&r.id))
+            .filter(|r| {
+                r.ordering
+                    .as_ref()
+                    .is_some_and(|(key, seq)| self.is_head(key, *seq))
+            })
+            .map(|r| (r.enqueued_ms, r.id))
+            .collect();
+        keyed.sort_unstable();
+        keyed.dedup();
+        keyed.truncate(batch as usize);
+        candidates.extend(keyed);
+        candidates.sort_unstable();
+        candidates.truncate(batch as usize);
         let mut out = Vec::with_capacity(candidates.len());
-        for id in candidates {
+        for (_, id) in candidates {
             let row = self.rows.get_mut(&id).expect("pending row exists");
             claimed.push((id, row.claimed_ms, row.claimed_by.clone()));
             row.claimed_ms = Some(now);
@@ -203,6 +369,7 @@ impl OutboxTable {
                 body: row.body.clone(),
                 attempts: row.attempts,
                 age_ms: now.saturating_sub(row.enqueued_ms),
+                ordering: row.ordering.clone(),
             });
             self.locks.insert(id, session);
         }
@@ -276,20 +443,34 @@ impl OutboxTable {
 
     /// `outbox_stats.sql`.
     pub fn stats(&self, now: u64) -> PgReply {
-        let (mut pending, mut parked) = (0, 0);
+        let (mut pending, mut parked, mut blocked) = (0, 0, 0);
         let mut oldest: Option<u64> = None;
+        // The lowest parked number of each key.
+        let mut parked_at: BTreeMap<&str, i64> = BTreeMap::new();
+        for r in self.rows.values().filter(|r| r.published_ms.is_none()) {
+            if let (Some(_), Some((key, seq))) = (r.parked_ms, &r.ordering) {
+                let lowest = parked_at.entry(key).or_insert(*seq);
+                *lowest = (*lowest).min(*seq);
+            }
+        }
         for r in self.rows.values().filter(|r| r.published_ms.is_none()) {
             if r.parked_ms.is_some() {
                 parked += 1;
             } else {
                 pending += 1;
                 oldest = Some(oldest.map_or(r.enqueued_ms, |o| o.min(r.enqueued_ms)));
+                if let Some((key, seq)) = &r.ordering
+                    && parked_at.get(key.as_str()).is_some_and(|p| p < seq)
+                {
+                    blocked += 1;
+                }
             }
         }
         PgReply::Stats {
             pending,
             oldest_age_ms: oldest.map_or(0, |o| now.saturating_sub(o)),
             parked,
+            blocked,
         }
     }
 
@@ -325,6 +506,7 @@ impl OutboxTable {
                     last_error: r.last_error.clone(),
                     enqueued_ms: r.enqueued_ms,
                     parked_ms: p,
+                    ordering: r.ordering.clone(),
                 })
             })
             .collect();
