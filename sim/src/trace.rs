@@ -258,6 +258,7 @@ pub enum Event {
         pending: u64,
         oldest_age_ms: u64,
         parked: u64,
+        blocked: u64,
     },
     /// `outbox_stats` failed for the replica.
     StatsFailed { replica: String },

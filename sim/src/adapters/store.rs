@@ -268,6 +268,7 @@ impl OutboxStore for SimStore {
                     pending,
                     oldest_age_ms,
                     parked,
+                    blocked,
                 });
                 return Ok(OutboxStats {
                     pending,

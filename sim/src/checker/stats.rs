@@ -1,5 +1,6 @@
 //! The stats task and readiness (#1230): the gauges say what the sample
-//! they were set from said (pending, oldest unpublished age, parked; ready
+//! they were set from said (pending, oldest unpublished age, parked,
+//! blocked behind a parked head of their ordering key; ready
 //! exactly when under both thresholds), and readiness fails exactly past
 //! its thresholds, before the first sample, or when the last sample is
 //! older than three intervals.
@@ -21,6 +22,7 @@ struct Sample {
     pending: u64,
     oldest: Duration,
     parked: u64,
+    blocked: u64,
 }
 
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
@@ -37,12 +39,14 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                 pending,
                 oldest_age_ms,
                 parked,
+                blocked,
             } => {
                 let s = Sample {
                     at: *at,
                     pending: *pending,
                     oldest: Duration::from_millis(*oldest_age_ms),
                     parked: *parked,
+                    blocked: *blocked,
                 };
                 last_ok.insert(replica, s);
                 current = Some((replica, Some(s)));
@@ -109,6 +113,7 @@ fn expected_gauge(name: &str, s: &Sample, under: bool) -> Option<f64> {
         n if n == gauges::PENDING => Some(s.pending as f64),
         n if n == gauges::OLDEST_AGE => Some(s.oldest.as_secs_f64()),
         n if n == gauges::PARKED => Some(s.parked as f64),
+        n if n == gauges::BLOCKED => Some(s.blocked as f64),
         n if n.ends_with("_ready") => Some(if under { 1.0 } else { 0.0 }),
         _ => None,
     }

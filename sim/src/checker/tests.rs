@@ -1213,6 +1213,7 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
                         pending: 30,
                         oldest_age_ms: 100,
                         parked: 0,
+                        blocked: 0,
                     },
                 )
                 .at(
