@@ -31,6 +31,12 @@ pub struct Model {
     pub unique: BTreeMap<Uuid, String>,
     /// Events written with trace context, and the context.
     pub traced: BTreeMap<Uuid, crate::wire::WireTrace>,
+    /// Committed events with an ordering key: the key and their number.
+    pub keyed: BTreeMap<Uuid, (String, i64)>,
+    /// Per ordering key, its committed events by number.
+    pub by_key: BTreeMap<String, BTreeMap<i64, Uuid>>,
+    /// Parked rows an operator skipped: given up, never to be published.
+    pub skipped: BTreeSet<Uuid>,
 }
 
 impl Model {
@@ -46,6 +52,13 @@ impl Model {
                 }
                 Event::UniqueKeyed { id, key } => {
                     m.unique.insert(*id, key.clone());
+                }
+                Event::Skipped { ids } => m.skipped.extend(ids.iter().copied()),
+                Event::KeysNumbered { rows } => {
+                    for (id, key, seq) in rows {
+                        m.keyed.insert(*id, (key.clone(), *seq));
+                        m.by_key.entry(key.clone()).or_default().insert(*seq, *id);
+                    }
                 }
                 Event::Traced {
                     id,
@@ -82,7 +95,7 @@ impl Model {
     pub fn publishable(&self) -> impl Iterator<Item = &Uuid> {
         self.committed
             .iter()
-            .filter(|id| !self.unpublishable.contains(id))
+            .filter(|id| !self.unpublishable.contains(id) && !self.skipped.contains(id))
     }
 
     /// Events a subscription of every routing key must apply exactly once:

@@ -225,6 +225,10 @@ pub enum Event {
     /// The workload wrote an event whose effect takes `key` under the
     /// domain table's deferred unique constraint.
     UniqueKeyed { id: Uuid, key: String },
+    /// A commit's keyed rows, with the number each took within its
+    /// ordering key (recorded by the fake at the commit, right after
+    /// `Committed`: the trace's order of these is the commit order).
+    KeysNumbered { rows: Vec<(Uuid, String, i64)> },
 
     // --- transactions as store clients see them (the adapters) -------------
     /// A client sent BEGIN.

@@ -61,7 +61,8 @@ pub(super) fn end_state(model: &Model, fin: &FinalState, out: &mut Findings) {
         .iter()
         .filter(|id| model.unpublishable.contains(id))
     {
-        if fin.stored.contains_key(id) || !fin.parked.contains(id) {
+        let parked = fin.parked.contains(id) || model.skipped.contains(id);
+        if fin.stored.contains_key(id) || !parked {
             out.add(
                 Invariant::UnpublishableParks,
                 None,

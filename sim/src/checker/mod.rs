@@ -35,6 +35,7 @@ mod delivery;
 mod expectations;
 mod leases;
 mod marks;
+mod ordering;
 mod retention;
 mod statements;
 mod stats;
@@ -81,7 +82,7 @@ invariants! {
     PhantomPublish = "phantom_publish",
     /// At the end no committed, publishable row is left unpublished.
     Undrained = "undrained",
-    /// A row whose routing key no broker accepts parks and is never published.
+    /// A row whose routing key no broker accepts parks (until an operator skips it) and is never published.
     UnpublishableParks = "unpublishable_parks",
     /// A run without faults releases no claim and publishes nothing twice.
     QuietRun = "quiet_run",
@@ -120,6 +121,13 @@ invariants! {
     PollCadence = "poll_cadence",
     /// The outbox gauges say what the stats task's sample said (pending, oldest unpublished age, parked, ready), and readiness fails exactly past its thresholds or when the sample is stale (#1230).
     GaugesTruthful = "gauges_truthful",
+    // --- ordering keys
+    /// The events of one ordering key are numbered 1, 2, … in the order their transactions committed, with no gap or repeat.
+    KeyNumberedInCommitOrder = "key_numbered_in_commit_order",
+    /// A keyed event is claimed only when every earlier event of its key is published or skipped: one event of a key between claim and mark, and a parked head holds back the rest until unparked or skipped.
+    KeyHeadOnlyClaimed = "key_head_only_claimed",
+    /// A keyed event is sent to the broker only once every earlier event of its key is marked published (or skipped).
+    KeyPublishedInOrder = "key_published_in_order",
     // --- retention
     /// The outbox janitor deletes only rows published longer ago than the retention.
     OutboxJanitorScope = "outbox_janitor_scope",
@@ -325,6 +333,7 @@ pub fn check(
     delivery::check(&ctx, &mut out);
     transactions::check(&ctx, &mut out);
     attempts::check(&ctx, &mut out);
+    ordering::check(&ctx, &mut out);
     leases::check(&ctx, &mut out);
     timing::check(&ctx, &mut out);
     retention::check(&ctx, &mut out);

@@ -18,7 +18,7 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     let mut processed: BTreeMap<Uuid, Duration> = BTreeMap::new();
     for (at, e) in ctx.events {
         match e {
-            Event::MarkedPublished { ids, .. } => {
+            Event::MarkedPublished { ids, .. } | Event::Skipped { ids } => {
                 for id in ids {
                     published.insert(*id, *at);
                 }

@@ -1316,8 +1316,122 @@ fn a_unique_key_loser_dead_lettered_and_a_wait_ended_in_time_pass() {
     );
 }
 
+/// The events of `producer()`'s envelope for envelope `n`, `t0` ms later.
+fn produced(n: u128, t0: u64) -> Vec<(Duration, Event)> {
+    producer()
+        .events
+        .into_iter()
+        .map(|(t, e)| {
+            let ids = |ids: &[Uuid]| ids.iter().map(|_| id(n)).collect::<Vec<_>>();
+            let e = match e {
+                Event::Committed { client, ids: i } => Event::Committed {
+                    client,
+                    ids: ids(&i),
+                },
+                Event::Claimed {
+                    replica,
+                    ids: i,
+                    attempts,
+                } => Event::Claimed {
+                    replica,
+                    ids: ids(&i),
+                    attempts,
+                },
+                Event::ClaimReturned { replica, ids: i } => Event::ClaimReturned {
+                    replica,
+                    ids: ids(&i),
+                },
+                Event::PublishSent { client, .. } => Event::PublishSent {
+                    client,
+                    message_id: id(n),
+                    body_id: Some(id(n)),
+                },
+                Event::Confirmed { client, ack, .. } => Event::Confirmed {
+                    client,
+                    message_id: id(n),
+                    ack,
+                },
+                Event::ConfirmReceived { client, .. } => Event::ConfirmReceived {
+                    client,
+                    message_id: id(n),
+                },
+                Event::StoreCalled {
+                    replica,
+                    call,
+                    ids: i,
+                } => Event::StoreCalled {
+                    replica,
+                    call,
+                    ids: ids(&i),
+                },
+                Event::MarkedPublished { replica, ids: i } => Event::MarkedPublished {
+                    replica,
+                    ids: ids(&i),
+                },
+                Event::Deleted { ids: i } => Event::Deleted { ids: ids(&i) },
+                other => other,
+            };
+            (t + ms(t0), e)
+        })
+        .collect()
+}
+
+/// Two events of key `k`, numbered 1 and 2, the second written 1 ms after
+/// the first and drained `t0` ms after it (each committed, claimed,
+/// published, confirmed and marked as in `producer()`).
+fn keyed(t0: u64, numbers: [i64; 2]) -> Run {
+    let mut run = producer();
+    run.events
+        .extend(produced(2, t0).into_iter().map(|(t, e)| match e {
+            Event::Committed { .. } => (ms(1), e),
+            e => (t, e),
+        }));
+    run.fin.stored.insert(id(2), 1);
+    run.at(
+        0,
+        Event::KeysNumbered {
+            rows: vec![(id(1), s("k"), numbers[0])],
+        },
+    )
+    .at(
+        1,
+        Event::KeysNumbered {
+            rows: vec![(id(2), s("k"), numbers[1])],
+        },
+    )
+}
+
+fn ordering_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    vec![
+        // Numbered against commit order: the second commit took 1 again,
+        // or skipped a number.
+        (I::KeyNumberedInCommitOrder, keyed(100, [1, 1])),
+        (I::KeyNumberedInCommitOrder, keyed(100, [1, 3])),
+        // The second event claimed (and sent) while the first was claimed
+        // but not yet marked (at 80): the claim without the head filter.
+        (I::KeyHeadOnlyClaimed, keyed(5, [1, 2])),
+        (I::KeyPublishedInOrder, keyed(5, [1, 2])),
+        // Behind a parked head: the first parks instead of being marked.
+        (
+            I::KeyHeadOnlyClaimed,
+            keyed(100, [1, 2])
+                .without(|e| matches!(e, Event::MarkedPublished { ids, .. } if ids == &[id(1)]))
+                .at(
+                    75,
+                    Event::MarkedFailed {
+                        replica: s("a"),
+                        ids: vec![id(1)],
+                        parked: vec![id(1)],
+                    },
+                ),
+        ),
+    ]
+}
+
 fn cases() -> Vec<(Invariant, Run)> {
     [
+        ordering_cases(),
         statement_cases(),
         delivery_and_attempt_cases(),
         lease_cases(),
@@ -1330,6 +1444,35 @@ fn cases() -> Vec<(Invariant, Run)> {
         mark_cases(),
     ]
     .concat()
+}
+
+#[test]
+fn a_keys_events_drained_in_order_pass_and_a_republish_after_the_mark_is_no_violation() {
+    use Invariant as I;
+    let run = keyed(100, [1, 2]);
+    assert!(run.verdict().ok(), "{:#?}", run.verdict().violations);
+    // A stale replica republishes the first event after the second was
+    // sent (its lease had expired): the first was marked long before.
+    let stale = run.at(
+        200,
+        Event::PublishSent {
+            client: s("b"),
+            message_id: id(1),
+            body_id: Some(id(1)),
+        },
+    );
+    let v = stale.verdict();
+    for i in [I::KeyPublishedInOrder, I::KeyHeadOnlyClaimed] {
+        assert!(!v.counts.contains_key(&i), "{:#?}", v.violations);
+    }
+    // A skipped head releases its key as a mark does.
+    let skipped = keyed(100, [1, 2])
+        .without(|e| matches!(e, Event::MarkedPublished { ids, .. } if ids == &[id(1)]))
+        .at(78, Event::Skipped { ids: vec![id(1)] });
+    let v = skipped.verdict();
+    for i in [I::KeyPublishedInOrder, I::KeyHeadOnlyClaimed] {
+        assert!(!v.counts.contains_key(&i), "{:#?}", v.violations);
+    }
 }
 
 #[test]

@@ -111,6 +111,20 @@ pub struct Workload {
     /// are dead-lettered at their budget, and replays fail again).
     #[serde(default)]
     pub unique_ratio: f64,
+    /// Ordering keys (issue 27): envelopes get one of this many keys
+    /// (`key-0..K`, drawn uniformly), none when 0 (the default).
+    #[serde(default)]
+    pub ordering_keys: u32,
+    /// With `ordering_keys`, the fraction of envelopes given a key.
+    #[serde(default = "all")]
+    pub keyed_ratio: f64,
+    /// Concurrent writers sharing the transactions (default 1).
+    #[serde(default = "one")]
+    pub writers: u32,
+}
+
+fn all() -> f64 {
+    1.0
 }
 
 fn one_to_three() -> [u32; 2] {
@@ -260,10 +274,14 @@ impl Scenario {
             w.poison_ratio,
             w.unpublishable_ratio,
             w.unique_ratio,
+            w.keyed_ratio,
         ] {
             if !(0.0..=1.0).contains(&p) {
                 return Err("ratios must be within [0, 1]".into());
             }
+        }
+        if w.writers == 0 || w.writers > 16 {
+            return Err("workload.writers must be 1..=16".into());
         }
         if self.topology.drainers == 0 || self.topology.drainers > 16 {
             return Err("topology.drainers must be 1..=16".into());

@@ -31,16 +31,41 @@ pub const UNIQUE_KEYS: u32 = 4;
 /// 2026-01-01.
 pub const EPOCH_MS: u64 = 1_767_225_600_000;
 
-/// Runs the workload to its end, then sets `done`.
+/// Runs the workload to its end, then sets `done`. With `writers` > 1 the
+/// transactions are shared among that many concurrent writers (clients
+/// `workload`, `workload-2`, …), each with a random stream of its own:
+/// their transactions overlap, the same ordering key's among them.
 pub async fn run(
     spec: Workload,
     seed: u64,
     trace: Trace,
     done: Arc<AtomicBool>,
 ) -> crate::engine::HostResult {
+    let writers = spec.writers.max(1);
+    let mut handles = Vec::new();
+    for w in 0..writers {
+        let (spec, trace) = (spec.clone(), trace.clone());
+        // Writer 1 keeps the workload's stream: one writer is as before.
+        let seed = seed ^ u64::from(w).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let name = match w {
+            0 => "workload".to_owned(),
+            w => format!("workload-{}", w + 1),
+        };
+        let share = (w..spec.transactions).step_by(writers as usize).collect();
+        handles.push(tokio::spawn(write(spec, seed, trace, name, share)));
+    }
+    for h in handles {
+        let _ = h.await;
+    }
+    done.store(true, Ordering::SeqCst);
+    Ok(())
+}
+
+/// One writer's transactions (numbered `share`), at the workload's pace.
+async fn write(spec: Workload, seed: u64, trace: Trace, name: String, share: Vec<u32>) {
     let mut rng = SmallRng::seed_from_u64(seed);
-    let pg = PgClient::new("workload", trace.clone());
-    for n in 0..spec.transactions {
+    let pg = PgClient::new(name, trace.clone());
+    for n in share {
         // Open loop: the interval runs from one transaction's start to the
         // next, so the workload's length does not depend on how long the
         // simulated network makes each round trip (a slow or retried
@@ -66,6 +91,10 @@ pub async fn run(
                 None => "domain.event",
             };
             let mut env = envelope(&mut rng, key, n, k);
+            if spec.ordering_keys > 0 && rng.random_bool(spec.keyed_ratio) {
+                let key = rng.random_range(0..spec.ordering_keys);
+                env.ordering_key = Some(format!("key-{key}"));
+            }
             if let Some((traceparent, tracestate)) = trace_context_of(&env) {
                 trace.now(Event::Traced {
                     id: env.id,
@@ -131,8 +160,6 @@ pub async fn run(
         let pause = rng.random_range(spec.interval_ms[0]..=spec.interval_ms[1]);
         tokio::time::sleep_until(started + Duration::from_millis(pause)).await;
     }
-    done.store(true, Ordering::SeqCst);
-    Ok(())
 }
 
 async fn rolled_back(pg: &PgClient, body: Vec<PgRequest>) -> Result<(), outbox::StoreError> {

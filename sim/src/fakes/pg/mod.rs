@@ -831,6 +831,11 @@ impl Session {
         let trace = &self.state.trace;
         let mut db = self.state.lock();
         let ids: Vec<Uuid> = tx.inserts.iter().map(|r| r.id).collect();
+        let numbered: Vec<(Uuid, String, i64)> = tx
+            .inserts
+            .iter()
+            .filter_map(|r| r.ordering.clone().map(|(k, s)| (r.id, k, s)))
+            .collect();
         for row in tx.inserts {
             db.outbox.commit_row(row);
         }
@@ -866,6 +871,9 @@ impl Session {
                 client: self.client.clone(),
                 ids,
             });
+            if !numbered.is_empty() {
+                trace.now(Event::KeysNumbered { rows: numbered });
+            }
             self.state.notify.bump();
         }
         PgReply::Ok

@@ -517,7 +517,9 @@ impl OutboxTable {
 
     /// The operator's unpark in the liveness phase: every parked row except
     /// those whose routing key no broker accepts (the operator's fix cannot
-    /// make them publishable). Traced as `Unparked`.
+    /// make them publishable). Traced as `Unparked`. Of those, the ones
+    /// with an ordering key are skipped (traced as `Skipped`): their keys'
+    /// later events go on.
     pub fn operator_unpark_fixable(&mut self, trace: &Trace) {
         let fixable: Vec<Uuid> = self
             .rows
@@ -528,6 +530,19 @@ impl OutboxTable {
         let ids = self.unpark(Some(&fixable));
         if !ids.is_empty() {
             trace.now(Event::Unparked { ids });
+        }
+        // A parked row no fix can publish holds back its ordering key's
+        // later events: the operator skips it.
+        let holding: Vec<Uuid> = self
+            .rows
+            .values()
+            .filter(|r| r.published_ms.is_none() && r.parked_ms.is_some() && r.ordering.is_some())
+            .map(|r| r.id)
+            .collect();
+        let now = super::now_ms();
+        let ids = self.skip(Some(&holding), now);
+        if !ids.is_empty() {
+            trace.now(Event::Skipped { ids });
         }
     }
 }
