@@ -11,6 +11,7 @@ use std::path::Path;
 
 use outbox::core::marks::Mark;
 use sim::scenario::Scenario;
+use sim::trace::Event;
 
 fn scenarios_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios")
@@ -93,6 +94,8 @@ fn every_scenario_file_has_a_test_here() {
         "handler_blocked_on_a_lock",
         "hostile_deliveries",
         "lease_expiry_mid_confirm",
+        "ordering_keys_hot",
+        "ordering_keys_many",
         "overlapping_batches",
         "poison_parking",
         "poison_to_dlq_and_replay",
@@ -221,6 +224,50 @@ fn broker_node_crash() {
 #[test]
 fn broker_node_partition() {
     check("broker_node_partition");
+}
+#[test]
+fn ordering_keys_hot() {
+    check("ordering_keys_hot");
+}
+#[test]
+fn ordering_keys_many() {
+    check("ordering_keys_many");
+}
+
+/// The ordering scenarios reach what they are for on every pinned seed:
+/// overlapping writers of one key wait on its lock, and a parked head is
+/// skipped by the operator (ordering_keys_hot); keyed events are many and
+/// spread over more keys than a key window holds (ordering_keys_many).
+#[test]
+fn the_ordering_scenarios_wait_on_key_locks_and_skip_parked_heads() {
+    let s = Scenario::find(&scenarios_dir(), "ordering_keys_hot").expect("scenario loads");
+    for &seed in s.pinned() {
+        let events = sim::world::run(&s, seed).trace.events();
+        let waits = events
+            .iter()
+            .filter(|(_, e)| matches!(e, Event::LockWait { on, .. } if on == "event_outbox_key"))
+            .count();
+        let skipped = events
+            .iter()
+            .any(|(_, e)| matches!(e, Event::Skipped { ids } if !ids.is_empty()));
+        assert!(
+            waits > 0 && skipped,
+            "seed {seed}: {waits} key-lock waits, skipped: {skipped}"
+        );
+    }
+    let s = Scenario::find(&scenarios_dir(), "ordering_keys_many").expect("scenario loads");
+    for &seed in s.pinned() {
+        let events = sim::world::run(&s, seed).trace.events();
+        let keys: BTreeSet<&str> = events
+            .iter()
+            .filter_map(|(_, e)| match e {
+                Event::KeysNumbered { rows } => Some(rows.iter().map(|(_, k, _)| k.as_str())),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert!(keys.len() > 100, "seed {seed}: {} keys", keys.len());
+    }
 }
 
 /// The cluster scenarios with the subscription forced to a classic queue
