@@ -94,10 +94,24 @@ async fn admin_pool(admin_url: &str) -> Result<PgPool, BoxError> {
 /// Fills the outbox with `n` rows through `publish_many_tx` (1 000 per
 /// transaction), then `VACUUM ANALYZE`s it.
 pub async fn prefill(pool: &PgPool, n: usize) -> Result<(), Box<dyn std::error::Error>> {
+    prefill_keyed(pool, n, None).await
+}
+
+/// As [`prefill`], row `i` with the ordering key `key-{i mod keys}` when
+/// `keys` is given (so every key's events interleave).
+pub async fn prefill_keyed(
+    pool: &PgPool,
+    n: usize,
+    keys: Option<u32>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let publisher = outbox::Publisher::new(pool.clone());
+    let keyed = |i: usize| match keys {
+        Some(k) => envelope(i).with_ordering_key(format!("key-{}", i % k as usize)),
+        None => envelope(i),
+    };
     let mut i = 0;
     while i < n {
-        let batch: Vec<EventEnvelope> = (i..(i + 1000).min(n)).map(envelope).collect();
+        let batch: Vec<EventEnvelope> = (i..(i + 1000).min(n)).map(keyed).collect();
         let mut tx = pool.begin().await?;
         publisher.publish_many_tx(&mut tx, &batch).await?;
         tx.commit().await?;

@@ -96,6 +96,7 @@ fn every_scenario_file_has_a_test_here() {
         "lease_expiry_mid_confirm",
         "ordering_keys_hot",
         "ordering_keys_many",
+        "ordering_keys_swarm",
         "overlapping_batches",
         "poison_parking",
         "poison_to_dlq_and_replay",
@@ -232,6 +233,10 @@ fn ordering_keys_hot() {
 #[test]
 fn ordering_keys_many() {
     check("ordering_keys_many");
+}
+#[test]
+fn ordering_keys_swarm() {
+    check("ordering_keys_swarm");
 }
 
 /// The ordering scenarios reach what they are for on every pinned seed:

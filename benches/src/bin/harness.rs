@@ -210,6 +210,79 @@ struct DrainRun {
 }
 
 /// The production drainer, default configuration, `replicas` of them.
+/// P9, the drainer's half: drain rates of `n` rows over 1 000 keys and
+/// (a tenth of `n`) over 10 keys, each against unkeyed rows in the same
+/// run, one replica at defaults; and the writer's cost of a keyed
+/// `publish_tx` against an unkeyed one. Table lines and JSON keys.
+async fn p9(
+    pool: &PgPool,
+    amqp_url: &str,
+    n: usize,
+    table: &mut Vec<String>,
+    json: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    for (keys, rows) in [(1000_u32, n), (10, (n / 10).max(1000))] {
+        eprintln!("P9: draining {rows} unkeyed rows, then {rows} rows over {keys} keys ...");
+        benches::prefill_keyed(pool, rows, None).await?;
+        let plain = drain(pool, amqp_url, rows, 1).await?.rows_per_sec;
+        benches::prefill_keyed(pool, rows, Some(keys)).await?;
+        let keyed = drain(pool, amqp_url, rows, 1).await?.rows_per_sec;
+        let ratio = keyed / plain;
+        table.push(format!(
+            "| P9 keyed drain, {rows} rows over {keys} keys, 1 replica, defaults (unkeyed: {plain:.0} rows/s) | {keyed:.0} rows/s | {ratio:.2}× unkeyed | {} |",
+            if keys == 1000 { "≥ 0.8×" } else { "—" }
+        ));
+        json.insert(format!("p9_drain_{keys}_keys_vs_unkeyed"), ratio.into());
+        json.insert(format!("p9_drain_{keys}_keys_rows_per_sec"), keyed.into());
+    }
+    eprintln!("P9: the writer's cost of a keyed publish_tx ...");
+    let [plain, keyed] = keyed_publish_cost(pool, 500).await?;
+    table.push(format!(
+        "| P9 domain tx + keyed publish_tx(1) against unkeyed (p50 {:.2} ms, p99 {:.2} ms) | p50 {:.2} ms, p99 {:.2} ms | {:.2}× unkeyed (p50) | — |",
+        ms(plain.0),
+        ms(plain.1),
+        ms(keyed.0),
+        ms(keyed.1),
+        keyed.0.as_secs_f64() / plain.0.as_secs_f64()
+    ));
+    json.insert(
+        "p9_publish_tx_keyed_vs_unkeyed_p50".into(),
+        (keyed.0.as_secs_f64() / plain.0.as_secs_f64()).into(),
+    );
+    Ok(())
+}
+
+/// p50 and p99 of a domain transaction with one `publish_tx`, unkeyed and
+/// keyed (100 keys in turn), interleaved so both see the same machine.
+async fn keyed_publish_cost(
+    pool: &PgPool,
+    iterations: usize,
+) -> Result<[(Duration, Duration); 2], Box<dyn std::error::Error>> {
+    let publisher = Publisher::new(pool.clone());
+    let mut samples = [Vec::new(), Vec::new()];
+    for i in 0..iterations * 2 {
+        let keyed = i % 2 == 1;
+        let mut e = envelope(i);
+        if keyed {
+            e = e.with_ordering_key(format!("key-{}", i % 100));
+        }
+        let t = Instant::now();
+        let mut tx = pool.begin().await?;
+        sqlx::query("INSERT INTO orders (id, note) VALUES ($1, 'harness')")
+            .bind(i as i64)
+            .execute(&mut *tx)
+            .await?;
+        publisher.publish_tx(&mut tx, &e).await?;
+        tx.commit().await?;
+        samples[usize::from(keyed)].push(t.elapsed());
+    }
+    pool.execute("TRUNCATE event_outbox, orders").await?;
+    Ok(samples.map(|mut s| {
+        s.sort();
+        (percentile(&s, 0.5), percentile(&s, 0.99))
+    }))
+}
+
 async fn drain(
     pool: &PgPool,
     amqp_url: &str,
@@ -1186,6 +1259,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "publish_many_tx_100": { "p50": ms(p4[2].0), "p99": ms(p4[2].1) },
             }),
         );
+    }
+
+    if want("p9") {
+        p9(&pool, &args.amqp_url, n, &mut table, &mut json).await?;
+        purge(&conn).await?;
     }
 
     if want("p5") {
