@@ -6,6 +6,7 @@
 //! | `POST /v1/admin/events/replay` | re-run the handler for unprocessed inbox rows (by ids or filter), budget reset |
 //! | `GET /v1/admin/outbox/parked?limit=N` | list parked outbox rows |
 //! | `POST /v1/admin/outbox/unpark` | unpark `{"ids":[…]}` or `{"all":true}`, budget reset |
+//! | `POST /v1/admin/outbox/skip` | skip parked rows `{"ids":[…]}` or `{"all":true}`: given up, never published, their ordering keys go on |
 //! | `GET /readyz` | the producer half's readiness (200 or 503, with reasons) |
 //! | `GET /metrics` | Prometheus text from the exporter ([`AdminRouter::metrics`]): gauges, counters, histograms |
 //!
@@ -256,6 +257,7 @@ impl AdminRouter {
             .route("/v1/admin/events/replay", post(replay))
             .route("/v1/admin/outbox/parked", get(list_parked))
             .route("/v1/admin/outbox/unpark", post(unpark))
+            .route("/v1/admin/outbox/skip", post(skip))
             .route_layer(axum::middleware::from_fn_with_state(
                 state.clone(),
                 require_token,
@@ -461,7 +463,37 @@ async fn unpark(
     let Some(store) = &state.outbox else {
         return error(StatusCode::NOT_FOUND, "no outbox is mounted here");
     };
-    let selector = match body {
+    let selector = match selector(body) {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match admin::unpark(store, &selector).await {
+        Ok(n) => Json(serde_json::json!({ "unparked": n })).into_response(),
+        Err(e) => store_error(&e),
+    }
+}
+
+async fn skip(
+    State(state): State<AppState>,
+    body: Result<Json<UnparkBody>, JsonRejection>,
+) -> Response {
+    let Some(store) = &state.outbox else {
+        return error(StatusCode::NOT_FOUND, "no outbox is mounted here");
+    };
+    let selector = match selector(body) {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match admin::skip(store, &selector).await {
+        Ok(n) => Json(serde_json::json!({ "skipped": n })).into_response(),
+        Err(e) => store_error(&e),
+    }
+}
+
+/// The parked rows an unpark or skip names: a non-empty `ids` list or
+/// `"all": true`, or the 4xx to answer.
+fn selector(body: Result<Json<UnparkBody>, JsonRejection>) -> Result<UnparkSelector, Response> {
+    Ok(match body {
         Ok(Json(UnparkBody {
             ids: Some(ids),
             all: false,
@@ -471,17 +503,13 @@ async fn unpark(
             all: true,
         })) => UnparkSelector::All,
         Ok(_) => {
-            return error(
+            return Err(error(
                 StatusCode::BAD_REQUEST,
                 "give either a non-empty \"ids\" list or \"all\": true",
-            );
+            ));
         }
-        Err(r) => return json_rejection(&r),
-    };
-    match admin::unpark(store, &selector).await {
-        Ok(n) => Json(serde_json::json!({ "unparked": n })).into_response(),
-        Err(e) => store_error(&e),
-    }
+        Err(r) => return Err(json_rejection(&r)),
+    })
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {

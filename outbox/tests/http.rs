@@ -74,6 +74,7 @@ async fn admin_routes_refuse_calls_without_the_token(pool: PgPool) {
         for (method, uri, body) in [
             ("GET", "/v1/admin/outbox/parked", None),
             ("POST", "/v1/admin/outbox/unpark", Some(r#"{"all":true}"#)),
+            ("POST", "/v1/admin/outbox/skip", Some(r#"{"all":true}"#)),
             (
                 "POST",
                 "/v1/admin/events/replay",
@@ -152,6 +153,18 @@ async fn bad_requests_get_a_4xx_with_a_json_error(pool: PgPool) {
             "POST",
             "/v1/admin/outbox/unpark",
             Some("[1,2]"),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/admin/outbox/skip",
+            Some("{}"),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "POST",
+            "/v1/admin/outbox/skip",
+            Some(r#"{"ids":["not-a-uuid"]}"#),
             StatusCode::BAD_REQUEST,
         ),
         (
@@ -246,6 +259,58 @@ async fn parked_rows_are_listed_and_unparked_with_a_fresh_budget(pool: PgPool) {
     )
     .await;
     assert_eq!(json["unparked"], 1);
+}
+
+/// Skip gives parked rows up: marked done, never published, `skipped_at`
+/// set; a row that is not parked is left alone; the key behind goes on.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn parked_rows_are_skipped_and_only_parked_ones(pool: PgPool) {
+    let publisher = Publisher::new(pool.clone());
+    let head = EventEnvelope::new("orders.created", serde_json::json!({})).with_ordering_key("o-1");
+    let next = EventEnvelope::new("orders.created", serde_json::json!({})).with_ordering_key("o-1");
+    publisher.publish(&head).await.unwrap();
+    publisher.publish(&next).await.unwrap();
+    sqlx::query("UPDATE event_outbox SET parked_at = now(), attempts = 10 WHERE id = $1")
+        .bind(head.id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let r = router(&pool);
+    let body = format!(r#"{{"ids":["{}"]}}"#, next.id);
+    let (status, json, _) = call(
+        &r,
+        "POST",
+        "/v1/admin/outbox/skip",
+        Some(TOKEN),
+        Some(&body),
+    )
+    .await;
+    assert_eq!(
+        (status, json["skipped"].as_u64()),
+        (StatusCode::OK, Some(0))
+    );
+    let (_, json, _) = call(&r, "GET", "/v1/admin/outbox/parked", Some(TOKEN), None).await;
+    assert_eq!(json["parked"][0]["ordering"]["key"], "o-1");
+    assert_eq!(json["parked"][0]["ordering"]["seq"], 1);
+    let (status, json, _) = call(
+        &r,
+        "POST",
+        "/v1/admin/outbox/skip",
+        Some(TOKEN),
+        Some(r#"{"all":true}"#),
+    )
+    .await;
+    assert_eq!(
+        (status, json["skipped"].as_u64()),
+        (StatusCode::OK, Some(1))
+    );
+    let rows: Vec<(uuid::Uuid, bool, bool)> = sqlx::query_as(
+        "SELECT id, published_at IS NOT NULL, skipped_at IS NOT NULL FROM event_outbox ORDER BY key_seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, [(head.id, true, true), (next.id, false, false)]);
 }
 
 #[tokio::test]
