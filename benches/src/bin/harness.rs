@@ -103,7 +103,7 @@ fn parse_args() -> Result<Args, String> {
             "--amqp-url" => a.amqp_url = value()?,
             "-h" | "--help" => {
                 return Err("usage: harness [--rows N] [--p2-rows N] [--p3-bounds R,R] \
-                     [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5] \
+                     [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5,p9] \
                      [--json FILE] [--database-url URL] [--amqp-url URL[,URL...]]"
                     .into());
             }
