@@ -186,10 +186,13 @@ impl OutboxStore for SimStore {
         lease_ttl: Duration,
     ) -> Result<KeyWindow, StoreError> {
         use std::sync::atomic::Ordering::SeqCst;
-        self.trace.now(Event::ClaimCalled {
-            replica: self.replica.clone(),
-        });
-        self.in_claim.store(true, SeqCst);
+        // A claim may ask for a second window (the cursor wrapped): the
+        // claim call began with the first.
+        if !self.in_claim.swap(true, SeqCst) {
+            self.trace.now(Event::ClaimCalled {
+                replica: self.replica.clone(),
+            });
+        }
         let reply = self
             .pg
             .call(PgRequest::KeyWindow {
