@@ -53,6 +53,9 @@ type Stage = (TickReport, Vec<DrainError>);
 pub struct TickReport {
     /// Rows claimed in Phase 1.
     pub claimed: usize,
+    /// Of those, rows with an ordering key: their keys' next events may be
+    /// claimable as soon as they are marked.
+    pub keyed_claimed: usize,
     /// Rows confirmed and marked published.
     pub published: u64,
     /// Confirmed rows whose mark found the lease gone (another drainer
@@ -452,6 +455,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             self.next_claim_at.store(next, Ordering::Relaxed);
         }
         report.claimed += rows.len();
+        report.keyed_claimed += rows.iter().filter(|r| r.ordering.is_some()).count();
         report.claim_time += at.saturating_sub(t0);
         Ok(Claimed { rows, at: t0, span })
     }
@@ -950,8 +954,18 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             }
             let mut wakeable = true;
             // `drain` returns once a claim comes back short of a full batch:
-            // the backlog is drained, so the next claim waits a tick.
+            // the backlog is drained, so the next claim waits a tick. Not
+            // after keyed rows: a key's next event becomes claimable only
+            // once its head is marked (inside the drain), so a short claim
+            // of heads does not mean the keys are done; drain again at once
+            // (a drain that claims no keyed row ends this).
             let delay = match self.drain_expecting(&shutdown, woken).await {
+                Ok(report) if report.keyed_claimed > 0 => {
+                    consecutive_errors = 0;
+                    last_busy = Some(self.clock.now());
+                    idle = false;
+                    Duration::ZERO
+                }
                 Ok(report) => {
                     consecutive_errors = 0;
                     if report.claimed > 0 {
@@ -1067,6 +1081,7 @@ struct Sending<'p, Ch: PublishChannel> {
 impl TickReport {
     fn absorb(&mut self, other: &TickReport) {
         self.claimed += other.claimed;
+        self.keyed_claimed += other.keyed_claimed;
         self.published += other.published;
         self.mark_lost += other.mark_lost;
         self.failed += other.failed;

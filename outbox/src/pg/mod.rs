@@ -166,13 +166,24 @@ impl OutboxStore for PgOutboxStore {
         lease_ttl: Duration,
     ) -> Result<KeyWindow, StoreError> {
         bounded(async {
+            // In a short transaction with the claim's planner settings: a
+            // recursive statement's cost estimate passes jit_above_cost, and
+            // JIT compilation took 30-40 ms of a window that runs in 0.1 ms
+            // (measured with the harness: claims of 100 unkeyed rows went
+            // from 3 to 31 ms).
+            let mut tx = self.pool.begin().await.map_err(map_err)?;
+            sqlx::raw_sql(sql::CLAIM_PLAN)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err)?;
             let rows = sqlx::query(sql::KEY_WINDOW)
                 .bind(after)
                 .bind(i32::try_from(limit).unwrap_or(i32::MAX))
                 .bind(lease_ttl.as_secs_f64())
-                .fetch_all(&self.pool)
+                .fetch_all(&mut *tx)
                 .await
                 .map_err(map_err)?;
+            tx.commit().await.map_err(map_err)?;
             let heads = rows
                 .into_iter()
                 .map(|r| {

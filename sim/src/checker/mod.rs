@@ -117,7 +117,7 @@ invariants! {
     ReleaseOnFailure = "release_on_failure",
     /// With `max_rows_per_sec`, a claim of k rows delays the replica's next claim by k / rate.
     RateBound = "rate_bound",
-    /// After a drain that ended without failure the next claim waits the tick, four ticks once steady for a minute, unless a commit woke the replica.
+    /// After a drain that ended without failure the next claim waits the tick, four ticks once steady for a minute, unless a commit woke the replica or the drain claimed a keyed row (its key's next event is claimable once it is marked).
     PollCadence = "poll_cadence",
     /// The outbox gauges say what the stats task's sample said (pending, oldest unpublished age, parked, ready), and readiness fails exactly past its thresholds or when the sample is stale (#1230).
     GaugesTruthful = "gauges_truthful",

@@ -398,6 +398,9 @@ struct Drain {
     wakeable_since: Duration,
     /// It claimed rows.
     claimed: bool,
+    /// It claimed a row with an ordering key: the next drain may start at
+    /// once (the key's next event is claimable once this one is marked).
+    keyed: bool,
     /// It failed (a store call failed, or claims were released).
     failed: bool,
     /// No earlier than the core's last busy instant (the start of the drain
@@ -418,7 +421,7 @@ fn poll_cadence(ctx: &Context<'_>, out: &mut Findings) {
                     continue; // the drain goes on after a full claim
                 };
                 let woken = d.notified.is_some_and(|n| n >= d.wakeable_since);
-                if !d.failed && !woken {
+                if !d.failed && !woken && !d.keyed {
                     // The core is surely steady when nothing was claimed and
                     // its last busy instant is a minute before the drain's
                     // end; otherwise it may use the busy tick.
@@ -446,14 +449,18 @@ fn poll_cadence(ctx: &Context<'_>, out: &mut Findings) {
                 if d.claimed || d.failed {
                     d.busy_by = Some(*at);
                 }
-                if !d.failed {
+                // A keyed drain is followed at once, with no sleep: a
+                // notification that came before it still waits to wake the
+                // next sleep.
+                if !d.failed && !d.keyed {
                     d.wakeable_since = ended;
                 }
-                (d.claimed, d.failed) = (false, false);
+                (d.claimed, d.failed, d.keyed) = (false, false, false);
             }
             Event::ClaimReturned { replica, ids } => {
                 let d = replicas.entry(replica).or_default();
                 d.claimed |= !ids.is_empty();
+                d.keyed |= ids.iter().any(|id| ctx.model.keyed.contains_key(id));
                 if ids.len() < batch {
                     d.ended = Some(*at);
                 }

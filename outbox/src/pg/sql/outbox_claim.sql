@@ -27,9 +27,9 @@ WITH unkeyed AS (
     FOR UPDATE OF o SKIP LOCKED
 ), keyed AS (
     SELECT o.id, o.enqueued_at
-    FROM event_outbox o
-    WHERE o.id = ANY($4::uuid[])
-      AND o.published_at IS NULL
+    FROM unnest($4::uuid[]) AS c(id)
+    JOIN event_outbox o ON o.id = c.id
+    WHERE o.published_at IS NULL
       AND o.parked_at IS NULL
       AND o.ordering_key IS NOT NULL
       AND (o.claimed_at IS NULL OR o.claimed_at < now() - make_interval(secs => $2))
@@ -41,8 +41,11 @@ WITH unkeyed AS (
             AND e.published_at IS NULL
             AND e.ordering_key IS NOT NULL
       )
-    ORDER BY o.enqueued_at, o.id
-    LIMIT $3
+    -- Each candidate (a window's heads, at most a batch) is found by its
+    -- primary key, from the list, with no ORDER BY or LIMIT here: written
+    -- as `id = ANY($4) ORDER BY enqueued_at`, the planner, sorts disabled,
+    -- walked an age-ordered index and filtered it for the candidates
+    -- (185 ms a claim at 700k rows; the harness found it).
     FOR UPDATE OF o SKIP LOCKED
 ), candidates AS (
     SELECT id FROM (SELECT * FROM unkeyed UNION ALL SELECT * FROM keyed) c

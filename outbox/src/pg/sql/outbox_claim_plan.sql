@@ -1,4 +1,4 @@
--- Sent before outbox_claim.sql, in the same short transaction. A queue table
+-- Sent before outbox_claim.sql (and outbox_key_window.sql), in the same short transaction. A queue table
 -- churns faster than autoanalyze: with statistics taken while the backlog was
 -- empty the planner estimates one candidate row and picks a bitmap scan plus
 -- a sort of the whole backlog (measured: 50-80 ms per claim at 100k pending
