@@ -465,7 +465,7 @@ async fn unpark(
     };
     let selector = match selector(body) {
         Ok(s) => s,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     match admin::unpark(store, &selector).await {
         Ok(n) => Json(serde_json::json!({ "unparked": n })).into_response(),
@@ -482,7 +482,7 @@ async fn skip(
     };
     let selector = match selector(body) {
         Ok(s) => s,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     match admin::skip(store, &selector).await {
         Ok(n) => Json(serde_json::json!({ "skipped": n })).into_response(),
@@ -492,7 +492,9 @@ async fn skip(
 
 /// The parked rows an unpark or skip names: a non-empty `ids` list or
 /// `"all": true`, or the 4xx to answer.
-fn selector(body: Result<Json<UnparkBody>, JsonRejection>) -> Result<UnparkSelector, Response> {
+fn selector(
+    body: Result<Json<UnparkBody>, JsonRejection>,
+) -> Result<UnparkSelector, Box<Response>> {
     Ok(match body {
         Ok(Json(UnparkBody {
             ids: Some(ids),
@@ -503,12 +505,12 @@ fn selector(body: Result<Json<UnparkBody>, JsonRejection>) -> Result<UnparkSelec
             all: true,
         })) => UnparkSelector::All,
         Ok(_) => {
-            return Err(error(
+            return Err(Box::new(error(
                 StatusCode::BAD_REQUEST,
                 "give either a non-empty \"ids\" list or \"all\": true",
-            ));
+            )));
         }
-        Err(r) => return Err(json_rejection(&r)),
+        Err(r) => return Err(Box::new(json_rejection(&r))),
     })
 }
 
