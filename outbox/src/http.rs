@@ -460,22 +460,29 @@ async fn unpark(
     State(state): State<AppState>,
     body: Result<Json<UnparkBody>, JsonRejection>,
 ) -> Response {
-    let Some(store) = &state.outbox else {
-        return error(StatusCode::NOT_FOUND, "no outbox is mounted here");
-    };
-    let selector = match selector(body) {
-        Ok(s) => s,
-        Err(r) => return *r,
-    };
-    match admin::unpark(store, &selector).await {
-        Ok(n) => Json(serde_json::json!({ "unparked": n })).into_response(),
-        Err(e) => store_error(&e),
-    }
+    parked_action(&state, body, ParkedAction::Unpark).await
 }
 
 async fn skip(
     State(state): State<AppState>,
     body: Result<Json<UnparkBody>, JsonRejection>,
+) -> Response {
+    parked_action(&state, body, ParkedAction::Skip).await
+}
+
+/// What an operator does to the parked rows a request names.
+#[derive(Clone, Copy)]
+enum ParkedAction {
+    Unpark,
+    Skip,
+}
+
+/// Unpark or skip: the selector from the body, the admin operation, and
+/// `{"unparked": n}` or `{"skipped": n}`.
+async fn parked_action(
+    state: &AppState,
+    body: Result<Json<UnparkBody>, JsonRejection>,
+    action: ParkedAction,
 ) -> Response {
     let Some(store) = &state.outbox else {
         return error(StatusCode::NOT_FOUND, "no outbox is mounted here");
@@ -484,8 +491,12 @@ async fn skip(
         Ok(s) => s,
         Err(r) => return *r,
     };
-    match admin::skip(store, &selector).await {
-        Ok(n) => Json(serde_json::json!({ "skipped": n })).into_response(),
+    let (done, answer) = match action {
+        ParkedAction::Unpark => (admin::unpark(store, &selector).await, "unparked"),
+        ParkedAction::Skip => (admin::skip(store, &selector).await, "skipped"),
+    };
+    match done {
+        Ok(n) => Json(serde_json::json!({ answer: n })).into_response(),
         Err(e) => store_error(&e),
     }
 }

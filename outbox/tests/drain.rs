@@ -720,17 +720,8 @@ async fn the_claim_rewrites_no_index(pool: PgPool) {
             .with_ordering_key(format!("k{k}"));
         publisher.publish(&e).await.unwrap();
     }
-    let store = PgOutboxStore::new(pool.clone());
-    let window = store
-        .outbox_key_window("", 100, Duration::from_secs(60))
-        .await
-        .unwrap();
-    let heads: Vec<uuid::Uuid> = window.heads.iter().map(|h| h.id).collect();
-    let mut tx = pool.begin().await.unwrap();
-    sqlx::raw_sql(include_str!("../src/pg/sql/outbox_claim_plan.sql"))
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let heads = key_heads(&pool).await;
+    let mut tx = claim_tx(&pool).await;
     let claimed = sqlx::query(include_str!("../src/pg/sql/outbox_claim.sql"))
         .bind("hot")
         .bind(60.0_f64)
@@ -845,18 +836,8 @@ async fn the_keyed_claim_finds_its_candidates_by_primary_key(pool: PgPool) {
         .execute(&pool)
         .await
         .unwrap();
-    let store = PgOutboxStore::new(pool.clone());
-    let window = store
-        .outbox_key_window("", 100, Duration::from_secs(60))
-        .await
-        .unwrap();
-    let heads: Vec<uuid::Uuid> = window.heads.iter().map(|h| h.id).collect();
-    for candidates in [heads, Vec::new()] {
-        let mut tx = pool.begin().await.unwrap();
-        sqlx::raw_sql(include_str!("../src/pg/sql/outbox_claim_plan.sql"))
-            .execute(&mut *tx)
-            .await
-            .unwrap();
+    for candidates in [key_heads(&pool).await, Vec::new()] {
+        let mut tx = claim_tx(&pool).await;
         let explain = format!(
             "EXPLAIN (FORMAT JSON) {}",
             include_str!("../src/pg/sql/outbox_claim.sql")
@@ -888,6 +869,25 @@ async fn the_keyed_claim_finds_its_candidates_by_primary_key(pool: PgPool) {
             "the keyed claim walks {indexes:?}"
         );
     }
+}
+
+/// The heads of the first 100 keys, as the drainer's key window finds them.
+async fn key_heads(pool: &PgPool) -> Vec<uuid::Uuid> {
+    let window = PgOutboxStore::new(pool.clone())
+        .outbox_key_window("", 100, Duration::from_secs(60))
+        .await
+        .unwrap();
+    window.heads.iter().map(|h| h.id).collect()
+}
+
+/// A transaction of the test's own with the claim's planner settings.
+async fn claim_tx(pool: &PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::raw_sql(include_str!("../src/pg/sql/outbox_claim_plan.sql"))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
 }
 
 /// The first plan node (depth first) that `pred` accepts.
