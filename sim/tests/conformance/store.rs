@@ -608,6 +608,87 @@ async fn overlapping_writers_of_a_key_are_claimed_in_commit_order<A: StoreArm>(a
     assert_eq!(claim_keyed(s, "r", 60_000).await, [early.id]);
 }
 
+/// The key window: heads of keys in byte order (`B` < `a` < `é` whatever
+/// the collation), up to its limit, resumed after a key; a head is
+/// claimable unless leased (until its lease expires) or parked.
+async fn the_key_window_steps_through_keys_in_byte_order<A: StoreArm>(arm: A) {
+    let (a1, e1, a2, b1) = (keyed("a"), keyed("é"), keyed("a"), keyed("B"));
+    for e in [&a1, &e1, &a2, &b1] {
+        arm.insert_envelope(e).await;
+    }
+    let s = arm.store();
+    let w = s
+        .outbox_key_window("", 2, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let got: Vec<_> = w
+        .heads
+        .iter()
+        .map(|h| (h.key.as_str(), h.id, h.claimable))
+        .collect();
+    assert_eq!(got, [("B", b1.id, true), ("a", a1.id, true)]);
+    assert!(!w.exhausted, "a full window may have keys after it");
+    let rest = s
+        .outbox_key_window("a", 2, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let got: Vec<_> = rest.heads.iter().map(|h| (h.key.as_str(), h.id)).collect();
+    assert_eq!(got, [("é", e1.id)]);
+    assert!(rest.exhausted);
+    assert_eq!(claim_keyed(s, "r", 60_000).await.len(), 3);
+    let w = s
+        .outbox_key_window("", 10, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(w.heads.iter().all(|h| !h.claimable), "leased: {w:?}");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let w = s
+        .outbox_key_window("", 10, Duration::from_millis(1))
+        .await
+        .unwrap();
+    assert!(w.heads.iter().all(|h| h.claimable), "leases expired: {w:?}");
+}
+
+/// One transaction writing a key twice (and another key between) numbers
+/// the key's events in the order it wrote them.
+async fn one_transaction_numbers_its_keys_in_write_order<A: StoreArm>(arm: A) {
+    let (k1, j1, k2) = (keyed("k"), keyed("j"), keyed("k"));
+    let mut tx = arm.begin().await;
+    for e in [&k1, &j1, &k2] {
+        arm.write(&mut tx, e).await;
+    }
+    arm.commit(tx).await;
+    let s = arm.store();
+    let rows = s
+        .outbox_claim(ClaimParams {
+            key_heads: &[k1.id, j1.id, k2.id],
+            ..params("r", 10, 60_000)
+        })
+        .await
+        .unwrap();
+    let got: Vec<_> = rows
+        .iter()
+        .map(|r| (r.id, r.ordering.as_ref().map(|o| (o.key.clone(), o.seq))))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (k1.id, Some(("k".into(), 1))),
+            (j1.id, Some(("j".into(), 1)))
+        ]
+    );
+    s.outbox_mark_published("r", &[k1.id]).await.unwrap();
+    let rows = s
+        .outbox_claim(ClaimParams {
+            key_heads: &[k2.id],
+            ..params("r", 10, 60_000)
+        })
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].ordering.as_ref().map(|o| o.seq), Some(2));
+}
+
 /// Runs `body` against PostgreSQL (a fresh database).
 async fn with_real<F, Fut>(pool: PgPool, body: F)
 where
@@ -633,4 +714,6 @@ conformance!(postgres: with_real, fake: with_fake_store;
     a_claim_takes_only_each_keys_head,
     a_parked_head_holds_its_key_until_skipped,
     overlapping_writers_of_a_key_are_claimed_in_commit_order,
+    the_key_window_steps_through_keys_in_byte_order,
+    one_transaction_numbers_its_keys_in_write_order,
 );
