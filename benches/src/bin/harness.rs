@@ -266,15 +266,8 @@ async fn keyed_publish_cost(
         if keyed {
             e = e.with_ordering_key(format!("key-{}", i % 100));
         }
-        let t = Instant::now();
-        let mut tx = pool.begin().await?;
-        sqlx::query("INSERT INTO orders (id, note) VALUES ($1, 'harness')")
-            .bind(i as i64)
-            .execute(&mut *tx)
-            .await?;
-        publisher.publish_tx(&mut tx, &e).await?;
-        tx.commit().await?;
-        samples[usize::from(keyed)].push(t.elapsed());
+        let took = domain_tx(pool, &publisher, i, std::slice::from_ref(&e)).await?;
+        samples[usize::from(keyed)].push(took);
     }
     pool.execute("TRUNCATE event_outbox, orders").await?;
     Ok(samples.map(|mut s| {
@@ -657,6 +650,30 @@ async fn foreground_impact(
 }
 
 /// p50 / p99 of one domain transaction in three variants.
+/// How long one domain transaction (order `i`'s row) takes with
+/// `envelopes` written in it: none, one through `publish_tx`, more through
+/// `publish_many_tx`.
+async fn domain_tx(
+    pool: &PgPool,
+    publisher: &Publisher,
+    i: usize,
+    envelopes: &[EventEnvelope],
+) -> Result<Duration, Box<dyn std::error::Error>> {
+    let t = Instant::now();
+    let mut tx = pool.begin().await?;
+    sqlx::query("INSERT INTO orders (id, note) VALUES ($1, 'harness')")
+        .bind(i as i64)
+        .execute(&mut *tx)
+        .await?;
+    match envelopes {
+        [] => {}
+        [one] => publisher.publish_tx(&mut tx, one).await?,
+        many => publisher.publish_many_tx(&mut tx, many).await?,
+    }
+    tx.commit().await?;
+    Ok(t.elapsed())
+}
+
 async fn publish_cost(
     pool: &PgPool,
     iterations: usize,
@@ -671,19 +688,7 @@ async fn publish_cost(
                 1 => vec![envelope(i)],
                 _ => (0..100).map(|k| envelope(i * 100 + k)).collect(),
             };
-            let t = Instant::now();
-            let mut tx = pool.begin().await?;
-            sqlx::query("INSERT INTO orders (id, note) VALUES ($1, 'harness')")
-                .bind(i as i64)
-                .execute(&mut *tx)
-                .await?;
-            match variant {
-                0 => {}
-                1 => publisher.publish_tx(&mut tx, &envelopes[0]).await?,
-                _ => publisher.publish_many_tx(&mut tx, &envelopes).await?,
-            }
-            tx.commit().await?;
-            samples.push(t.elapsed());
+            samples.push(domain_tx(pool, &publisher, i, &envelopes).await?);
         }
         samples.sort();
         *slot = (percentile(&samples, 0.5), percentile(&samples, 0.99));
