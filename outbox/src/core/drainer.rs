@@ -960,12 +960,6 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             // of heads does not mean the keys are done; drain again at once
             // (a drain that claims no keyed row ends this).
             let delay = match self.drain_expecting(&shutdown, woken).await {
-                Ok(report) if report.keyed_claimed > 0 => {
-                    consecutive_errors = 0;
-                    last_busy = Some(self.clock.now());
-                    idle = false;
-                    Duration::ZERO
-                }
                 Ok(report) => {
                     consecutive_errors = 0;
                     if report.claimed > 0 {
@@ -977,7 +971,13 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                         self.marks.hit(Mark::IdleTick);
                     }
                     idle = steady;
-                    if steady { idle_tick } else { cfg.tick }
+                    if report.keyed_claimed > 0 {
+                        Duration::ZERO
+                    } else if steady {
+                        idle_tick
+                    } else {
+                        cfg.tick
+                    }
                 }
                 Err(e) => {
                     self.marks.hit(Mark::DrainFailed);
