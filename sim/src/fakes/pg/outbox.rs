@@ -43,6 +43,12 @@ pub struct Row {
 }
 
 impl Row {
+    /// Unclaimed, or its lease older than `lease_ttl_ms` at `now` (the
+    /// claim's `claimed_at < now() - ttl`).
+    fn lease_free(&self, lease_ttl_ms: u64, now: u64) -> bool {
+        self.claimed_ms.is_none_or(|c| c + lease_ttl_ms < now)
+    }
+
     /// A row as an INSERT writes it.
     pub fn new(id: Uuid, routing_key: String, body: String, now: u64) -> Self {
         Self {
@@ -111,16 +117,10 @@ impl OutboxTable {
 
     /// Commits an inserted row.
     pub fn commit_row(&mut self, row: Row) {
-        self.committed.insert(row.id);
-        match &row.ordering {
-            Some((key, seq)) => {
-                self.heads.insert((key.clone(), *seq, row.id));
-            }
-            None => {
-                self.pending.insert((row.enqueued_ms, row.id));
-            }
-        }
-        self.rows.insert(row.id, row);
+        let id = row.id;
+        self.committed.insert(id);
+        self.rows.insert(id, row);
+        self.refresh_pending(id);
     }
 
     /// The sessions other than `session` holding the lock of a key among
@@ -305,8 +305,7 @@ impl OutboxTable {
                 break;
             }
             let r = &self.rows[id];
-            let claimable =
-                r.parked_ms.is_none() && r.claimed_ms.is_none_or(|c| c + lease_ttl_ms < now);
+            let claimable = r.parked_ms.is_none() && r.lease_free(lease_ttl_ms, now);
             out.push((key.clone(), *id, claimable));
         }
         out
@@ -327,12 +326,8 @@ impl OutboxTable {
         key_heads: &[Uuid],
         now: u64,
     ) -> Vec<WireRow> {
-        let free = |id: &Uuid| {
-            !self.locks.contains_key(id)
-                && self.rows[id]
-                    .claimed_ms
-                    .is_none_or(|c| c + lease_ttl_ms < now)
-        };
+        let free =
+            |id: &Uuid| !self.locks.contains_key(id) && self.rows[id].lease_free(lease_ttl_ms, now);
         let mut candidates: Vec<(u64, Uuid)> = self
             .pending
             .iter()
