@@ -72,6 +72,9 @@ pub mod vars {
     /// The kind of queue a subscription declares: `quorum` (default) or
     /// `classic`.
     pub const SUBSCRIBER_QUEUE_TYPE: &str = "CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE";
+    /// Per-key order: the subscription's partition queues (0, the default:
+    /// one queue, no order; else 1, 2, 4, 8, 16, 32 or 64).
+    pub const SUBSCRIBER_PARTITIONS: &str = "CANOPY_MQ_SUBSCRIBER_PARTITIONS";
     /// The broker's nodes, comma-separated AMQP URLs (a comma inside a
     /// password is written `%2C`).
     pub const AMQP_URLS: &str = "CANOPY_MQ_AMQP_URLS";
@@ -132,6 +135,8 @@ impl crate::core::subscriber::SubscriberSettings {
                 bindings: bindings.iter().map(|b| (*b).to_owned()).collect(),
                 prefetch: SUBSCRIBER_PREFETCH_DEFAULT,
                 queue_type: crate::core::ports::QueueType::Quorum,
+                partitions: 0,
+                partition: None,
             },
             concurrency: 4,
             max_attempts: 5,
@@ -159,6 +164,35 @@ impl crate::core::subscriber::SubscriberSettings {
         self
     }
 
+    /// The same settings with events of one ordering key applied in the
+    /// order they committed (a builder step; `CANOPY_MQ_SUBSCRIBER_PARTITIONS`
+    /// in [`from_env`](Self::from_env)): the subscription becomes
+    /// `partitions` partition queues, each consumed by one worker of one
+    /// replica at a time (RabbitMQ's single active consumer), and a key's
+    /// events all go to one partition. `0` is one queue, no order.
+    ///
+    /// ```
+    /// let s = outbox::SubscriberSettings::new("billing.orders", &["orders.*"]).ordered(8);
+    /// assert_eq!(s.workers(), 8);
+    /// let queues: Vec<String> = s.worker_specs().iter().map(|w| w.consumed_queue()).collect();
+    /// assert_eq!(queues[0], "billing.orders.p0");
+    /// assert_eq!(queues[7], "billing.orders.p7");
+    /// ```
+    #[must_use]
+    pub fn ordered(mut self, partitions: u16) -> Self {
+        self.spec.partitions = partitions;
+        self
+    }
+
+    /// The subscriber's workers: one per partition on an ordered
+    /// subscription, else [`concurrency`](Self::concurrency).
+    pub fn workers(&self) -> u32 {
+        match self.spec.partitions {
+            0 => self.concurrency.max(1),
+            p => u32::from(p),
+        }
+    }
+
     /// The subscription as each worker opens it, on a channel of its own:
     /// an even share of `prefetch` (rounded down, at least one), so the
     /// subscriber as a whole holds at most `prefetch` unacknowledged
@@ -172,9 +206,24 @@ impl crate::core::subscriber::SubscriberSettings {
     /// ```
     pub fn worker_spec(&self) -> crate::core::ports::SubscriptionSpec {
         let mut spec = self.spec.clone();
-        let share = u32::from(spec.prefetch) / self.concurrency.max(1);
+        let share = u32::from(spec.prefetch) / self.workers();
         spec.prefetch = u16::try_from(share.max(1)).unwrap_or(u16::MAX);
         spec
+    }
+
+    /// Each worker's [`worker_spec`](Self::worker_spec): on an ordered
+    /// subscription, worker `i` consumes partition `i`.
+    pub fn worker_specs(&self) -> Vec<crate::core::ports::SubscriptionSpec> {
+        let spec = self.worker_spec();
+        (0..self.workers())
+            .map(|i| {
+                let mut w = spec.clone();
+                if spec.partitions > 0 {
+                    w.partition = u16::try_from(i).ok();
+                }
+                w
+            })
+            .collect()
     }
 
     /// [`new`](Self::new) with `CANOPY_MQ_EXCHANGE`,
@@ -183,8 +232,9 @@ impl crate::core::subscriber::SubscriberSettings {
     /// `CANOPY_MQ_SUBSCRIBER_MAX_BODY_BYTES`,
     /// `CANOPY_MQ_SUBSCRIBER_HANDLER_TIMEOUT_SECS`,
     /// `CANOPY_MQ_SUBSCRIBER_BATCH_MAX`,
-    /// `CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS` and
-    /// `CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE` applied, then validated.
+    /// `CANOPY_MQ_SUBSCRIBER_BATCH_LINGER_MS`,
+    /// `CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE` and
+    /// `CANOPY_MQ_SUBSCRIBER_PARTITIONS` applied, then validated.
     pub fn from_env(queue: impl Into<String>, bindings: &[&str]) -> Result<Self, ConfigError> {
         Self::from_lookup(queue, bindings, |name| std::env::var(name).ok())
     }
@@ -242,6 +292,9 @@ impl crate::core::subscriber::SubscriberSettings {
                 rule,
             })?;
         }
+        if let Some(v) = lookup(vars::SUBSCRIBER_PARTITIONS) {
+            s.spec.partitions = parse(vars::SUBSCRIBER_PARTITIONS, &v)?;
+        }
         s.validate()?;
         Ok(s)
     }
@@ -288,6 +341,23 @@ impl crate::core::subscriber::SubscriberSettings {
                 vars::SUBSCRIBER_CONCURRENCY,
                 &self.concurrency,
                 "must be > 0 and <= 1024",
+            );
+        }
+        let buckets = crate::core::ports::BUCKETS;
+        if spec.partitions > buckets
+            || (spec.partitions > 0 && !buckets.is_multiple_of(spec.partitions))
+        {
+            return invalid(
+                vars::SUBSCRIBER_PARTITIONS,
+                &spec.partitions,
+                "must be 0 (no order) or a divisor of 64: 1, 2, 4, 8, 16, 32 or 64",
+            );
+        }
+        if spec.partitions > 0 && u32::from(spec.partitions) > u32::from(spec.prefetch) {
+            return invalid(
+                vars::SUBSCRIBER_PARTITIONS,
+                &spec.partitions,
+                "must be <= CANOPY_MQ_SUBSCRIBER_PREFETCH (each partition's worker needs a delivery)",
             );
         }
         if self.concurrency > u32::from(spec.prefetch) {

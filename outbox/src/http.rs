@@ -4,6 +4,7 @@
 //! | route | what |
 //! |---|---|
 //! | `POST /v1/admin/events/replay` | re-run the handler for unprocessed inbox rows (by ids or filter), budget reset |
+//! | `POST /v1/admin/events/skip` | mark dead-lettered inbox rows of a subscription processed without their effect, releasing their keys' held rows in order |
 //! | `GET /v1/admin/outbox/parked?limit=N` | list parked outbox rows |
 //! | `POST /v1/admin/outbox/unpark` | unpark `{"ids":[…]}` or `{"all":true}`, budget reset |
 //! | `POST /v1/admin/outbox/skip` | skip parked rows `{"ids":[…]}` or `{"all":true}`: given up, never published, their ordering keys go on |
@@ -161,6 +162,9 @@ pub trait ReplayTarget: Send + Sync + 'static {
         &'a self,
         filter: &'a InboxFilter,
     ) -> BoxFuture<'a, Result<ReplayPage, StoreError>>;
+    /// Skips these dead-lettered rows of this subscription (see
+    /// [`Subscriber::skip`]).
+    fn skip<'a>(&'a self, ids: &'a [Uuid]) -> BoxFuture<'a, Result<ReplayPage, StoreError>>;
 }
 
 impl<S, B, C, H> ReplayTarget for Subscriber<S, B, C, H>
@@ -179,6 +183,10 @@ where
         filter: &'a InboxFilter,
     ) -> BoxFuture<'a, Result<ReplayPage, StoreError>> {
         Box::pin(Subscriber::replay_page(self, filter))
+    }
+
+    fn skip<'a>(&'a self, ids: &'a [Uuid]) -> BoxFuture<'a, Result<ReplayPage, StoreError>> {
+        Box::pin(Subscriber::skip(self, ids))
     }
 }
 
@@ -255,6 +263,7 @@ impl AdminRouter {
         // The token is checked before a request's body is read or parsed.
         let admin = Router::new()
             .route("/v1/admin/events/replay", post(replay))
+            .route("/v1/admin/events/skip", post(skip_events))
             .route("/v1/admin/outbox/parked", get(list_parked))
             .route("/v1/admin/outbox/unpark", post(unpark))
             .route("/v1/admin/outbox/skip", post(skip))
@@ -329,6 +338,18 @@ struct ReplayResult {
     outcome: ReplayOutcome,
 }
 
+/// A page's outcomes as the routes answer them.
+fn replay_results(subscription: &str, outcomes: Vec<(Uuid, ReplayOutcome)>) -> Vec<ReplayResult> {
+    outcomes
+        .into_iter()
+        .map(|(event_id, outcome)| ReplayResult {
+            event_id,
+            subscription: subscription.to_owned(),
+            outcome,
+        })
+        .collect()
+}
+
 async fn replay(
     State(state): State<AppState>,
     body: Result<Json<InboxFilter>, JsonRejection>,
@@ -383,6 +404,7 @@ async fn replay(
         return error(StatusCode::NOT_FOUND, "no subscriber is mounted here");
     }
     let mut results = Vec::new();
+    let mut released = Vec::new();
     let mut next = BTreeMap::new();
     for target in targets {
         match target.replay(&filter).await {
@@ -390,15 +412,9 @@ async fn replay(
                 if let Some(cursor) = page.next {
                     next.insert(target.subscription().to_owned(), cursor);
                 }
-                results.extend(
-                    page.results
-                        .into_iter()
-                        .map(|(event_id, outcome)| ReplayResult {
-                            event_id,
-                            subscription: target.subscription().to_owned(),
-                            outcome,
-                        }),
-                )
+                let sub = target.subscription();
+                results.extend(replay_results(sub, page.results));
+                released.extend(replay_results(sub, page.released));
             }
             Err(e) => {
                 // What was replayed before the failure is reported; what
@@ -417,11 +433,59 @@ async fn replay(
     // `after` that replays them (past the rows that failed again).
     Json(serde_json::json!({
         "results": results,
+        "released": released,
         "limit": limit,
         "more": !next.is_empty(),
         "next": next,
     }))
     .into_response()
+}
+
+/// `POST /v1/admin/events/skip`'s body.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SkipEvents {
+    subscription: String,
+    ids: Vec<Uuid>,
+}
+
+async fn skip_events(
+    State(state): State<AppState>,
+    body: Result<Json<SkipEvents>, JsonRejection>,
+) -> Response {
+    let request = match body {
+        Ok(Json(r)) => r,
+        Err(r) => return json_rejection(&r),
+    };
+    if request.ids.is_empty() || request.ids.len() > LIST_LIMIT_MAX as usize {
+        return error(
+            StatusCode::BAD_REQUEST,
+            &format!("ids must list 1 to {LIST_LIMIT_MAX} events"),
+        );
+    }
+    let Some(target) = state.targets.get(&request.subscription) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            &format!(
+                "no subscriber for subscription {:?} is mounted here",
+                request.subscription
+            ),
+        );
+    };
+    match target.skip(&request.ids).await {
+        Ok(page) => Json(serde_json::json!({
+            "results": replay_results(&request.subscription, page.results),
+            "released": replay_results(&request.subscription, page.released),
+        }))
+        .into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "skip stopped on the database");
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the database failed; rows already skipped stay skipped, run the same request again",
+            )
+        }
+    }
 }
 
 #[derive(Deserialize)]

@@ -60,6 +60,14 @@ pub const FILES: &[(&str, &str)] = &[
         "20261205000003_drop_event_outbox_claim_idx.sql",
         include_str!("../migrations/20261205000003_drop_event_outbox_claim_idx.sql"),
     ),
+    (
+        "20261206000000_add_event_inbox_ordering.sql",
+        include_str!("../migrations/20261206000000_add_event_inbox_ordering.sql"),
+    ),
+    (
+        "20261206000001_index_event_inbox_key_waits.sql",
+        include_str!("../migrations/20261206000001_index_event_inbox_key_waits.sql"),
+    ),
 ];
 
 /// The embedded sqlx migrator over `migrations/`.

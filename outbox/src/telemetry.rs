@@ -81,6 +81,13 @@ pub mod subscriber {
     pub const DUPLICATES: &str = "canopy_mq_subscriber_duplicates_total";
     /// Counter: failed handler attempts requeued.
     pub const RETRIED: &str = "canopy_mq_subscriber_retried_total";
+    /// Counter: deliveries of an ordered subscription requeued behind an
+    /// earlier event of their key being retried (no attempt counted).
+    pub const DEFERRED: &str = "canopy_mq_subscriber_deferred_total";
+    /// Counter: deliveries of an ordered subscription recorded held behind
+    /// a dead-lettered event of their key (acked, applied on its replay or
+    /// skip).
+    pub const HELD: &str = "canopy_mq_subscriber_held_total";
     /// Counter: deliveries dead-lettered after the attempt budget.
     pub const DEAD_LETTERED: &str = "canopy_mq_subscriber_dead_lettered_total";
     /// Counter: deliveries dead-lettered at once (not an envelope, too

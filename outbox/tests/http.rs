@@ -372,9 +372,78 @@ impl outbox::http::ReplayTarget for EchoTarget {
         Box::pin(async move {
             Ok(outbox::ReplayPage {
                 results,
+                released: Vec::new(),
                 next: None,
             })
         })
+    }
+
+    fn skip<'a>(
+        &'a self,
+        ids: &'a [uuid::Uuid],
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<outbox::ReplayPage, outbox::StoreError>>
+                + Send
+                + 'a,
+        >,
+    > {
+        let results = ids
+            .iter()
+            .map(|id| (*id, outbox::core::subscriber::ReplayOutcome::Skipped))
+            .collect();
+        Box::pin(async move {
+            Ok(outbox::ReplayPage {
+                results,
+                released: Vec::new(),
+                next: None,
+            })
+        })
+    }
+}
+
+#[tokio::test]
+async fn dead_lettered_events_are_skipped_by_subscription_and_ids() {
+    let echo = std::sync::Arc::new(EchoTarget {
+        limit: Default::default(),
+    });
+    let r = AdminRouter::new(AdminAuth::bearer(TOKEN).unwrap())
+        .subscriber(echo)
+        .build();
+    let id = uuid::Uuid::now_v7();
+    let body = format!(r#"{{"subscription":"echo","ids":["{id}"]}}"#);
+    let (status, _, _) = call(&r, "POST", "/v1/admin/events/skip", None, Some(&body)).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, json, _) = call(
+        &r,
+        "POST",
+        "/v1/admin/events/skip",
+        Some(TOKEN),
+        Some(&body),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{json}");
+    assert_eq!(json["results"][0]["event_id"], id.to_string());
+    assert_eq!(json["results"][0]["outcome"], "skipped");
+    assert_eq!(json["results"][0]["subscription"], "echo");
+    for (bad, want) in [
+        (
+            r#"{"subscription":"echo","ids":[]}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            r#"{"ids":["00000000-0000-0000-0000-000000000000"]}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            r#"{"subscription":"nobody","ids":["00000000-0000-0000-0000-000000000000"]}"#,
+            StatusCode::NOT_FOUND,
+        ),
+    ] {
+        let (status, json, _) =
+            call(&r, "POST", "/v1/admin/events/skip", Some(TOKEN), Some(bad)).await;
+        assert_eq!(status, want, "{bad}: {json}");
+        assert!(json["error"].is_string(), "{json}");
     }
 }
 

@@ -85,6 +85,8 @@ async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool:
                 bindings: vec!["orders.#".into()],
                 prefetch: 8,
                 queue_type: outbox::QueueType::Quorum,
+                partitions: 0,
+                partition: None,
             },
             concurrency: 2,
             max_attempts: 3,

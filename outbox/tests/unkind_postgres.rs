@@ -102,6 +102,8 @@ async fn start(pool: &PgPool, connections: u32, batch_max: u32, max_attempts: u3
             bindings: vec!["orders.#".into()],
             prefetch: 16,
             queue_type: outbox::QueueType::Quorum,
+            partitions: 0,
+            partition: None,
         },
         concurrency: 1,
         max_attempts,

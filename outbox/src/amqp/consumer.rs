@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures_core::Stream;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, ExchangeBindOptions,
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
@@ -16,7 +16,7 @@ use lapin::{Channel, ExchangeKind};
 
 use super::{CLOSE_TIMEOUT, LapinBroker, channel_err};
 use crate::core::ports::{
-    ConsumerBroker, DLQ_DELIVERY_LIMIT, DLQ_EXCHANGE, Delivery, DeliverySource,
+    BUCKET_HEADER, ConsumerBroker, DLQ_DELIVERY_LIMIT, DLQ_EXCHANGE, Delivery, DeliverySource,
     QUORUM_DELIVERY_LIMIT, QueueType, SubscriptionSpec, Unsettled,
 };
 use crate::error::BrokerError;
@@ -45,6 +45,24 @@ pub(crate) fn queue_arguments(spec: &SubscriptionSpec) -> FieldTable {
             AMQPValue::LongLongInt(QUORUM_DELIVERY_LIMIT.into()),
         );
     }
+    args
+}
+
+/// A partition queue's arguments: the subscription queue's, and a single
+/// active consumer (one consumer of one replica at a time gets its
+/// deliveries; the others wait, and the next takes over, the unsettled
+/// deliveries redelivered first in their order, when it goes).
+pub(crate) fn partition_arguments(spec: &SubscriptionSpec) -> FieldTable {
+    let mut args = queue_arguments(spec);
+    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    args
+}
+
+/// The binding of bucket `bucket` to a partition queue on `<queue>.route`.
+fn bucket_binding(bucket: u16) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-match".into(), text("all"));
+    args.insert(BUCKET_HEADER.into(), text(&bucket.to_string()));
     args
 }
 
@@ -142,6 +160,9 @@ impl LapinBroker {
             )
             .await
             .map_err(channel_err)?;
+        if spec.partitions > 0 {
+            return Self::declare_partitions(channel, spec).await;
+        }
         channel
             .queue_declare(
                 spec.queue.as_str().into(),
@@ -164,6 +185,98 @@ impl LapinBroker {
         }
         Ok(())
     }
+
+    /// An ordered subscription's topology past its dead-letter queue:
+    /// `<queue>.route` (headers, bound to the topic exchange with each
+    /// binding, its unroutable messages to `<queue>.route.rest`, a fanout
+    /// bound to partition 0) and the partition queue this consumer takes
+    /// (every one if `spec.partition` is `None`), bound by its buckets.
+    async fn declare_partitions(
+        channel: &Channel,
+        spec: &SubscriptionSpec,
+    ) -> Result<(), BrokerError> {
+        let durable_exchange = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        let durable_queue = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let (route, rest) = (spec.route_exchange(), spec.rest_exchange());
+        channel
+            .exchange_declare(
+                rest.as_str().into(),
+                ExchangeKind::Fanout,
+                durable_exchange,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(channel_err)?;
+        let mut route_args = FieldTable::default();
+        route_args.insert("alternate-exchange".into(), text(&rest));
+        channel
+            .exchange_declare(
+                route.as_str().into(),
+                ExchangeKind::Headers,
+                durable_exchange,
+                route_args,
+            )
+            .await
+            .map_err(channel_err)?;
+        for binding in &spec.bindings {
+            channel
+                .exchange_bind(
+                    route.as_str().into(),
+                    spec.exchange.as_str().into(),
+                    binding.as_str().into(),
+                    ExchangeBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(channel_err)?;
+        }
+        let partitions: Vec<u16> = match spec.partition {
+            Some(p) => vec![p],
+            None => (0..spec.partitions).collect(),
+        };
+        for p in partitions {
+            let queue = spec.partition_queue(p);
+            channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    durable_queue,
+                    partition_arguments(spec),
+                )
+                .await
+                .map_err(|e| declare_err(spec, e))?;
+            for bucket in spec.buckets_of(p) {
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        route.as_str().into(),
+                        "".into(),
+                        QueueBindOptions::default(),
+                        bucket_binding(bucket),
+                    )
+                    .await
+                    .map_err(channel_err)?;
+            }
+            if p == 0 {
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        rest.as_str().into(),
+                        "".into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(channel_err)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl ConsumerBroker for LapinBroker {
@@ -182,7 +295,7 @@ impl ConsumerBroker for LapinBroker {
             .map_err(channel_err)?;
         let consumer = channel
             .basic_consume(
-                spec.queue.as_str().into(),
+                spec.consumed_queue().as_str().into(),
                 "".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),

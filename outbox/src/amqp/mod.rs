@@ -18,7 +18,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
 use crate::core::ports::{
-    Broker, Confirm, KEY_SEQ_HEADER, KeySeq, ORDERING_KEY_HEADER, OutgoingMessage, PublishChannel,
+    BUCKET_HEADER, Broker, Confirm, KEY_SEQ_HEADER, KeySeq, ORDERING_KEY_HEADER, OutgoingMessage,
+    PublishChannel, bucket_of,
 };
 
 pub mod consumer;
@@ -317,9 +318,7 @@ impl PublishChannel for LapinChannel {
             .with_message_id(message.message_id.to_string().into())
             .with_content_type("application/json".into())
             .with_delivery_mode(PERSISTENT);
-        if let Some(headers) = message_headers(message.trace, message.ordering) {
-            properties = properties.with_headers(headers);
-        }
+        properties = properties.with_headers(message_headers(&message));
         let confirm = self
             .channel
             .basic_publish(
@@ -341,14 +340,17 @@ impl PublishChannel for LapinChannel {
     }
 }
 
-/// A message's AMQP headers, if it has any: the W3C trace context (long
-/// strings, as every OpenTelemetry AMQP propagator reads them) and the
-/// ordering key (a long string) and its number (a 64-bit integer).
-fn message_headers(trace: Option<&TraceContext>, ordering: Option<&KeySeq>) -> Option<FieldTable> {
-    if trace.is_none() && ordering.is_none() {
-        return None;
-    }
+/// A message's AMQP headers: its bucket (a long string, see
+/// [`bucket_of`]), the W3C trace context if it has one (long strings, as
+/// every OpenTelemetry AMQP propagator reads them) and the ordering key if
+/// it has one (a long string) with its number (a 64-bit integer).
+fn message_headers(message: &OutgoingMessage<'_>) -> FieldTable {
+    let (trace, ordering) = (message.trace, message.ordering);
     let mut headers = FieldTable::default();
+    headers.insert(
+        BUCKET_HEADER.into(),
+        AMQPValue::LongString(bucket_of(ordering, message.message_id).to_string().into()),
+    );
     if let Some(trace) = trace {
         headers.insert(
             TRACEPARENT.into(),
@@ -365,7 +367,7 @@ fn message_headers(trace: Option<&TraceContext>, ordering: Option<&KeySeq>) -> O
         );
         headers.insert(KEY_SEQ_HEADER.into(), AMQPValue::LongLongInt(o.seq));
     }
-    Some(headers)
+    headers
 }
 
 /// A delivery's ordering key and number from its AMQP headers, if it
@@ -667,11 +669,46 @@ mod tests {
         assert_eq!(redact_list("amqp://u:p@a,,"), "amqp://u:***@a,,");
     }
 
+    /// The headers of a message with this trace context and ordering.
+    fn headers_of(trace: Option<&TraceContext>, ordering: Option<&KeySeq>) -> FieldTable {
+        message_headers(&OutgoingMessage {
+            exchange: "canopy.events",
+            routing_key: "orders.created",
+            message_id: uuid::Uuid::nil(),
+            body: b"{}",
+            trace,
+            ordering,
+        })
+    }
+
     #[test]
     fn trace_headers_round_trip() {
         let tc = TraceContext::parse(TP, Some("congo=t61rcWkgMzE")).unwrap();
-        let headers = message_headers(Some(&tc), None).unwrap();
+        let headers = headers_of(Some(&tc), None);
         assert_eq!(trace_from_headers(Some(&headers)), Some(tc));
+    }
+
+    #[test]
+    fn every_message_carries_its_bucket_as_a_long_string() {
+        let ks = KeySeq {
+            key: "order-7".into(),
+            seq: 42,
+        };
+        let bucket = |h: &FieldTable| match h.inner().get(BUCKET_HEADER) {
+            Some(AMQPValue::LongString(s)) => s.to_string(),
+            other => panic!("bucket header {other:?}"),
+        };
+        let keyed = headers_of(None, Some(&ks));
+        assert_eq!(
+            bucket(&keyed),
+            bucket_of(Some(&ks), uuid::Uuid::nil()).to_string()
+        );
+        let plain = headers_of(None, None);
+        assert_eq!(
+            bucket(&plain),
+            bucket_of(None, uuid::Uuid::nil()).to_string()
+        );
+        assert_eq!(plain.inner().len(), 1, "{plain:?}");
     }
 
     #[test]
@@ -681,12 +718,12 @@ mod tests {
             key: "order-7".into(),
             seq: 42,
         };
-        let both = message_headers(Some(&tc), Some(&ks)).unwrap();
+        let both = headers_of(Some(&tc), Some(&ks));
         assert_eq!(trace_from_headers(Some(&both)), Some(tc));
         assert_eq!(ordering_from_headers(Some(&both)), Some(ks.clone()));
-        let alone = message_headers(None, Some(&ks)).unwrap();
+        let alone = headers_of(None, Some(&ks));
         assert_eq!(ordering_from_headers(Some(&alone)), Some(ks));
-        assert_eq!(message_headers(None, None), None);
+        assert_eq!(ordering_from_headers(Some(&headers_of(None, None))), None);
     }
 
     #[test]

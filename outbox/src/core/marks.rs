@@ -185,6 +185,17 @@ marks! {
     SettleLost = "settle_lost",
     /// Shutdown came while the inbox was unavailable: requeued.
     RequeuedAtShutdown = "requeued_at_shutdown",
+    /// An ordered subscription requeued a delivery behind an earlier event
+    /// of its key that is being retried.
+    DeferredBehindKey = "deferred_behind_key",
+    /// An ordered subscription recorded a delivery held behind a
+    /// dead-lettered event of its key.
+    HeldBehindKey = "held_behind_key",
+    /// A replay or skip of a key's event released the key's held rows.
+    HeldReleased = "held_released",
+    /// An ordered subscription's batch held two events of one key: the
+    /// later one waited for the next round.
+    KeyRoundSplit = "key_round_split",
     /// A replayed row took effect.
     ReplayApplied = "replay_applied",
     /// A replayed row's handler failed again; it stays dead-lettered.

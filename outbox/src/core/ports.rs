@@ -110,6 +110,43 @@ pub const ORDERING_KEY_HEADER: &str = "x-canopy-ordering-key";
 /// signed 64-bit integer).
 pub const KEY_SEQ_HEADER: &str = "x-canopy-key-seq";
 
+/// The AMQP header carrying an event's bucket, `0..BUCKETS` as a long
+/// string: where an ordered subscription routes it ([`bucket_of`]). No
+/// `x-` prefix: RabbitMQ's headers exchange ignores headers whose names
+/// begin with `x-` when it matches.
+pub const BUCKET_HEADER: &str = "canopy-bucket";
+
+/// Buckets an event's key hashes to. An ordered subscription's partition
+/// count divides it, so bucket `b` is partition `b % partitions`.
+pub const BUCKETS: u16 = 64;
+
+/// The bucket every message the drainer publishes carries
+/// ([`BUCKET_HEADER`]): FNV-1a (64-bit) of its ordering key's bytes, or of
+/// its id's bytes if it has no key, modulo [`BUCKETS`]. Stable across
+/// releases and platforms: each key's events all go to one partition of
+/// every ordered subscription, whichever replica published them.
+///
+/// ```
+/// use outbox::core::ports::{KeySeq, bucket_of, BUCKETS};
+/// let a = KeySeq { key: "order-17".into(), seq: 1 };
+/// let b = KeySeq { key: "order-17".into(), seq: 9 };
+/// let id = uuid::Uuid::nil();
+/// assert_eq!(bucket_of(Some(&a), id), bucket_of(Some(&b), uuid::Uuid::max()));
+/// assert!(bucket_of(None, id) < BUCKETS);
+/// ```
+pub fn bucket_of(ordering: Option<&KeySeq>, id: Uuid) -> u16 {
+    let bytes: &[u8] = match ordering {
+        Some(o) => o.key.as_bytes(),
+        None => id.as_bytes(),
+    };
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    (hash % u64::from(BUCKETS)) as u16
+}
+
 /// An event's place in its ordering key (issue 27): the key, and the
 /// event's number among the key's events, 1 for the first, in the order
 /// their transactions committed.
@@ -384,6 +421,11 @@ pub struct InboxEntry<'a> {
     /// cut short never leaves a row out of the dead-lettered set without
     /// its effect.
     pub fresh_budget: bool,
+    /// Its ordering key and number, on an ordered subscription only: the
+    /// row records them, and the insert first looks for an earlier event
+    /// of the key still unprocessed ([`InsertOutcome::BehindRetry`],
+    /// [`InsertOutcome::Held`]).
+    pub ordering: Option<&'a KeySeq>,
 }
 
 /// What `inbox_try_insert` found, holding the row's lock until the
@@ -400,6 +442,16 @@ pub enum InsertOutcome {
     },
     /// The event already took effect: the handler must not run again.
     AlreadyProcessed,
+    /// Ordered subscription: an earlier event of its key is unprocessed,
+    /// waiting for its retry. Nothing was written and nothing is locked:
+    /// the delivery goes back to the queue behind it, unhandled.
+    BehindRetry,
+    /// Ordered subscription: an earlier event of its key is dead-lettered,
+    /// or held itself. The row is recorded held (unprocessed, `held_at`
+    /// set, locked): the delivery is acked after the commit, and its
+    /// handler runs only once that earlier event is replayed or skipped
+    /// ([`InboxStore::inbox_held`] finds it then). Nothing is lost.
+    Held,
 }
 
 /// What recording a failed attempt does once committed.
@@ -433,6 +485,11 @@ pub struct InboxRow {
     /// When it was dead-lettered, if it was.
     #[serde(with = "time::serde::rfc3339::option")]
     pub dead_lettered_at: Option<OffsetDateTime>,
+    /// Its ordering key and number, if an ordered subscription got it.
+    pub ordering: Option<KeySeq>,
+    /// Held behind an earlier event of its key that is dead-lettered: it
+    /// waits for that one's replay or skip.
+    pub held: bool,
 }
 
 /// Which unprocessed inbox rows to list or replay.
@@ -600,6 +657,39 @@ pub trait InboxStore: Send + Sync + 'static {
         max_attempts: u32,
     ) -> impl Future<Output = Result<AttemptRecord, StoreError>> + Send;
 
+    /// A key's held rows in `subscription` ([`InsertOutcome::Held`]) with a
+    /// number above `after`, lowest first, at most `limit`: what a replay
+    /// or skip of the key's dead-lettered event releases, in the key's
+    /// order.
+    fn inbox_held(
+        &self,
+        subscription: &str,
+        key: &str,
+        after: i64,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<InboxRow>, StoreError>> + Send;
+
+    /// Held rows of `subscription` that nothing holds back any more, at
+    /// most `limit`, one per key (its lowest): no earlier unprocessed row
+    /// of the key is dead-lettered or waiting for a retry. A release cut
+    /// short (a replay or skip whose release met trouble, a crash) leaves
+    /// such rows; the subscriber finds them and releases them.
+    fn inbox_releasable(
+        &self,
+        subscription: &str,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<InboxRow>, StoreError>> + Send;
+
+    /// Skips these dead-lettered rows of `subscription`: marked processed
+    /// without their effect (`skipped_at` set), so their keys' held rows
+    /// can go on. Returns the rows it skipped (those dead-lettered and
+    /// unprocessed), with their ordering.
+    fn inbox_skip(
+        &self,
+        subscription: &str,
+        ids: &[Uuid],
+    ) -> impl Future<Output = Result<Vec<InboxRow>, StoreError>> + Send;
+
     /// Unprocessed rows matching `filter`, oldest first.
     fn inbox_list_unprocessed(
         &self,
@@ -677,6 +767,15 @@ pub struct SubscriptionSpec {
     pub prefetch: u16,
     /// What kind of queue the subscription and its dead-letter queue are.
     pub queue_type: QueueType,
+    /// Per-key order (issue 27): 0 for one queue shared by every worker
+    /// (no order); else this many partition queues `<queue>.p{i}`, each
+    /// with a single active consumer, fed by the headers exchange
+    /// `<queue>.route` by each event's [`BUCKET_HEADER`]. A divisor of
+    /// [`BUCKETS`].
+    pub partitions: u16,
+    /// The partition this consumer takes (`None` on an unpartitioned
+    /// subscription); see [`consumed_queue`](Self::consumed_queue).
+    pub partition: Option<u16>,
 }
 
 /// The kind of RabbitMQ queue a subscription declares
@@ -758,6 +857,42 @@ impl SubscriptionSpec {
     /// `<queue>.dlq`: where deliveries nacked without requeue go.
     pub fn dlq_name(&self) -> String {
         format!("{}.dlq", self.queue)
+    }
+
+    /// `<queue>.route`: an ordered subscription's headers exchange, bound
+    /// to [`exchange`](Self::exchange) with each binding and to each
+    /// partition queue by bucket.
+    pub fn route_exchange(&self) -> String {
+        format!("{}.route", self.queue)
+    }
+
+    /// `<queue>.route.rest`: the fanout exchange that takes what
+    /// `<queue>.route` cannot route by bucket (a message without a valid
+    /// [`BUCKET_HEADER`], from a foreign publisher say) to partition 0, so
+    /// nothing routed to the subscription is dropped.
+    pub fn rest_exchange(&self) -> String {
+        format!("{}.route.rest", self.queue)
+    }
+
+    /// `<queue>.p{partition}`.
+    pub fn partition_queue(&self, partition: u16) -> String {
+        format!("{}.p{partition}", self.queue)
+    }
+
+    /// The queue this consumer takes deliveries from: its partition's, or
+    /// the subscription's own.
+    pub fn consumed_queue(&self) -> String {
+        match self.partition {
+            Some(p) => self.partition_queue(p),
+            None => self.queue.clone(),
+        }
+    }
+
+    /// The buckets routed to `partition`: `partition`, `partition +
+    /// partitions`, … below [`BUCKETS`].
+    pub fn buckets_of(&self, partition: u16) -> impl Iterator<Item = u16> + use<> {
+        let step = self.partitions.max(1);
+        (partition..BUCKETS).step_by(usize::from(step))
     }
 }
 

@@ -3,10 +3,11 @@
 use std::time::Duration;
 
 use sqlx::{PgPool, Postgres, Row};
+use uuid::Uuid;
 
 use super::{STORE_CALL_TIMEOUT, bounded, delete_expired, map_err, sql};
 use crate::core::ports::{
-    AttemptRecord, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome, TxBounds,
+    AttemptRecord, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome, KeySeq, TxBounds,
 };
 use crate::error::StoreError;
 
@@ -158,6 +159,24 @@ fn begin_statement(bounds: TxBounds, tag: &str) -> String {
         .replace("{tag}", tag)
 }
 
+/// An inbox row as the listing statements select it.
+fn inbox_row(r: &sqlx::postgres::PgRow) -> InboxRow {
+    let key: Option<String> = r.get("ordering_key");
+    let seq: Option<i64> = r.get("key_seq");
+    InboxRow {
+        event_id: r.get("event_id"),
+        subscription: r.get("subscription"),
+        routing_key: r.get("routing_key"),
+        payload: r.get::<String, _>("payload").into_bytes(),
+        attempts: r.get("attempts"),
+        last_error: r.get("last_error"),
+        received_at: r.get("received_at"),
+        dead_lettered_at: r.get("dead_lettered_at"),
+        ordering: key.zip(seq).map(|(key, seq)| KeySeq { key, seq }),
+        held: r.get("held"),
+    }
+}
+
 fn payload_text<'a>(entry: &InboxEntry<'a>) -> Result<&'a str, StoreError> {
     std::str::from_utf8(entry.payload)
         .map_err(|e| StoreError::Refused(format!("payload is not UTF-8: {e}")))
@@ -213,15 +232,43 @@ impl InboxStore for PgInboxStore {
         let payload = payload_text(entry)?;
         let (tx, abandoned) = tx.parts();
         Self::in_tx(abandoned, async {
-            let done = sqlx::query(sql::INBOX_TRY_INSERT)
+            let (key, seq) = (
+                entry.ordering.map(|o| o.key.as_str()),
+                entry.ordering.map(|o| o.seq),
+            );
+            let mut statement = sql::INBOX_TRY_INSERT;
+            if let Some(o) = entry.ordering {
+                sqlx::query(sql::INBOX_KEY_LOCK)
+                    .bind(entry.subscription)
+                    .bind(&o.key)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(map_err)?;
+                let blocked: Option<bool> = sqlx::query_scalar(sql::INBOX_KEY_WAIT)
+                    .bind(entry.subscription)
+                    .bind(&o.key)
+                    .bind(o.seq)
+                    .fetch_one(&mut **tx)
+                    .await
+                    .map_err(map_err)?;
+                match blocked {
+                    None => {}
+                    Some(false) => return Ok(InsertOutcome::BehindRetry),
+                    Some(true) => statement = sql::INBOX_HOLD,
+                }
+            }
+            let done = sqlx::query(statement)
                 .bind(entry.event_id)
                 .bind(entry.subscription)
                 .bind(entry.routing_key)
                 .bind(payload)
+                .bind(key)
+                .bind(seq)
                 .execute(&mut **tx)
                 .await
                 .map_err(map_err)?;
-            let outcome = if done.rows_affected() == 1 {
+            let holding = statement == sql::INBOX_HOLD;
+            let outcome = if done.rows_affected() == 1 && !holding {
                 InsertOutcome::Inserted
             } else {
                 // The row exists (committed: the insert waited for any
@@ -234,6 +281,7 @@ impl InboxStore for PgInboxStore {
                     .map_err(map_err)?;
                 match row {
                     Some(r) if r.get::<bool, _>("processed") => InsertOutcome::AlreadyProcessed,
+                    Some(_) if holding => InsertOutcome::Held,
                     Some(_) if entry.fresh_budget => {
                         sqlx::query(sql::INBOX_RESET_ATTEMPTS)
                             .bind([entry.event_id].as_slice())
@@ -367,19 +415,72 @@ impl InboxStore for PgInboxStore {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(map_err)?;
-            Ok(rows
-                .into_iter()
-                .map(|r| InboxRow {
-                    event_id: r.get("event_id"),
-                    subscription: r.get("subscription"),
-                    routing_key: r.get("routing_key"),
-                    payload: r.get::<String, _>("payload").into_bytes(),
-                    attempts: r.get("attempts"),
-                    last_error: r.get("last_error"),
-                    received_at: r.get("received_at"),
-                    dead_lettered_at: r.get("dead_lettered_at"),
-                })
-                .collect())
+            Ok(rows.iter().map(inbox_row).collect())
+        })
+        .await
+    }
+
+    async fn inbox_held(
+        &self,
+        subscription: &str,
+        key: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        bounded(async {
+            let rows = sqlx::query(sql::INBOX_HELD)
+                .bind(subscription)
+                .bind(key)
+                .bind(after)
+                .bind(i64::from(limit.clamp(1, LIST_LIMIT_MAX)))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(map_err)?;
+            Ok(rows.iter().map(inbox_row).collect())
+        })
+        .await
+    }
+
+    async fn inbox_releasable(
+        &self,
+        subscription: &str,
+        limit: u32,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        bounded(async {
+            let rows = sqlx::query(sql::INBOX_RELEASABLE)
+                .bind(subscription)
+                .bind(i64::from(limit.clamp(1, LIST_LIMIT_MAX)))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(map_err)?;
+            Ok(rows.iter().map(inbox_row).collect())
+        })
+        .await
+    }
+
+    async fn inbox_skip(
+        &self,
+        subscription: &str,
+        ids: &[Uuid],
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        bounded(async {
+            let mut tx = self.pool.begin().await.map_err(map_err)?;
+            sqlx::query(sql::INBOX_SKIP_LOCK)
+                .bind(subscription)
+                .bind(ids)
+                .execute(&mut *tx)
+                .await
+                .map_err(map_err)?;
+            let rows = sqlx::query(sql::INBOX_SKIP)
+                .bind(subscription)
+                .bind(ids)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(map_err)?;
+            tx.commit().await.map_err(map_err)?;
+            let mut rows: Vec<InboxRow> = rows.iter().map(inbox_row).collect();
+            rows.sort_by_key(|r| (r.received_at, r.event_id));
+            Ok(rows)
         })
         .await
     }

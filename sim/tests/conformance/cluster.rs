@@ -68,6 +68,8 @@ impl ClusterArm for Real {
             bindings: vec!["cluster.*".into()],
             prefetch: 16,
             queue_type: kind,
+            partitions: 0,
+            partition: None,
         }
     }
     async fn stop(&mut self, n: u16) {
@@ -123,6 +125,8 @@ impl ClusterArm for Fake {
             bindings: vec!["cluster.*".into()],
             prefetch: 16,
             queue_type: kind,
+            partitions: 0,
+            partition: None,
         }
     }
     async fn stop(&mut self, n: u16) {

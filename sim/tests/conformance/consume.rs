@@ -63,6 +63,8 @@ impl ConsumeArm for Real {
             bindings: vec!["orders.*".into()],
             prefetch,
             queue_type: outbox::QueueType::Quorum,
+            partitions: 0,
+            partition: None,
         }
     }
     async fn dlq_len(&self) -> usize {
@@ -106,6 +108,8 @@ impl ConsumeArm for Fake {
             bindings: vec!["orders.*".into()],
             prefetch,
             queue_type: outbox::QueueType::Quorum,
+            partitions: 0,
+            partition: None,
         }
     }
     async fn dlq_len(&self) -> usize {

@@ -3,7 +3,8 @@
 -- (NULL: any), $4 dead-lettered only, $5 limit, $6 and $7 the row to start
 -- after (received_at, event_id; NULL: from the first).
 SELECT event_id, subscription, routing_key, payload::text AS payload,
-       attempts, last_error, received_at, dead_lettered_at
+       attempts, last_error, received_at, dead_lettered_at,
+       ordering_key, key_seq, held_at IS NOT NULL AS held
 FROM event_inbox
 WHERE processed_at IS NULL
   AND ($1::uuid[] IS NULL OR event_id = ANY($1))
