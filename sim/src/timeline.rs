@@ -145,7 +145,9 @@ fn placed(e: &Event) -> Option<(&str, Row)> {
             ..
         } => (host_of(client), Row::HandlerFailed),
         Event::InboxCommitted { client, .. } => (host_of(client), Row::InboxCommit),
-        Event::Replayed { client, .. } => (host_of(client), Row::Replay),
+        Event::Replayed { client, .. } | Event::ReplayReleased { client, .. } => {
+            (host_of(client), Row::Replay)
+        }
         _ => return None,
     })
 }

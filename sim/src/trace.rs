@@ -128,6 +128,10 @@ pub enum Replay {
     AlreadyProcessed,
     Failed,
     Undecodable,
+    /// Still held behind an earlier event of its key.
+    Held,
+    /// Skipped by the operator.
+    Skipped,
 }
 
 /// Hostile messages the fake broker can deliver (see `fakes::mq::hostile`).
@@ -429,7 +433,16 @@ pub enum Event {
         code: &'static str,
     },
     /// Replay gave these rows a fresh budget.
-    InboxReset { ids: Vec<Uuid> },
+    InboxReset { client: String, ids: Vec<Uuid> },
+    /// An ordered subscription's keyed delivery found an earlier event of
+    /// its key waiting for its retry: nothing written (`BehindRetry`).
+    InboxBehindKey { client: String, event_id: Uuid },
+    /// A commit recorded these rows held behind a dead-lettered (or held)
+    /// earlier event of their key.
+    InboxHeld { client: String, events: Vec<Uuid> },
+    /// An operator skipped these dead-lettered rows: processed without
+    /// their effect.
+    InboxSkipped { client: String, events: Vec<Uuid> },
     /// The inbox janitor deleted rows.
     InboxDeleted { ids: Vec<Uuid> },
     /// The operator started a replay asking for `limit` rows `ask` selects
@@ -452,6 +465,13 @@ pub enum Event {
     },
     /// The operator's replay reported on one row.
     Replayed {
+        client: String,
+        event_id: Uuid,
+        outcome: Replay,
+    },
+    /// A replay (or skip) released this held row: replayed in its key's
+    /// order after the row that took effect (or was skipped).
+    ReplayReleased {
         client: String,
         event_id: Uuid,
         outcome: Replay,

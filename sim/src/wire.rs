@@ -248,6 +248,23 @@ pub enum PgRequest {
         /// Rows after this one (received ms, event id) only.
         after: Option<(u64, Uuid)>,
     },
+    /// `inbox_held.sql`: a key's held rows above `after`, lowest first.
+    InboxHeld {
+        subscription: String,
+        key: String,
+        after: i64,
+        limit: u32,
+    },
+    /// `inbox_releasable.sql`: held rows nothing holds back, one per key.
+    InboxReleasable {
+        subscription: String,
+        limit: u32,
+    },
+    /// `inbox_skip.sql`: these dead-lettered rows marked processed, skipped.
+    InboxSkip {
+        subscription: String,
+        ids: Vec<Uuid>,
+    },
     /// `inbox_delete_processed`.
     InboxDeleteProcessed {
         older_than_ms: u64,
@@ -283,6 +300,8 @@ pub struct WireInboxEntry {
     pub payload: String,
     /// Replay's reset, in the transaction (see `InboxEntry::fresh_budget`).
     pub fresh_budget: bool,
+    /// Its ordering key and number, on an ordered subscription.
+    pub ordering: Option<WireOrdering>,
 }
 
 /// An inbox row on the wire (times in simulated milliseconds).
@@ -296,14 +315,24 @@ pub struct WireInboxRow {
     pub last_error: Option<String>,
     pub received_ms: u64,
     pub dead_lettered_ms: Option<u64>,
+    pub ordering: Option<WireOrdering>,
+    pub held: bool,
 }
 
 /// What `InboxTryInsert` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum WireInsertOutcome {
     Inserted,
-    InFlightRetry { attempts: i32 },
+    InFlightRetry {
+        attempts: i32,
+    },
     AlreadyProcessed,
+    /// `inbox_key_wait.sql` found an earlier event of the key waiting for
+    /// its retry: nothing written.
+    BehindRetry,
+    /// `inbox_key_wait.sql` found an earlier event of the key dead-lettered
+    /// or held: recorded held (`inbox_hold.sql`).
+    Held,
 }
 
 /// One envelope to insert.
@@ -405,19 +434,26 @@ pub enum MqRequest {
         trace: Option<WireTrace>,
         /// The `x-canopy-ordering-key` and `x-canopy-key-seq` headers.
         ordering: Option<WireOrdering>,
+        /// The `canopy-bucket` header.
+        bucket: Option<String>,
     },
     ChannelClose {
         channel: u32,
     },
     /// The subscription's topology: `<queue>.dlq` on `canopy.dlq`, the
     /// queue with its dead-letter route, its bindings on `exchange`; both
-    /// queues quorum queues, or classic ones.
+    /// queues quorum queues, or classic ones. With `partitions`, an ordered
+    /// subscription's instead: `<queue>.route` bound to `exchange` with the
+    /// bindings, and partition `partition`'s queue (every one if `None`)
+    /// with a single active consumer, bound by its buckets.
     DeclareSubscription {
         channel: u32,
         queue: String,
         exchange: String,
         bindings: Vec<String>,
         quorum: bool,
+        partitions: u16,
+        partition: Option<u16>,
     },
     /// `basic.qos`.
     Qos {

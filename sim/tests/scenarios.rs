@@ -94,6 +94,7 @@ fn every_scenario_file_has_a_test_here() {
         "handler_blocked_on_a_lock",
         "hostile_deliveries",
         "lease_expiry_mid_confirm",
+        "ordering_keys_consumers",
         "ordering_keys_hot",
         "ordering_keys_many",
         "ordering_keys_swarm",
@@ -227,6 +228,10 @@ fn broker_node_partition() {
     check("broker_node_partition");
 }
 #[test]
+fn ordering_keys_consumers() {
+    check("ordering_keys_consumers");
+}
+#[test]
 fn ordering_keys_hot() {
     check("ordering_keys_hot");
 }
@@ -258,6 +263,30 @@ fn the_ordering_scenarios_wait_on_key_locks_and_skip_parked_heads() {
         assert!(
             waits > 0 && skipped,
             "seed {seed}: {waits} key-lock waits, skipped: {skipped}"
+        );
+    }
+    let s = Scenario::find(&scenarios_dir(), "ordering_keys_consumers").expect("scenario loads");
+    for &seed in s.pinned() {
+        let events = sim::world::run(&s, seed).trace.events();
+        let held = events
+            .iter()
+            .filter(|(_, e)| matches!(e, Event::InboxHeld { .. }))
+            .count();
+        let deferred = events
+            .iter()
+            .filter(|(_, e)| {
+                matches!(
+                    e,
+                    Event::Settled {
+                        settle: sim::trace::Settle::Requeue,
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert!(
+            held > 0 && deferred > 0,
+            "seed {seed}: {held} holds, {deferred} requeues"
         );
     }
     let s = Scenario::find(&scenarios_dir(), "ordering_keys_many").expect("scenario loads");

@@ -443,8 +443,11 @@ pub enum InsertOutcome {
     /// The event already took effect: the handler must not run again.
     AlreadyProcessed,
     /// Ordered subscription: an earlier event of its key is unprocessed,
-    /// waiting for its retry. Nothing was written and nothing is locked:
-    /// the delivery goes back to the queue behind it, unhandled.
+    /// waiting for its retry (or behind one). The delivery goes back to
+    /// the queue behind it, unhandled, and its row (if it had none)
+    /// records that it waits too (unprocessed, no attempt): whichever
+    /// replica gets the key's deliveries next, in whatever order, then
+    /// holds a later one behind it.
     BehindRetry,
     /// Ordered subscription: an earlier event of its key is dead-lettered,
     /// or held itself. The row is recorded held (unprocessed, `held_at`

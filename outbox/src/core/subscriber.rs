@@ -460,9 +460,6 @@ where
                 let mut shutdown = shutdown.clone();
                 let mut ended = ended_rx.clone();
                 Box::pin(async move {
-                    // The keys this worker's partition waits on: a fresh
-                    // consumer gets every unsettled delivery back in order.
-                    let mut gate = KeyGate::default();
                     loop {
                         if *shutdown.borrow() || *ended.borrow() {
                             return;
@@ -479,8 +476,7 @@ where
                         };
                         let (batch, over) = self.gather(consumer, first, &mut shutdown).await;
                         if self.settings.spec.partitions > 0 {
-                            self.deliver_in_key_order(consumer, batch, &mut gate, &shutdown)
-                                .await;
+                            self.deliver_in_key_order(consumer, batch, &shutdown).await;
                         } else {
                             self.deliver_batch(consumer, batch, &shutdown).await;
                         }
@@ -583,15 +579,19 @@ where
     /// one delivery per ordering key (the first of it still in hand), so a
     /// key's events are applied one after the other in delivery order: the
     /// order a partition queue got them in, which is the order they
-    /// committed in. A delivery whose key has an earlier event being
-    /// retried (requeued by this worker after a failure, not yet back) is
-    /// [`Deferred`](DeliveryOutcome::Deferred): requeued behind it, in
-    /// delivery order. Unkeyed deliveries all go in the first round.
+    /// committed in. Which of them may go is the inbox's to say, under the
+    /// key's lock: a delivery behind an earlier event of its key that waits
+    /// for its retry is [`Deferred`](DeliveryOutcome::Deferred), one behind
+    /// a dead-lettered event is [`Held`](DeliveryOutcome::Held). (The
+    /// queue gives deliveries back in an order of its own: a redelivery
+    /// goes behind what was already delivered, and a consumer's unsettled
+    /// deliveries go back in the order they were last delivered, measured
+    /// on RabbitMQ 3.10; only the inbox sees every replica's.) Unkeyed
+    /// deliveries all go in the first round.
     async fn deliver_in_key_order(
         &self,
         consumer: &B::Consumer,
         deliveries: Vec<Delivery>,
-        gate: &mut KeyGate,
         shutdown: &watch::Receiver<bool>,
     ) {
         let mut pending = deliveries;
@@ -601,11 +601,6 @@ where
             let mut keys = std::collections::BTreeSet::new();
             for d in pending {
                 match &d.ordering {
-                    Some(o) if !gate.admits(o) => {
-                        let o = o.clone();
-                        self.defer(consumer, d).await;
-                        gate.requeued(&o);
-                    }
                     Some(o) if !keys.insert(o.key.clone()) => later.push(d),
                     _ => round.push(d),
                 }
@@ -613,34 +608,9 @@ where
             if !later.is_empty() {
                 self.marks.hit(Mark::KeyRoundSplit);
             }
-            let orderings: Vec<Option<KeySeq>> = round.iter().map(|d| d.ordering.clone()).collect();
-            let outcomes = self.deliver_batch(consumer, round, shutdown).await;
-            for (ordering, outcome) in orderings.iter().zip(&outcomes) {
-                if let (
-                    Some(o),
-                    DeliveryOutcome::Retrying { .. }
-                    | DeliveryOutcome::Requeued
-                    | DeliveryOutcome::Deferred,
-                ) = (ordering, outcome)
-                {
-                    gate.requeued(o);
-                }
-            }
+            self.deliver_batch(consumer, round, shutdown).await;
             pending = later;
         }
-    }
-
-    /// Requeues `delivery` behind the earlier event of its key that is
-    /// being retried.
-    async fn defer(&self, consumer: &B::Consumer, delivery: Delivery) {
-        let p = self.prepare(delivery);
-        self.marks.hit(Mark::DeferredBehindKey);
-        let outcome = DeliveryOutcome::Deferred;
-        self.settle(consumer, p.delivery.tag, &outcome)
-            .instrument(p.span.clone())
-            .await;
-        p.span.record("outbox.inbox.outcome", outcome.label());
-        self.counters.count(&outcome, &self.settings.spec.queue);
     }
 
     /// Handles one delivery to the end: a batch of one (see
@@ -1913,43 +1883,6 @@ impl<F: Future> Future for CatchUnwind<F> {
 }
 
 /// The text a panic was raised with, bounded.
-/// The ordering keys one worker of an ordered subscription waits on: for
-/// each, the numbers of its events this worker requeued (after a failure,
-/// or deferred behind one) that have not come back yet. A key's event is
-/// applied only when no earlier one of its key is out: the lowest one out
-/// is the next to apply, and any later one is deferred behind it. (Waiting
-/// only for the failed event is not enough: measured on RabbitMQ 3.10, an
-/// event delivered fresh after the failed one's redelivery overtook the
-/// event deferred behind it.)
-#[derive(Debug, Default)]
-struct KeyGate(BTreeMap<String, std::collections::BTreeSet<i64>>);
-
-impl KeyGate {
-    /// Whether a delivery of `o` may be applied now: no earlier event of
-    /// its key is out. The lowest one out coming back ends its wait; an
-    /// event earlier than every one out (a duplicate of one applied
-    /// before) passes.
-    fn admits(&mut self, o: &KeySeq) -> bool {
-        let Some(out) = self.0.get_mut(&o.key) else {
-            return true;
-        };
-        let lowest = out.first().copied().unwrap_or(i64::MAX);
-        if o.seq > lowest {
-            return false;
-        }
-        out.remove(&o.seq);
-        if out.is_empty() {
-            self.0.remove(&o.key);
-        }
-        true
-    }
-
-    /// `o` was requeued: until it is back, its key's later events wait.
-    fn requeued(&mut self, o: &KeySeq) {
-        self.0.entry(o.key.clone()).or_default().insert(o.seq);
-    }
-}
-
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     let text = payload
         .downcast_ref::<&str>()
@@ -1977,38 +1910,5 @@ impl Future for JoinAll<'_> {
         } else {
             Poll::Pending
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{KeyGate, KeySeq};
-
-    fn ks(key: &str, seq: i64) -> KeySeq {
-        KeySeq {
-            key: key.into(),
-            seq,
-        }
-    }
-
-    /// The redelivery order measured on RabbitMQ 3.10: 8 failed and came
-    /// back, then 10 arrived fresh, then 9, deferred behind 8, came back.
-    #[test]
-    fn a_key_waits_for_every_event_it_requeued_in_order() {
-        let mut gate = KeyGate::default();
-        assert!(gate.admits(&ks("a", 8)));
-        gate.requeued(&ks("a", 8)); // failed, requeued
-        assert!(!gate.admits(&ks("a", 9)));
-        gate.requeued(&ks("a", 9)); // deferred
-        assert!(gate.admits(&ks("b", 3)), "other keys go on");
-        assert!(gate.admits(&ks("a", 8)), "the failed one is back");
-        assert!(!gate.admits(&ks("a", 10)), "10 must not overtake 9");
-        gate.requeued(&ks("a", 10));
-        assert!(gate.admits(&ks("a", 7)), "a duplicate of an applied event");
-        assert!(!gate.admits(&ks("a", 10)), "back before 9: deferred again");
-        assert!(gate.admits(&ks("a", 9)));
-        assert!(gate.admits(&ks("a", 10)));
-        assert!(gate.0.is_empty(), "{:?}", gate.0);
-        assert!(gate.admits(&ks("a", 11)));
     }
 }

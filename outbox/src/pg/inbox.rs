@@ -253,7 +253,7 @@ impl InboxStore for PgInboxStore {
                     .map_err(map_err)?;
                 match blocked {
                     None => {}
-                    Some(false) => return Ok(InsertOutcome::BehindRetry),
+                    Some(false) => statement = sql::INBOX_WAIT,
                     Some(true) => statement = sql::INBOX_HOLD,
                 }
             }
@@ -267,6 +267,9 @@ impl InboxStore for PgInboxStore {
                 .execute(&mut **tx)
                 .await
                 .map_err(map_err)?;
+            if statement == sql::INBOX_WAIT {
+                return Ok(InsertOutcome::BehindRetry);
+            }
             let holding = statement == sql::INBOX_HOLD;
             let outcome = if done.rows_affected() == 1 && !holding {
                 InsertOutcome::Inserted

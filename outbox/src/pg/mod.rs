@@ -44,6 +44,7 @@ pub(crate) mod sql {
     pub const INBOX_KEY_WAIT: &str = include_str!("sql/inbox_key_wait.sql");
     pub const INBOX_SKIP_LOCK: &str = include_str!("sql/inbox_skip_lock.sql");
     pub const INBOX_HOLD: &str = include_str!("sql/inbox_hold.sql");
+    pub const INBOX_WAIT: &str = include_str!("sql/inbox_wait.sql");
     pub const INBOX_HELD: &str = include_str!("sql/inbox_held.sql");
     pub const INBOX_RELEASABLE: &str = include_str!("sql/inbox_releasable.sql");
     pub const INBOX_SKIP: &str = include_str!("sql/inbox_skip.sql");

@@ -355,6 +355,7 @@ impl PublishChannel for SimChannel {
                     )
                 }),
                 ordering: m.ordering.map(|o| (o.key.clone(), o.seq)),
+                bucket: Some(outbox::core::ports::bucket_of(m.ordering, m.message_id).to_string()),
             })
             .await?;
         self.published += 1;
@@ -442,6 +443,8 @@ impl ConsumerBroker for SimBroker {
                 exchange: spec.exchange.clone(),
                 bindings: spec.bindings.clone(),
                 quorum: spec.queue_type == outbox::QueueType::Quorum,
+                partitions: spec.partitions,
+                partition: spec.partition,
             },
         )
         .await?;
@@ -459,7 +462,7 @@ impl ConsumerBroker for SimBroker {
             channel,
             MqRequest::Consume {
                 channel,
-                queue: spec.queue.clone(),
+                queue: spec.consumed_queue(),
             },
         )
         .await?;

@@ -408,7 +408,24 @@ fn wire_entry(e: &InboxEntry<'_>) -> Result<WireInboxEntry, StoreError> {
         routing_key: e.routing_key.to_owned(),
         payload: payload.to_owned(),
         fresh_budget: e.fresh_budget,
+        ordering: e.ordering.map(|o| (o.key.clone(), o.seq)),
     })
+}
+
+/// An inbox row from the wire.
+fn inbox_row(r: crate::wire::WireInboxRow) -> InboxRow {
+    InboxRow {
+        event_id: r.event_id,
+        subscription: r.subscription,
+        routing_key: r.routing_key,
+        payload: r.payload.into_bytes(),
+        attempts: r.attempts,
+        last_error: r.last_error,
+        received_at: sim_time(r.received_ms),
+        dead_lettered_at: r.dead_lettered_ms.map(sim_time),
+        ordering: r.ordering.map(|(key, seq)| outbox::KeySeq { key, seq }),
+        held: r.held,
+    }
 }
 
 fn sim_time(ms: u64) -> OffsetDateTime {
@@ -481,6 +498,8 @@ impl InboxStore for SimInboxStore {
                 InsertOutcome::InFlightRetry { attempts }
             }
             PgReply::Inbox(WireInsertOutcome::AlreadyProcessed) => InsertOutcome::AlreadyProcessed,
+            PgReply::Inbox(WireInsertOutcome::BehindRetry) => InsertOutcome::BehindRetry,
+            PgReply::Inbox(WireInsertOutcome::Held) => InsertOutcome::Held,
             other => return Err(unexpected(other)),
         };
         Ok(outcome)
@@ -586,19 +605,62 @@ impl InboxStore for SimInboxStore {
             })
             .await?
         {
-            PgReply::InboxRows(rows) => Ok(rows
-                .into_iter()
-                .map(|r| InboxRow {
-                    event_id: r.event_id,
-                    subscription: r.subscription,
-                    routing_key: r.routing_key,
-                    payload: r.payload.into_bytes(),
-                    attempts: r.attempts,
-                    last_error: r.last_error,
-                    received_at: sim_time(r.received_ms),
-                    dead_lettered_at: r.dead_lettered_ms.map(sim_time),
-                })
-                .collect()),
+            PgReply::InboxRows(rows) => Ok(rows.into_iter().map(inbox_row).collect()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn inbox_held(
+        &self,
+        subscription: &str,
+        key: &str,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        match self
+            .side_call(PgRequest::InboxHeld {
+                subscription: subscription.to_owned(),
+                key: key.to_owned(),
+                after,
+                limit: limit.clamp(1, LIST_LIMIT_MAX),
+            })
+            .await?
+        {
+            PgReply::InboxRows(rows) => Ok(rows.into_iter().map(inbox_row).collect()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn inbox_releasable(
+        &self,
+        subscription: &str,
+        limit: u32,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        match self
+            .side_call(PgRequest::InboxReleasable {
+                subscription: subscription.to_owned(),
+                limit: limit.clamp(1, LIST_LIMIT_MAX),
+            })
+            .await?
+        {
+            PgReply::InboxRows(rows) => Ok(rows.into_iter().map(inbox_row).collect()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn inbox_skip(
+        &self,
+        subscription: &str,
+        ids: &[uuid::Uuid],
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        match self
+            .side_call(PgRequest::InboxSkip {
+                subscription: subscription.to_owned(),
+                ids: ids.to_vec(),
+            })
+            .await?
+        {
+            PgReply::InboxRows(rows) => Ok(rows.into_iter().map(inbox_row).collect()),
             other => Err(unexpected(other)),
         }
     }

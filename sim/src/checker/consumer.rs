@@ -215,12 +215,28 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
     let max = ctx.limits.consumer_max_attempts;
     let mut handler_failures: BTreeMap<Uuid, u32> = BTreeMap::new();
     let mut records: BTreeMap<(&str, Uuid), Records> = BTreeMap::new();
-    let mut replaying: BTreeSet<Uuid> = BTreeSet::new();
+    let mut replaying: BTreeSet<(&str, Uuid)> = BTreeSet::new();
     // Rows marked dead-lettered: the mark stays until a replay resets it.
     let mut dead: BTreeSet<Uuid> = BTreeSet::new();
+    // An ordered subscription's deferrals: what was delivered, and what
+    // took effect or was skipped, so far.
+    let mut delivered: BTreeSet<Uuid> = BTreeSet::new();
+    let mut settled_for_good: BTreeSet<Uuid> = BTreeSet::new();
     for (at, e) in ctx.events {
         let at = Some(*at);
         match e {
+            Event::Delivered { message_id, .. } => {
+                delivered.extend(ctx.model.event_of(message_id.as_deref()));
+            }
+            Event::InboxCommitted { effects, .. } => {
+                settled_for_good.extend(effects.iter().map(|(_, id)| *id));
+            }
+            Event::InboxSkipped { events, .. } => settled_for_good.extend(events.iter().copied()),
+            Event::InboxDeleted { ids } => {
+                for id in ids {
+                    settled_for_good.remove(id);
+                }
+            }
             Event::HandlerRan {
                 event_id,
                 result: HandlerResult::Failed | HandlerResult::Overran,
@@ -233,14 +249,21 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
                     *handler_failures.entry(*id).or_insert(0) += 1;
                 }
             }
-            Event::InboxReset { ids } => {
-                replaying.extend(ids.iter().copied());
+            // A replay's reset: the next failure that client records of the
+            // row is the replay's (a budget of one), not a delivery's.
+            Event::InboxReset { client, ids } => {
                 for id in ids {
+                    replaying.insert((client.as_str(), *id));
                     dead.remove(id);
                 }
             }
-            Event::Replayed { event_id, .. } => {
-                replaying.remove(event_id);
+            Event::Replayed {
+                client, event_id, ..
+            }
+            | Event::ReplayReleased {
+                client, event_id, ..
+            } => {
+                replaying.remove(&(client.as_str(), *event_id));
             }
             Event::InboxFailure {
                 client,
@@ -261,7 +284,7 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
                 } else {
                     dead.contains(event_id)
                 };
-                if replaying.contains(event_id) {
+                if replaying.remove(&(client.as_str(), *event_id)) {
                     continue; // a replay's budget is one (see `replay`)
                 }
                 if *dead_lettered != (*attempts as u32 >= max || was_dead) {
@@ -288,6 +311,17 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
                 };
                 let r = records.entry((client.as_str(), event)).or_default();
                 if let Err(what) = r.answer(*settle) {
+                    // Requeued behind an earlier event of its key.
+                    if *settle == Settle::Requeue
+                        && super::ordered::deferral_justified(
+                            ctx,
+                            event,
+                            &delivered,
+                            &settled_for_good,
+                        )
+                    {
+                        continue;
+                    }
                     out.add(
                         Invariant::DeadLetterAtBudget,
                         at,
@@ -532,6 +566,10 @@ struct ReplayRun<'a> {
     left: BTreeSet<Uuid>,
     reset: BTreeSet<Uuid>,
     replayed: Vec<Uuid>,
+    /// Held rows its rows released (their resets are theirs), and rows
+    /// held when it began (a subscriber's own release may reset them).
+    released: BTreeSet<Uuid>,
+    held: BTreeSet<Uuid>,
 }
 
 impl ReplayRun<'_> {
@@ -552,7 +590,8 @@ impl ReplayRun<'_> {
                 && (self.matching.contains(id) || self.came.contains(id))
         };
         for id in self.replayed.iter().chain(&self.reset) {
-            if !selectable(id) {
+            let release = self.released.contains(id) || self.held.contains(id);
+            if !selectable(id) && !release {
                 bad(format!("touched {id}, which it was not asked for"));
             }
         }
@@ -581,8 +620,16 @@ impl ReplayRun<'_> {
         if more && !rest {
             bad("said more match, and none did".into());
         }
+        // A row that came to match meanwhile (an ordered subscription's own
+        // release may dead-letter one) and was replayed took a place a
+        // matching row would have had.
+        let came_in = self
+            .replayed
+            .iter()
+            .filter(|id| !self.matching.contains(id))
+            .count();
         let owed = if more {
-            self.limit
+            self.limit.saturating_sub(came_in)
         } else {
             self.matching.len()
         };
@@ -597,8 +644,15 @@ impl ReplayRun<'_> {
 /// Replays touch exactly what they were asked for (see [`ReplayRun`]).
 fn replay_exact(ctx: &Context<'_>, out: &mut Findings) {
     let mut runs: BTreeMap<&str, ReplayRun<'_>> = BTreeMap::new();
+    let mut held_ever: BTreeSet<Uuid> = BTreeSet::new();
     for (at, e) in ctx.events {
         match e {
+            Event::InboxHeld { events, .. } => {
+                held_ever.extend(events.iter().copied());
+                for r in runs.values_mut().filter(|r| r.ended.is_none()) {
+                    r.held.extend(events.iter().copied());
+                }
+            }
             Event::ReplayStarted {
                 client,
                 ids,
@@ -614,6 +668,7 @@ fn replay_exact(ctx: &Context<'_>, out: &mut Findings) {
                         ids: ids.as_deref(),
                         limit: *limit as usize,
                         matching,
+                        held: held_ever.clone(),
                         ..ReplayRun::default()
                     },
                 ) {
@@ -632,6 +687,13 @@ fn replay_exact(ctx: &Context<'_>, out: &mut Findings) {
                     r.replayed.push(*event_id);
                 }
             }
+            Event::ReplayReleased {
+                client, event_id, ..
+            } => {
+                if let Some(r) = runs.get_mut(client.as_str()) {
+                    r.released.insert(*event_id);
+                }
+            }
             Event::InboxFailure { event_id, .. } => {
                 for r in runs.values_mut().filter(|r| r.ended.is_none()) {
                     r.came.insert(*event_id);
@@ -642,7 +704,7 @@ fn replay_exact(ctx: &Context<'_>, out: &mut Findings) {
                     r.left.extend(processed.iter().copied());
                 }
             }
-            Event::InboxReset { ids } => {
+            Event::InboxReset { ids, .. } => {
                 for r in runs.values_mut().filter(|r| r.ended.is_none()) {
                     r.reset.extend(ids.iter().copied());
                 }
@@ -658,13 +720,19 @@ fn replay_exact(ctx: &Context<'_>, out: &mut Findings) {
 fn replay(ctx: &Context<'_>, out: &mut Findings) {
     let mut reset: BTreeSet<Uuid> = BTreeSet::new();
     let mut last_record: BTreeMap<Uuid, bool> = BTreeMap::new();
+    // Rows whose dead-lettering record another replay then reset (an
+    // ordered subscription's own release may replay a row the operator's
+    // replay failed, before the operator's outcome is reported).
+    let mut superseded: BTreeSet<Uuid> = BTreeSet::new();
     for (at, e) in ctx.events {
         match e {
             Event::ReplayStarted { .. } => reset.clear(),
-            Event::InboxReset { ids } => {
+            Event::InboxReset { ids, .. } => {
                 for id in ids {
                     reset.insert(*id);
-                    last_record.remove(id);
+                    if last_record.remove(id) == Some(true) {
+                        superseded.insert(*id);
+                    }
                 }
             }
             Event::InboxFailure {
@@ -678,6 +746,11 @@ fn replay(ctx: &Context<'_>, out: &mut Findings) {
                 client,
                 event_id,
                 outcome,
+            }
+            | Event::ReplayReleased {
+                client,
+                event_id,
+                outcome,
             } => {
                 let ran = matches!(outcome, Replay::Applied | Replay::Failed);
                 if ran && !reset.remove(event_id) {
@@ -687,7 +760,10 @@ fn replay(ctx: &Context<'_>, out: &mut Findings) {
                         format!("{client} replayed {event_id} ({outcome:?}) without resetting its budget"),
                     );
                 }
-                if *outcome == Replay::Failed && last_record.get(event_id) != Some(&true) {
+                if *outcome == Replay::Failed
+                    && last_record.get(event_id) != Some(&true)
+                    && !superseded.contains(event_id)
+                {
                     out.add(
                         Invariant::ReplayKeepsFailedFindable,
                         Some(*at),
@@ -809,6 +885,8 @@ fn acked_after_commit(ctx: &Context<'_>, out: &mut Findings) {
     for (at, e) in ctx.events {
         match e {
             Event::InboxCommitted { processed: ids, .. } => processed.extend(ids.iter().copied()),
+            // Held behind its key: recorded, acked, applied later.
+            Event::InboxHeld { events, .. } => processed.extend(events.iter().copied()),
             Event::Settled {
                 client,
                 message_id: Some(mid),

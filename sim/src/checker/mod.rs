@@ -35,6 +35,7 @@ mod delivery;
 mod expectations;
 mod leases;
 mod marks;
+mod ordered;
 mod ordering;
 mod retention;
 mod statements;
@@ -128,6 +129,10 @@ invariants! {
     KeyHeadOnlyClaimed = "key_head_only_claimed",
     /// A keyed event is sent to the broker only once every earlier event of its key is marked published (or skipped).
     KeyPublishedInOrder = "key_published_in_order",
+    /// On an ordered subscription, a keyed event takes effect only once every earlier event of its key took effect or was skipped: commit order, a dead-lettered event holding back its key until replayed or skipped.
+    KeyAppliedInOrder = "key_applied_in_order",
+    /// On an ordered subscription, a delivery is recorded held only behind an earlier event of its key that has not taken effect.
+    KeyHeldBehindItsHead = "key_held_behind_its_head",
     // --- retention
     /// The outbox janitor deletes only rows published longer ago than the retention.
     OutboxJanitorScope = "outbox_janitor_scope",
@@ -277,6 +282,9 @@ pub struct Limits {
     pub handler_timeout: Duration,
     /// Subscriber: most deliveries in one transaction.
     pub consumer_batch_max: u32,
+    /// Subscriber: partition queues of an ordered subscription (0: not
+    /// ordered).
+    pub consumer_partitions: u16,
 }
 
 /// Slack on timing rules: a timer fires at the first step after its
@@ -334,6 +342,7 @@ pub fn check(
     transactions::check(&ctx, &mut out);
     attempts::check(&ctx, &mut out);
     ordering::check(&ctx, &mut out);
+    ordered::check(&ctx, &mut out);
     leases::check(&ctx, &mut out);
     timing::check(&ctx, &mut out);
     retention::check(&ctx, &mut out);

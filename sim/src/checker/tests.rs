@@ -40,6 +40,7 @@ fn limits() -> Limits {
         abandoned_statement_bound: Duration::from_millis(1500),
         handler_timeout: Duration::from_millis(500),
         consumer_batch_max: 4,
+        consumer_partitions: 0,
     }
 }
 
@@ -839,7 +840,13 @@ fn failed_replay(run: Run, dead_lettered: bool) -> Run {
             matching: vec![id(1)],
         },
     )
-    .at(201, Event::InboxReset { ids: vec![id(1)] })
+    .at(
+        201,
+        Event::InboxReset {
+            client: s("c#1"),
+            ids: vec![id(1)],
+        },
+    )
     .at(
         202,
         Event::HandlerRan {

@@ -196,6 +196,9 @@ pub struct ConfigOverrides {
     pub consumer_prefetch: Option<u16>,
     /// Subscriber handler concurrency (default 2).
     pub consumer_concurrency: Option<u32>,
+    /// Partition queues of an ordered subscription (default 0: not
+    /// ordered; the workers are then the partitions).
+    pub consumer_partitions: Option<u16>,
     /// Deliveries a subscriber worker applies in one transaction (default
     /// 4: every consumer scenario runs batched).
     pub consumer_batch_max: Option<u32>,

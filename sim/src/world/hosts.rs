@@ -57,6 +57,7 @@ pub fn subscriber_settings(s: &Scenario) -> SubscriberSettings {
     settings.spec.prefetch = c.consumer_prefetch.unwrap_or(8);
     settings.concurrency = c.consumer_concurrency.unwrap_or(2);
     settings.batch_max = c.consumer_batch_max.unwrap_or(4);
+    settings.spec.partitions = c.consumer_partitions.unwrap_or(0);
     settings.batch_linger = Duration::from_millis(c.consumer_batch_linger_ms.unwrap_or(5));
     settings.max_attempts = c.consumer_max_attempts.unwrap_or(3);
     settings.max_body_bytes = c.consumer_max_body_bytes.unwrap_or(16 * 1024);
@@ -277,14 +278,28 @@ async fn operate(
             trace.now(Event::Replayed {
                 client: who.clone(),
                 event_id,
-                outcome: match outcome {
-                    ReplayOutcome::Applied => Replay::Applied,
-                    ReplayOutcome::AlreadyProcessed => Replay::AlreadyProcessed,
-                    ReplayOutcome::Failed { .. } => Replay::Failed,
-                    ReplayOutcome::Undecodable { .. } => Replay::Undecodable,
-                },
+                outcome: replay_of(&outcome),
             });
         }
+        for (event_id, outcome) in page.released {
+            trace.now(Event::ReplayReleased {
+                client: who.clone(),
+                event_id,
+                outcome: replay_of(&outcome),
+            });
+        }
+    }
+}
+
+/// A replay outcome as the trace records it.
+fn replay_of(outcome: &ReplayOutcome) -> Replay {
+    match outcome {
+        ReplayOutcome::Applied => Replay::Applied,
+        ReplayOutcome::AlreadyProcessed => Replay::AlreadyProcessed,
+        ReplayOutcome::Failed { .. } => Replay::Failed,
+        ReplayOutcome::Undecodable { .. } => Replay::Undecodable,
+        ReplayOutcome::Held => Replay::Held,
+        ReplayOutcome::Skipped => Replay::Skipped,
     }
 }
 

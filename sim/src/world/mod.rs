@@ -130,6 +130,7 @@ pub fn limits(s: &Scenario) -> Limits {
         abandoned_statement_bound: subscriber_settings(s).handler_timeout + Duration::from_secs(1),
         handler_timeout: subscriber_settings(s).handler_timeout,
         consumer_batch_max: subscriber_settings(s).batch_max,
+        consumer_partitions: subscriber_settings(s).spec.partitions,
     }
 }
 
@@ -358,9 +359,17 @@ fn populate(
         // declared on the last node (as the consumer hosts' first choice).
         let mut queues = env.mq.queues.lock().expect("queues");
         let last = queues.node_count() - 1;
-        let kind = subscriber_settings(scenario).spec.queue_type;
+        let spec = subscriber_settings(scenario).spec;
+        let topology = crate::fakes::mq::queues::Topology {
+            queue: CONSUMER_QUEUE,
+            exchange: EXCHANGE,
+            bindings: &["#".to_owned()],
+            kind: spec.queue_type,
+            partitions: spec.partitions,
+            partition: None,
+        };
         queues
-            .declare_subscription(CONSUMER_QUEUE, EXCHANGE, &["#".to_owned()], kind, last)
+            .declare_subscription(&topology, last)
             .expect("a fresh broker declares the subscription");
     }
     crate::fakes::serve(sim, &env.pg, &env.mq);

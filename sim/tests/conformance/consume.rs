@@ -35,6 +35,9 @@ trait ConsumeArm {
     async fn dlq_len(&self) -> usize;
     /// Breaks the subscriber's connections.
     async fn cut(&self);
+    /// Publishes an empty message with `routing_key` and no headers at
+    /// all (as a foreign publisher might), not through the library.
+    async fn publish_bare(&self, exchange: &str, routing_key: &str);
 }
 
 #[cfg(not(madsim))]
@@ -85,6 +88,21 @@ impl ConsumeArm for Real {
     async fn cut(&self) {
         self.proxy.cut();
     }
+    async fn publish_bare(&self, exchange: &str, routing_key: &str) {
+        let ch = self.admin.create_channel().await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        ch.basic_publish(
+            exchange.into(),
+            routing_key.into(),
+            Default::default(),
+            b"{}",
+            lapin::BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
 }
 
 struct Fake {
@@ -124,6 +142,20 @@ impl ConsumeArm for Fake {
         self.state.close_all_connections();
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    async fn publish_bare(&self, exchange: &str, routing_key: &str) {
+        self.state.queues.lock().unwrap().inject(
+            exchange,
+            mq::queues::QueuedMessage {
+                message_id: None,
+                routing_key: routing_key.into(),
+                body: sim::wire::WireBody::from_bytes(b"{}"),
+                redelivered: false,
+                trace: None,
+                ordering: None,
+                bucket: None,
+            },
+        );
+    }
 }
 
 #[cfg(not(madsim))]
@@ -145,7 +177,17 @@ where
         admin,
     };
     body(arm).await;
-    common::delete_subscription(&common::connect().await, &queue, &exchange).await;
+    let conn = common::connect().await;
+    for p in 0..4 {
+        common::delete_queue(&conn, &format!("{queue}.p{p}")).await;
+    }
+    let ch = conn.create_channel().await.unwrap();
+    for x in [format!("{queue}.route"), format!("{queue}.route.rest")] {
+        ch.exchange_delete(x.as_str().into(), Default::default())
+            .await
+            .unwrap();
+    }
+    common::delete_subscription(&conn, &queue, &exchange).await;
 }
 
 fn with_fake<F, Fut>(body: F)
@@ -236,7 +278,110 @@ async fn ends_and_gives_back<A: ConsumeArm>(
     c.consumer_close().await;
 }
 
+/// Publishes one event of `key` numbered `seq` through the library (so
+/// with its bucket header).
+async fn publish_keyed<A: ConsumeArm>(arm: &A, exchange: &str, key: &str, seq: i64) -> uuid::Uuid {
+    let mut ch = arm.publisher().channel_open().await.unwrap();
+    ch.channel_confirm_select().await.unwrap();
+    let e = EventEnvelope::new("orders.keyed", serde_json::json!({ "seq": seq }))
+        .with_ordering_key(key);
+    let body = e.encode(&Default::default()).unwrap();
+    let ordering = outbox::KeySeq {
+        key: key.into(),
+        seq,
+    };
+    let confirm = ch
+        .channel_publish(OutgoingMessage {
+            exchange,
+            routing_key: "orders.keyed",
+            message_id: e.id,
+            body: body.as_bytes(),
+            trace: None,
+            ordering: Some(&ordering),
+        })
+        .await
+        .unwrap();
+    assert_eq!(confirm.await.unwrap(), Confirm::Ack);
+    ch.channel_close().await;
+    e.id
+}
+
+/// A key whose bucket lands in partition `p` of 2.
+fn key_in(p: u16) -> String {
+    (0..)
+        .map(|n| format!("acct-{n}"))
+        .find(|k| {
+            let ks = outbox::KeySeq {
+                key: k.clone(),
+                seq: 1,
+            };
+            outbox::core::ports::bucket_of(Some(&ks), uuid::Uuid::nil()) % 2 == p
+        })
+        .expect("some key")
+}
+
 // ---- bodies --------------------------------------------------------------
+
+/// An ordered subscription (issue 27): each key's events go to its
+/// bucket's partition, one without a bucket header to partition 0; a
+/// partition delivers to its first consumer only, the others waiting;
+/// requeued deliveries come back in the order they were requeued, before
+/// the rest; and when the active consumer goes, the next one gets its
+/// unsettled deliveries back in the order they were first delivered.
+async fn an_ordered_subscription_has_one_active_consumer_per_partition<A: ConsumeArm>(arm: A) {
+    let mut spec = arm.spec(10);
+    spec.partitions = 2;
+    let on = |p: u16| SubscriptionSpec {
+        partition: Some(p),
+        ..spec.clone()
+    };
+    let active = arm.broker().subscription_open(&on(0)).await.unwrap();
+    let standby = arm.broker().subscription_open(&on(0)).await.unwrap();
+    let other = arm.broker().subscription_open(&on(1)).await.unwrap();
+    let (a, b) = (key_in(0), key_in(1));
+    let a1 = publish_keyed(&arm, &spec.exchange, &a, 1).await;
+    let a2 = publish_keyed(&arm, &spec.exchange, &a, 2).await;
+    let a3 = publish_keyed(&arm, &spec.exchange, &a, 3).await;
+    let b1 = publish_keyed(&arm, &spec.exchange, &b, 1).await;
+    arm.publish_bare(&spec.exchange, "orders.bare").await;
+    let got: Vec<Delivery> = vec![
+        next(&active).await,
+        next(&active).await,
+        next(&active).await,
+    ];
+    assert_eq!(got.iter().map(id_of).collect::<Vec<_>>(), [a1, a2, a3]);
+    assert_eq!(got[1].ordering.as_ref().map(|o| o.seq), Some(2));
+    let bare = next(&active).await;
+    assert_eq!(bare.body, b"{}", "no bucket: partition 0");
+    active.delivery_ack(bare.tag).await.unwrap();
+    assert_eq!(id_of(&next(&other).await), b1);
+    quiet(&standby).await;
+    // Requeued: back in the order they were requeued, before anything else.
+    active.delivery_nack(got[0].tag, true).await.unwrap();
+    active.delivery_nack(got[1].tag, true).await.unwrap();
+    let a4 = publish_keyed(&arm, &spec.exchange, &a, 4).await;
+    let again: Vec<Delivery> = vec![
+        next(&active).await,
+        next(&active).await,
+        next(&active).await,
+    ];
+    assert_eq!(again.iter().map(id_of).collect::<Vec<_>>(), [a1, a2, a4]);
+    assert!(again[0].redelivered && again[1].redelivered && !again[2].redelivered);
+    quiet(&standby).await;
+    // The active consumer goes: the standby gets its unsettled deliveries
+    // in the order they were delivered to it (a3 first: a1 and a2 came
+    // again after it).
+    active.consumer_close().await;
+    let handed: Vec<uuid::Uuid> = vec![
+        id_of(&next(&standby).await),
+        id_of(&next(&standby).await),
+        id_of(&next(&standby).await),
+        id_of(&next(&standby).await),
+    ];
+    assert_eq!(handed, [a3, a1, a2, a4]);
+    standby.consumer_close().await;
+    other.consumer_close().await;
+}
 
 /// The trace context and the ordering key and number (issue 27) travel as
 /// AMQP headers, beside each other or not at all.
@@ -401,6 +546,7 @@ async fn an_ack_of_a_settled_tag_closes_the_channel<A: ConsumeArm>(arm: A) {
 
 conformance!(rabbitmq: with_real, fake: with_fake;
     trace_context_headers_travel_with_the_message,
+    an_ordered_subscription_has_one_active_consumer_per_partition,
     deliveries_are_acked_requeued_and_dead_lettered,
     unacked_deliveries_come_back_after_the_connection_is_cut,
     the_prefetch_bounds_unacked_deliveries,

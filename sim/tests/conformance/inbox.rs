@@ -315,7 +315,32 @@ fn entry_of<'a>(subscription: &'a str, e: &'a Event, key: &'a str) -> InboxEntry
         routing_key: key,
         payload: e.payload.as_bytes(),
         fresh_budget: false,
+        ordering: None,
     }
+}
+
+/// `e` as an ordered subscription `q` receives it: number `seq` of `key`.
+fn keyed<'a>(e: &'a Event, o: &'a outbox::KeySeq) -> InboxEntry<'a> {
+    InboxEntry {
+        ordering: Some(o),
+        ..entry(e, "k")
+    }
+}
+
+fn ks(key: &str, seq: i64) -> outbox::KeySeq {
+    outbox::KeySeq {
+        key: key.into(),
+        seq,
+    }
+}
+
+/// BEGIN, try_insert of `entry`, COMMIT (nothing else): what the insert
+/// found.
+async fn insert_only<S: InboxStore>(store: &S, entry: &InboxEntry<'_>) -> InsertOutcome {
+    let mut tx = store.inbox_begin(bounds()).await.unwrap();
+    let outcome = store.inbox_try_insert(&mut tx, entry).await.unwrap();
+    store.inbox_commit(tx).await.unwrap();
+    outcome
 }
 
 /// BEGIN, try_insert, effect, mark, COMMIT; returns the insert outcome.
@@ -755,6 +780,7 @@ async fn the_inbox_refuses_what_postgresql_refuses<A: InboxArm>(arm: A) {
             routing_key: key,
             payload: payload.as_bytes(),
             fresh_budget: false,
+            ordering: None,
         };
         let mut tx = s.inbox_begin(bounds()).await.unwrap();
         let outcome = s.inbox_try_insert(&mut tx, &entry).await;
@@ -1188,7 +1214,214 @@ async fn a_listing_resumes_after_its_cursor<A: InboxArm>(arm: A) {
     );
 }
 
+/// One failed attempt of an ordered delivery (see [`fail`]).
+async fn fail_keyed<A: InboxArm>(arm: &A, e: &Event, o: &outbox::KeySeq, max_attempts: u32) {
+    let store = arm.store();
+    let mut tx = store.inbox_begin(bounds()).await.unwrap();
+    let entry = keyed(e, o);
+    assert_eq!(
+        store.inbox_try_insert(&mut tx, &entry).await.unwrap(),
+        InsertOutcome::Inserted
+    );
+    store.inbox_savepoint(&mut tx).await.unwrap();
+    store
+        .inbox_record_failure(&mut tx, &entry, "boom", max_attempts)
+        .await
+        .unwrap();
+    store.inbox_commit(tx).await.unwrap();
+}
+
+async fn an_ordered_delivery_behind_a_retrying_event_of_its_key_waits_behind_it<A: InboxArm>(
+    arm: A,
+) {
+    let a = arm.store();
+    let (e1, e2, other) = (event("k"), event("k"), event("k"));
+    let (k1, k2) = (ks("acct-1", 1), ks("acct-1", 2));
+    fail_keyed(&arm, &e1, &k1, 5).await;
+    assert_eq!(
+        insert_only(a, &keyed(&e2, &k2)).await,
+        InsertOutcome::BehindRetry
+    );
+    // Another key, and an unordered entry, are not held back.
+    let k9 = ks("acct-9", 4);
+    assert_eq!(
+        apply_entry(&arm, a, &keyed(&other, &k9)).await,
+        InsertOutcome::Inserted
+    );
+    let rows = a
+        .inbox_list_unprocessed(&InboxFilter {
+            subscription: Some("q".into()),
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    // The deferred delivery's row records that it waits: unprocessed, no
+    // attempt, not held.
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let waiting = rows.iter().find(|r| r.event_id == e2.id).expect("its row");
+    assert_eq!(waiting.ordering, Some(k2.clone()));
+    assert_eq!((waiting.attempts, waiting.held), (0, false));
+    assert!(waiting.dead_lettered_at.is_none());
+    // A number after it waits behind it too (a handover's redelivery may
+    // bring number 3 before 2 comes back).
+    let (e3, k3) = (event("k"), ks("acct-1", 3));
+    assert_eq!(
+        insert_only(a, &keyed(&e3, &k3)).await,
+        InsertOutcome::BehindRetry
+    );
+    assert_eq!(
+        insert_only(a, &keyed(&e2, &k2)).await,
+        InsertOutcome::BehindRetry
+    );
+    // The retry takes effect; then the next ones go in, in order.
+    assert_eq!(
+        apply_entry(&arm, a, &keyed(&e1, &k1)).await,
+        InsertOutcome::InFlightRetry { attempts: 1 }
+    );
+    assert_eq!(
+        insert_only(a, &keyed(&e3, &k3)).await,
+        InsertOutcome::BehindRetry
+    );
+    assert_eq!(
+        apply_entry(&arm, a, &keyed(&e2, &k2)).await,
+        InsertOutcome::InFlightRetry { attempts: 0 }
+    );
+    assert_eq!(
+        apply_entry(&arm, a, &keyed(&e3, &k3)).await,
+        InsertOutcome::InFlightRetry { attempts: 0 }
+    );
+}
+
+async fn a_delivery_behind_a_dead_lettered_event_is_held_until_skipped<A: InboxArm>(arm: A) {
+    let a = arm.store();
+    let es: Vec<Event> = (0..4).map(|_| event("k")).collect();
+    let k: Vec<outbox::KeySeq> = (1..=4).map(|n| ks("acct-1", n)).collect();
+    fail_keyed(&arm, &es[0], &k[0], 1).await;
+    // Numbers 3 then 2 arrive (a handover's redelivery order): both held.
+    assert_eq!(
+        insert_only(a, &keyed(&es[2], &k[2])).await,
+        InsertOutcome::Held
+    );
+    assert_eq!(
+        insert_only(a, &keyed(&es[1], &k[1])).await,
+        InsertOutcome::Held
+    );
+    // A redelivery of a held row is held again, and a held row blocks.
+    assert_eq!(
+        insert_only(a, &keyed(&es[2], &k[2])).await,
+        InsertOutcome::Held
+    );
+    assert_eq!(
+        insert_only(a, &keyed(&es[3], &k[3])).await,
+        InsertOutcome::Held
+    );
+    let held = a.inbox_held("q", "acct-1", 1, 10).await.unwrap();
+    let seqs: Vec<i64> = held
+        .iter()
+        .map(|r| r.ordering.as_ref().unwrap().seq)
+        .collect();
+    assert_eq!(seqs, [2, 3, 4], "in the key's order");
+    assert!(held.iter().all(|r| r.held && r.dead_lettered_at.is_none()));
+    assert_eq!(a.inbox_held("q", "acct-1", 3, 10).await.unwrap().len(), 1);
+    assert!(a.inbox_held("q", "acct-2", 0, 10).await.unwrap().is_empty());
+    assert!(
+        a.inbox_held("other", "acct-1", 0, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        a.inbox_releasable("q", 10).await.unwrap().is_empty(),
+        "the dead-lettered head holds them"
+    );
+    // Skipping a row that is not dead-lettered does nothing.
+    assert!(a.inbox_skip("q", &[es[1].id]).await.unwrap().is_empty());
+    let skipped = a.inbox_skip("q", &[es[0].id, es[0].id]).await.unwrap();
+    assert_eq!(skipped.len(), 1);
+    assert_eq!(skipped[0].event_id, es[0].id);
+    assert_eq!(skipped[0].ordering, Some(k[0].clone()));
+    assert_eq!(arm.effects(es[0].id).await, 0, "skipped: no effect");
+    assert!(
+        a.inbox_skip("q", &[es[0].id]).await.unwrap().is_empty(),
+        "once"
+    );
+    let free = a.inbox_releasable("q", 10).await.unwrap();
+    assert_eq!(
+        free.len(),
+        1,
+        "the key's lowest held row, nothing before it"
+    );
+    assert_eq!(free[0].event_id, es[1].id);
+    // Released: a replay of number 2 takes effect; 3 then goes on.
+    assert_eq!(
+        reset(a, &keyed(&es[1], &k[1])).await,
+        InsertOutcome::InFlightRetry { attempts: 0 }
+    );
+    assert_eq!(
+        apply_entry(&arm, a, &keyed(&es[1], &k[1])).await,
+        InsertOutcome::InFlightRetry { attempts: 0 }
+    );
+    let free = a.inbox_releasable("q", 10).await.unwrap();
+    assert_eq!(
+        free.iter().map(|r| r.event_id).collect::<Vec<_>>(),
+        [es[2].id]
+    );
+}
+
+async fn one_keys_deliveries_take_its_lock_one_transaction_at_a_time<A: InboxArm>(arm: A) {
+    let (a, b) = (arm.store(), arm.other());
+    let (e1, e2) = (event("k"), event("k"));
+    let (k1, k2) = (ks("acct-1", 1), ks("acct-1", 2));
+    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    assert_eq!(
+        a.inbox_try_insert(&mut tx, &keyed(&e1, &k1)).await.unwrap(),
+        InsertOutcome::Inserted
+    );
+    a.inbox_savepoint(&mut tx).await.unwrap();
+    // Another key's delivery goes on meanwhile.
+    let k9 = ks("acct-9", 1);
+    let other = event("k");
+    assert_eq!(
+        insert_only(b, &keyed(&other, &k9)).await,
+        InsertOutcome::Inserted
+    );
+    // The same key's next delivery waits for the first transaction.
+    let mut tx2 = b.inbox_begin(bounds()).await.unwrap();
+    let waited =
+        tokio::time::timeout(ms(400), b.inbox_try_insert(&mut tx2, &keyed(&e2, &k2))).await;
+    assert!(waited.is_err(), "waits on the key's lock");
+    b.inbox_abandon(tx2).await;
+    let record = a
+        .inbox_record_failure(&mut tx, &keyed(&e1, &k1), "boom", 1)
+        .await
+        .unwrap();
+    assert!(record.dead_lettered);
+    let waiting = async {
+        let mut tx2 = b.inbox_begin(bounds()).await.unwrap();
+        let outcome = b
+            .inbox_try_insert(&mut tx2, &keyed(&e2, &k2))
+            .await
+            .unwrap();
+        b.inbox_commit(tx2).await.unwrap();
+        outcome
+    };
+    let commit = async {
+        tokio::time::sleep(ms(200)).await;
+        a.inbox_commit(tx).await.unwrap();
+    };
+    let (outcome, ()) = tokio::join!(waiting, commit);
+    assert_eq!(
+        outcome,
+        InsertOutcome::Held,
+        "it saw what the first committed"
+    );
+}
+
 conformance!(postgres: with_real, fake: with_fake;
+
+    an_ordered_delivery_behind_a_retrying_event_of_its_key_waits_behind_it,
+    a_delivery_behind_a_dead_lettered_event_is_held_until_skipped,
+    one_keys_deliveries_take_its_lock_one_transaction_at_a_time,
 
     a_committed_event_is_already_processed_the_second_time,
     two_subscriptions_each_take_an_events_effect,

@@ -127,6 +127,7 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
             redelivered: false,
             trace,
             ordering: None,
+            bucket: None,
         },
         envelope_id,
     }

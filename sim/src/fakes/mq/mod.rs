@@ -371,6 +371,7 @@ struct Publish {
     body: crate::wire::WireBody,
     trace: Option<crate::wire::WireTrace>,
     ordering: Option<crate::wire::WireOrdering>,
+    bucket: Option<String>,
 }
 
 impl Conn {
@@ -458,6 +459,8 @@ impl Conn {
                 exchange,
                 bindings,
                 quorum,
+                partitions,
+                partition,
             } => {
                 let kind = if quorum {
                     outbox::QueueType::Quorum
@@ -465,9 +468,15 @@ impl Conn {
                     outbox::QueueType::Classic
                 };
                 let node = self.node;
-                match state.with_queues(now, |q| {
-                    q.declare_subscription(&queue, &exchange, &bindings, kind, node)
-                }) {
+                let topology = queues::Topology {
+                    queue: &queue,
+                    exchange: &exchange,
+                    bindings: &bindings,
+                    kind,
+                    partitions,
+                    partition,
+                };
+                match state.with_queues(now, |q| q.declare_subscription(&topology, node)) {
                     Ok(()) => Some(MqReply::Ok { channel }),
                     Err(reason) => {
                         self.channels.remove(&channel);
@@ -517,6 +526,7 @@ impl Conn {
                 body,
                 trace,
                 ordering,
+                bucket,
             } => {
                 return self.publish(
                     Publish {
@@ -527,6 +537,7 @@ impl Conn {
                         body,
                         trace,
                         ordering,
+                        bucket,
                     },
                     now,
                 );
@@ -575,6 +586,7 @@ impl Conn {
                 redelivered: false,
                 trace: p.trace,
                 ordering: p.ordering,
+                bucket: p.bucket,
             };
             let held = queues::HeldConfirm {
                 client: client.clone(),
@@ -668,6 +680,8 @@ mod tests {
                     exchange: "x".into(),
                     bindings: vec!["#".into()],
                     quorum: true,
+                    partitions: 0,
+                    partition: None,
                 },
             ] {
                 assert!(conn.request(req, t0));
@@ -690,6 +704,7 @@ mod tests {
                     body: crate::wire::WireBody::from_bytes(b"{}"),
                     trace: None,
                     ordering: None,
+                    bucket: None,
                 },
                 t0,
             ));

@@ -64,12 +64,23 @@ pub struct QueuedMessage {
     pub trace: Option<WireTrace>,
     /// Its ordering key and number headers, as published.
     pub ordering: Option<WireOrdering>,
+    /// Its `canopy-bucket` header, as published.
+    pub bucket: Option<String>,
 }
 
 /// A durable queue.
 #[derive(Debug)]
 pub struct Queue {
     pub ready: VecDeque<QueuedMessage>,
+    /// How many of `ready`'s first messages were returned (nacked with
+    /// requeue, or unsettled when their consumer went): a quorum queue
+    /// serves its returns first, in the order they were returned, and a
+    /// consumer's unsettled deliveries are returned in the order they were
+    /// delivered (RabbitMQ 3.10's `rabbit_fifo`).
+    returns: usize,
+    /// `x-single-active-consumer`: only its earliest consumer still
+    /// registered gets deliveries.
+    single_active: bool,
     /// (exchange, routing key) a message nacked without requeue goes to.
     dead_letter: Option<(String, String)>,
     pub kind: QueueType,
@@ -81,9 +92,25 @@ pub struct Queue {
 }
 
 impl Queue {
+    /// Puts a returned message back: after the earlier returns, before the
+    /// rest.
+    fn give_back(&mut self, m: QueuedMessage) {
+        self.ready.insert(self.returns, m);
+        self.returns += 1;
+    }
+
+    /// The next message to deliver.
+    fn take(&mut self) -> Option<QueuedMessage> {
+        let m = self.ready.pop_front()?;
+        self.returns = self.returns.saturating_sub(1);
+        Some(m)
+    }
+
     fn new(kind: QueueType, node: usize) -> Self {
         Self {
             ready: VecDeque::new(),
+            returns: 0,
+            single_active: false,
             dead_letter: None,
             kind,
             leader: Some(node),
@@ -140,10 +167,35 @@ struct Consumer {
     /// The node its connection is on.
     node: usize,
     queue: String,
+    /// When it was registered, among all consumers: a single-active
+    /// queue's active consumer is its earliest.
+    registered: u64,
     prefetch: u16,
     next_tag: u64,
     unacked: BTreeMap<u64, QueuedMessage>,
     out: Outbox,
+}
+
+/// A headers exchange as an ordered subscription declares it.
+#[derive(Debug, Default)]
+struct HeadersExchange {
+    /// Bucket header value → queues bound with it.
+    by_bucket: BTreeMap<String, BTreeSet<String>>,
+    /// The queue bound to its alternate exchange (a fanout).
+    rest: Option<String>,
+}
+
+/// What a `DeclareSubscription` declares.
+#[derive(Debug)]
+pub struct Topology<'a> {
+    pub queue: &'a str,
+    pub exchange: &'a str,
+    pub bindings: &'a [String],
+    pub kind: QueueType,
+    /// 0: one queue; else the partition count of an ordered subscription.
+    pub partitions: u16,
+    /// The partition declared (every one if `None`).
+    pub partition: Option<u16>,
 }
 
 /// Every queue, binding and consumer of the broker.
@@ -152,6 +204,15 @@ pub struct Queues {
     queues: BTreeMap<String, Queue>,
     /// (exchange, pattern, queue); `direct` exchanges use exact patterns.
     bindings: Vec<(String, String, String)>,
+    /// Exchange-to-exchange bindings: (source topic exchange, pattern,
+    /// destination headers exchange).
+    exchange_bindings: Vec<(String, String, String)>,
+    /// Headers exchanges: each one's bindings (`x-match: all` on one
+    /// `canopy-bucket` value → queue) and its alternate exchange's queue,
+    /// which takes what no binding matches.
+    headers: BTreeMap<String, HeadersExchange>,
+    /// Consumers registered so far (orders them for single-active queues).
+    registrations: u64,
     /// Consumers by (connection, channel).
     consumers: BTreeMap<(u64, u32), Consumer>,
     /// Channel prefetch set by `basic.qos`, by (connection, channel).
@@ -195,6 +256,9 @@ impl Queues {
         Self {
             queues: BTreeMap::new(),
             bindings: Vec::new(),
+            exchange_bindings: Vec::new(),
+            headers: BTreeMap::new(),
+            registrations: 0,
             consumers: BTreeMap::new(),
             prefetch: BTreeMap::new(),
             nodes: vec![
@@ -404,39 +468,87 @@ impl Queues {
 
     /// Declares `<queue>.dlq` bound to `canopy.dlq`, the queue with its
     /// dead-letter route, and its bindings on `exchange`, both of type
-    /// `kind`, on (led by) `node` (idempotent). A queue that exists with
-    /// another type is refused, as RabbitMQ refuses it
-    /// (`PRECONDITION_FAILED - inequivalent arg 'x-queue-type'`).
-    pub fn declare_subscription(
-        &mut self,
-        queue: &str,
-        exchange: &str,
-        bindings: &[String],
-        kind: QueueType,
-        node: usize,
-    ) -> Result<(), String> {
-        let dlq = format!("{queue}.dlq");
-        for name in [queue, dlq.as_str()] {
+    /// `kind`, on (led by) `node` (idempotent). An ordered subscription
+    /// (`partitions` > 0) gets instead of the queue its headers exchange
+    /// `<queue>.route`, bound to `exchange` with each binding, whose
+    /// unmatched messages go to partition 0 (its alternate exchange), and
+    /// the partition queue(s) declared, single-active, each bound by its
+    /// buckets. A queue that exists with another type is refused, as
+    /// RabbitMQ refuses it (`PRECONDITION_FAILED - inequivalent arg
+    /// 'x-queue-type'`).
+    pub fn declare_subscription(&mut self, t: &Topology<'_>, node: usize) -> Result<(), String> {
+        let spec = outbox::core::ports::SubscriptionSpec {
+            queue: t.queue.to_owned(),
+            exchange: t.exchange.to_owned(),
+            bindings: t.bindings.to_vec(),
+            prefetch: 1,
+            queue_type: t.kind,
+            partitions: t.partitions,
+            partition: t.partition,
+        };
+        let dlq = spec.dlq_name();
+        let partitions: Vec<u16> = match (t.partitions, t.partition) {
+            (0, _) => Vec::new(),
+            (_, Some(p)) => vec![p],
+            (n, None) => (0..n).collect(),
+        };
+        let mut queues = vec![dlq.clone()];
+        if t.partitions == 0 {
+            queues.push(t.queue.to_owned());
+        }
+        queues.extend(partitions.iter().map(|p| spec.partition_queue(*p)));
+        for name in &queues {
             if let Some(q) = self.queues.get(name)
-                && q.kind != kind
+                && q.kind != t.kind
             {
                 return Err(format!(
                     "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue \
-                     '{name}': received '{kind}' but current is '{}'",
-                    q.kind
+                     '{name}': received '{}' but current is '{}'",
+                    t.kind, q.kind
                 ));
             }
         }
         self.queues
             .entry(dlq.clone())
-            .or_insert_with(|| Queue::new(kind, node));
-        self.bind(DLQ_EXCHANGE, queue, &dlq);
-        self.queues
-            .entry(queue.to_owned())
-            .or_insert_with(|| Queue::new(kind, node))
-            .dead_letter = Some((DLQ_EXCHANGE.to_owned(), queue.to_owned()));
-        for b in bindings {
-            self.bind(exchange, b, queue);
+            .or_insert_with(|| Queue::new(t.kind, node));
+        self.bind(DLQ_EXCHANGE, t.queue, &dlq);
+        let dead_letter = Some((DLQ_EXCHANGE.to_owned(), t.queue.to_owned()));
+        if t.partitions == 0 {
+            self.queues
+                .entry(t.queue.to_owned())
+                .or_insert_with(|| Queue::new(t.kind, node))
+                .dead_letter = dead_letter;
+            for b in t.bindings {
+                self.bind(t.exchange, b, t.queue);
+            }
+            return Ok(());
+        }
+        let route = spec.route_exchange();
+        for b in t.bindings {
+            let e2e = (t.exchange.to_owned(), b.clone(), route.clone());
+            if !self.exchange_bindings.contains(&e2e) {
+                self.exchange_bindings.push(e2e);
+            }
+        }
+        for p in partitions {
+            let name = spec.partition_queue(p);
+            let q = self
+                .queues
+                .entry(name.clone())
+                .or_insert_with(|| Queue::new(t.kind, node));
+            q.dead_letter = dead_letter.clone();
+            q.single_active = true;
+            let exchange = self.headers.entry(route.clone()).or_default();
+            for bucket in spec.buckets_of(p) {
+                exchange
+                    .by_bucket
+                    .entry(bucket.to_string())
+                    .or_default()
+                    .insert(name.clone());
+            }
+            if p == 0 {
+                exchange.rest = Some(name);
+            }
         }
         Ok(())
     }
@@ -453,7 +565,7 @@ impl Queues {
     /// leader or a majority cannot take it yet (see [`Routed`]).
     pub fn route(&mut self, node: usize, exchange: &str, message: QueuedMessage) -> Routed {
         let mut routed = Routed::default();
-        for q in self.targets(exchange, &message.routing_key) {
+        for q in self.targets(exchange, &message) {
             let Some(queue) = self.queues.get(&q) else {
                 continue;
             };
@@ -487,16 +599,21 @@ impl Queues {
     /// Puts a foreign publisher's message in every queue bound to it, as
     /// stored (the world's hostile messages).
     pub fn inject(&mut self, exchange: &str, message: QueuedMessage) {
-        for q in self.targets(exchange, &message.routing_key) {
+        for q in self.targets(exchange, &message) {
             if let Some(queue) = self.queues.get_mut(&q) {
                 queue.ready.push_back(message.clone());
             }
         }
     }
 
-    /// The queues a message on `exchange` with `key` is routed to.
-    fn targets(&self, exchange: &str, key: &str) -> Vec<String> {
-        self.bindings
+    /// The queues a message on `exchange` is routed to: by its routing key
+    /// through the queue bindings, and through each headers exchange bound
+    /// to `exchange` with a matching pattern, by its bucket header (the
+    /// exchange's alternate queue if no binding matches it).
+    fn targets(&self, exchange: &str, m: &QueuedMessage) -> Vec<String> {
+        let key = m.routing_key.as_str();
+        let mut targets: BTreeSet<String> = self
+            .bindings
             .iter()
             .filter(|(x, p, _)| {
                 x == exchange
@@ -507,16 +624,30 @@ impl Queues {
                     }
             })
             .map(|(_, _, q)| q.clone())
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect()
+            .collect();
+        let routes: BTreeSet<&String> = self
+            .exchange_bindings
+            .iter()
+            .filter(|(x, p, _)| x == exchange && topic_matches(p, key))
+            .map(|(_, _, route)| route)
+            .collect();
+        for route in routes {
+            let Some(h) = self.headers.get(route) else {
+                continue;
+            };
+            match m.bucket.as_ref().and_then(|b| h.by_bucket.get(b)) {
+                Some(queues) if !queues.is_empty() => targets.extend(queues.iter().cloned()),
+                _ => targets.extend(h.rest.iter().cloned()),
+            }
+        }
+        targets.into_iter().collect()
     }
 
     /// Dead-letters `m` to `exchange`: a quorum dead-letter queue that
     /// cannot take it yet keeps it waiting (at-least-once); a classic one
     /// out of reach drops it (at-most-once, RabbitMQ's classic behaviour).
     fn dead_letter(&mut self, exchange: &str, m: QueuedMessage) {
-        let targets = self.targets(exchange, &m.routing_key);
+        let targets = self.targets(exchange, &m);
         let waits = targets.iter().any(|q| {
             self.queues
                 .get(q)
@@ -559,12 +690,15 @@ impl Queues {
             .get(&(conn, channel))
             .copied()
             .unwrap_or(u16::MAX);
+        self.registrations += 1;
+        let registered = self.registrations;
         self.consumers.insert(
             (conn, channel),
             Consumer {
                 client: client.to_owned(),
                 node,
                 queue: queue.to_owned(),
+                registered,
                 prefetch,
                 next_tag: 1,
                 unacked: BTreeMap::new(),
@@ -624,7 +758,7 @@ impl Queues {
         if requeue {
             m.redelivered = true;
             if let Some(q) = self.queues.get_mut(&queue) {
-                q.ready.push_front(m);
+                q.give_back(m);
             }
         } else if let Some((x, rk)) = self.queues.get(&queue).and_then(|q| q.dead_letter.clone()) {
             m.routing_key = rk;
@@ -649,9 +783,9 @@ impl Queues {
         for key in keys {
             let consumer = self.consumers.remove(&key).expect("listed");
             if let Some(q) = self.queues.get_mut(&consumer.queue) {
-                for (_, mut m) in consumer.unacked.into_iter().rev() {
+                for (_, mut m) in consumer.unacked {
                     m.redelivered = true;
-                    q.ready.push_front(m);
+                    q.give_back(m);
                 }
             }
             self.prefetch.remove(&key);
@@ -664,13 +798,20 @@ impl Queues {
     /// consumer order; `duplicate` decides, per delivery, whether the broker
     /// also keeps a redelivered copy.
     pub fn dispatch(&mut self, now: Duration, mut duplicate: impl FnMut() -> bool) {
+        // A single-active queue's active consumer: its earliest.
+        let mut active: BTreeMap<&str, u64> = BTreeMap::new();
+        for c in self.consumers.values() {
+            let earliest = active.entry(c.queue.as_str()).or_insert(c.registered);
+            *earliest = (*earliest).min(c.registered);
+        }
         let keys: Vec<(u64, u32)> = self
             .consumers
             .iter()
             .filter(|(_, c)| {
-                self.queues
-                    .get(&c.queue)
-                    .is_some_and(|q| self.available(q, c.node))
+                self.queues.get(&c.queue).is_some_and(|q| {
+                    self.available(q, c.node)
+                        && (!q.single_active || active.get(c.queue.as_str()) == Some(&c.registered))
+                })
             })
             .map(|(k, _)| *k)
             .collect();
@@ -686,7 +827,7 @@ impl Queues {
                 let Some(q) = self.queues.get_mut(&c.queue) else {
                     continue;
                 };
-                let Some(m) = q.ready.pop_front() else {
+                let Some(m) = q.take() else {
                     continue;
                 };
                 if duplicate() {

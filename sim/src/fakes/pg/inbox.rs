@@ -105,9 +105,40 @@ pub struct InboxRow {
     pub attempts: i32,
     pub last_error: Option<String>,
     pub dead_lettered_ms: Option<u64>,
+    /// Its ordering key and number (an ordered subscription's delivery).
+    pub ordering: Option<(String, i64)>,
+    /// Recorded held behind a dead-lettered event of its key.
+    pub held_ms: Option<u64>,
+    /// Skipped by an operator (processed without its effect).
+    pub skipped_ms: Option<u64>,
 }
 
 impl InboxRow {
+    /// Whether it is an unprocessed row of `subscription`'s `key` numbered
+    /// below `seq`.
+    fn waits_before(&self, subscription: &str, key: &str, seq: i64) -> bool {
+        self.subscription == subscription
+            && self
+                .ordering
+                .as_ref()
+                .is_some_and(|(k, n)| k == key && *n < seq)
+    }
+
+    fn wire(&self) -> WireInboxRow {
+        WireInboxRow {
+            event_id: self.event_id,
+            subscription: self.subscription.clone(),
+            routing_key: self.routing_key.clone(),
+            payload: self.payload.clone(),
+            attempts: self.attempts,
+            last_error: self.last_error.clone(),
+            received_ms: self.received_ms,
+            dead_lettered_ms: self.dead_lettered_ms,
+            ordering: self.ordering.clone(),
+            held: self.held_ms.is_some(),
+        }
+    }
+
     fn key(&self) -> Key {
         key(&self.subscription, self.event_id)
     }
@@ -123,6 +154,9 @@ impl InboxRow {
             attempts: 0,
             last_error: None,
             dead_lettered_ms: None,
+            ordering: e.ordering.clone(),
+            held_ms: None,
+            skipped_ms: None,
         }
     }
 }
@@ -133,6 +167,9 @@ pub struct Inbox {
     rows: BTreeMap<Key, InboxRow>,
     /// Rows held by an open transaction, by session number.
     locks: BTreeMap<Key, u64>,
+    /// Ordered subscriptions' key locks (`inbox_key_lock.sql`'s advisory
+    /// lock): (subscription, key) → the session whose transaction holds it.
+    key_locks: BTreeMap<(String, String), u64>,
     /// Committed handler effects per (subscription, event).
     effects: BTreeMap<(String, Uuid), u32>,
     /// Committed unique keys of the domain table, and the event that took
@@ -169,6 +206,12 @@ pub struct InboxTx {
     /// Rows given a fresh budget by a replay's insert, applied first at
     /// commit.
     resets: Vec<Key>,
+    /// Existing rows this transaction marked held (`inbox_hold.sql`'s
+    /// conflict arm).
+    holds: Vec<Key>,
+    /// Key locks it holds, to its end (a savepoint's rollback keeps them:
+    /// each is taken before its delivery's savepoint).
+    key_locks: Vec<(String, String)>,
     /// Inbox inserts asked for (deliveries of the batch).
     tried: u32,
     /// Failed attempts recorded on rows this transaction inserted, each as
@@ -188,13 +231,17 @@ struct Savepoint {
     locked: usize,
     failures: usize,
     resets: usize,
+    holds: usize,
     insert_failures: usize,
 }
 
 impl InboxTx {
     /// Whether the transaction did any inbox work.
     pub fn is_empty(&self) -> bool {
-        self.inserts.is_empty() && self.locked.is_empty() && self.effects.is_empty()
+        self.inserts.is_empty()
+            && self.locked.is_empty()
+            && self.effects.is_empty()
+            && self.key_locks.is_empty()
     }
 
     /// How many deliveries asked for their inbox row in it.
@@ -219,6 +266,7 @@ impl InboxTx {
             locked: self.locked.len(),
             failures: self.failures.len(),
             resets: self.resets.len(),
+            holds: self.holds.len(),
             insert_failures: self.insert_failures.len(),
         });
     }
@@ -233,6 +281,7 @@ impl InboxTx {
         let undone = self.effects.split_off(sp.effects);
         self.failures.truncate(sp.failures);
         self.resets.truncate(sp.resets);
+        self.holds.truncate(sp.holds);
         self.insert_failures.truncate(sp.insert_failures);
         let keys = undone.into_iter().filter_map(|e| e.unique_key).collect();
         Some((self.locked.split_off(sp.locked), keys))
@@ -272,6 +321,8 @@ pub struct Committed {
     pub effects: Vec<(String, Uuid)>,
     /// Failed attempts recorded: (event, attempts, dead-lettered).
     pub failures: Vec<(Uuid, i32, bool)>,
+    /// Rows recorded held.
+    pub held: Vec<Uuid>,
 }
 
 impl Inbox {
@@ -309,11 +360,37 @@ impl Inbox {
         tx: Option<&InboxTx>,
     ) -> Option<(Vec<u64>, &'static str)> {
         match req {
-            PgRequest::InboxTryInsert { entry } => self
-                .locks
-                .get(&key(&entry.subscription, entry.event_id))
-                .filter(|s| **s != session)
-                .map(|s| (vec![*s], "inbox row")),
+            PgRequest::InboxTryInsert { entry } => {
+                let key_lock = entry.ordering.as_ref().and_then(|(k, _)| {
+                    self.key_locks
+                        .get(&(entry.subscription.clone(), k.clone()))
+                        .filter(|s| **s != session)
+                });
+                if let Some(s) = key_lock {
+                    return Some((vec![*s], "inbox key lock"));
+                }
+                self.locks
+                    .get(&key(&entry.subscription, entry.event_id))
+                    .filter(|s| **s != session)
+                    .map(|s| (vec![*s], "inbox row"))
+            }
+            PgRequest::InboxSkip { subscription, ids } => {
+                let key_holders = ids
+                    .iter()
+                    .filter_map(|id| self.rows.get(&key(subscription, *id)))
+                    .filter_map(|r| r.ordering.as_ref())
+                    .filter_map(|(k, _)| self.key_locks.get(&(subscription.clone(), k.clone())));
+                let mut holders: Vec<u64> = ids
+                    .iter()
+                    .filter_map(|id| self.locks.get(&key(subscription, *id)))
+                    .chain(key_holders)
+                    .filter(|s| **s != session)
+                    .copied()
+                    .collect();
+                holders.sort_unstable();
+                holders.dedup();
+                (!holders.is_empty()).then_some((holders, "inbox row"))
+            }
             PgRequest::Effect { .. } if self.domain_locked => {
                 Some((vec![super::OUTSIDE_SESSION], "domain table"))
             }
@@ -455,6 +532,37 @@ impl Inbox {
                 older_than_ms,
                 limit,
             } => self.delete_processed(now.saturating_sub(*older_than_ms), *limit, caller),
+            PgRequest::InboxHeld {
+                subscription,
+                key: k,
+                after,
+                limit,
+            } => {
+                let mut rows: Vec<&InboxRow> = self
+                    .rows
+                    .values()
+                    .filter(|r| {
+                        r.processed_ms.is_none()
+                            && r.held_ms.is_some()
+                            && r.subscription == *subscription
+                            && r.ordering
+                                .as_ref()
+                                .is_some_and(|(x, n)| x == k && n > after)
+                    })
+                    .collect();
+                rows.sort_by_key(|r| r.ordering.as_ref().map(|o| o.1));
+                PgReply::InboxRows(
+                    rows.iter()
+                        .take(*limit as usize)
+                        .map(|r| r.wire())
+                        .collect(),
+                )
+            }
+            PgRequest::InboxSkip { subscription, ids } => self.skip(subscription, ids, now, caller),
+            PgRequest::InboxReleasable {
+                subscription,
+                limit,
+            } => self.releasable(subscription, *limit),
             _ => return None,
         };
         Some(reply)
@@ -562,6 +670,33 @@ impl Inbox {
         now: u64,
     ) -> PgReply {
         let (id, k) = (entry.event_id, key(&entry.subscription, entry.event_id));
+        if let Some((ordering_key, _)) = &entry.ordering {
+            let lock = (entry.subscription.clone(), ordering_key.clone());
+            if self
+                .key_locks
+                .insert(lock.clone(), caller.session)
+                .is_none()
+            {
+                tx.key_locks.push(lock);
+            }
+        }
+        let hold = match self.key_wait(entry, tx) {
+            None => false,
+            Some(false) => {
+                caller.trace.now(Event::InboxBehindKey {
+                    client: caller.client.to_owned(),
+                    event_id: id,
+                });
+                // `inbox_wait.sql`: its row records that it waits
+                // (unprocessed, no attempt), unless it has one.
+                let own = tx.inserts.iter().any(|r| r.key() == k);
+                if !own && !self.rows.contains_key(&k) {
+                    tx.inserts.push(InboxRow::new(entry, now));
+                }
+                return PgReply::Inbox(WireInsertOutcome::BehindRetry);
+            }
+            Some(true) => true,
+        };
         // A row this transaction already holds (an earlier delivery of the
         // same event in the batch): PostgreSQL's insert conflicts with it
         // and the lock sees it as this transaction left it.
@@ -572,6 +707,14 @@ impl Inbox {
                     event_id: id,
                 });
                 return PgReply::Inbox(WireInsertOutcome::AlreadyProcessed);
+            }
+            if hold {
+                if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
+                    row.held_ms.get_or_insert(now);
+                } else {
+                    tx.holds.push(k);
+                }
+                return PgReply::Inbox(WireInsertOutcome::Held);
             }
             if entry.fresh_budget {
                 if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
@@ -592,6 +735,10 @@ impl Inbox {
                 });
                 WireInsertOutcome::AlreadyProcessed
             }
+            Some(_) if hold => {
+                tx.holds.push(k.clone());
+                WireInsertOutcome::Held
+            }
             Some(_) if entry.fresh_budget => {
                 tx.resets.push(k.clone());
                 WireInsertOutcome::InFlightRetry { attempts: 0 }
@@ -599,6 +746,13 @@ impl Inbox {
             Some(row) => WireInsertOutcome::InFlightRetry {
                 attempts: row.attempts,
             },
+            None if hold => {
+                // `inbox_hold.sql`: unprocessed, held.
+                let mut row = InboxRow::new(entry, now);
+                row.held_ms = Some(now);
+                tx.inserts.push(row);
+                WireInsertOutcome::Held
+            }
             None => {
                 // Inserted marked processed, as `inbox_try_insert.sql` does;
                 // a failure record clears the mark.
@@ -627,18 +781,95 @@ impl Inbox {
         PgReply::InboxRows(
             rows.into_iter()
                 .take(limit as usize)
-                .map(|r| WireInboxRow {
-                    event_id: r.event_id,
-                    subscription: r.subscription.clone(),
-                    routing_key: r.routing_key.clone(),
-                    payload: r.payload.clone(),
-                    attempts: r.attempts,
-                    last_error: r.last_error.clone(),
-                    received_ms: r.received_ms,
-                    dead_lettered_ms: r.dead_lettered_ms,
-                })
+                .map(InboxRow::wire)
                 .collect(),
         )
+    }
+
+    /// `inbox_releasable.sql`: held rows of `subscription` that no
+    /// earlier unprocessed row of their key holds back (dead-lettered, or
+    /// not held: waiting for its retry), each key's lowest, in key order.
+    fn releasable(&self, subscription: &str, limit: u32) -> PgReply {
+        let unprocessed = |r: &&InboxRow| {
+            r.subscription == subscription && r.processed_ms.is_none() && r.ordering.is_some()
+        };
+        let mut by_key: BTreeMap<&str, Vec<&InboxRow>> = BTreeMap::new();
+        for r in self.rows.values().filter(unprocessed) {
+            let (k, _) = r.ordering.as_ref().expect("filtered");
+            by_key.entry(k.as_str()).or_default().push(r);
+        }
+        let mut out = Vec::new();
+        for rows in by_key.values_mut() {
+            rows.sort_by_key(|r| r.ordering.as_ref().map(|o| o.1));
+            let lowest = rows[0];
+            let blocks = |r: &InboxRow| r.dead_lettered_ms.is_some() || r.held_ms.is_none();
+            if lowest.held_ms.is_some() && !blocks(lowest) {
+                out.push(lowest.wire());
+            }
+        }
+        out.truncate(limit as usize);
+        PgReply::InboxRows(out)
+    }
+
+    /// `inbox_skip.sql`: these dead-lettered unprocessed rows of
+    /// `subscription` marked processed and skipped, oldest first.
+    fn skip(&mut self, subscription: &str, ids: &[Uuid], now: u64, caller: &Caller<'_>) -> PgReply {
+        let mut skipped = Vec::new();
+        for id in ids {
+            if let Some(r) = self.rows.get_mut(&key(subscription, *id))
+                && r.processed_ms.is_none()
+                && r.dead_lettered_ms.is_some()
+            {
+                r.processed_ms = Some(now);
+                r.skipped_ms = Some(now);
+                skipped.push(r.clone());
+            }
+        }
+        skipped.sort_by_key(|r| (r.received_ms, r.event_id));
+        skipped.dedup_by_key(|r| r.event_id);
+        if !skipped.is_empty() {
+            caller.trace.now(Event::InboxSkipped {
+                client: caller.client.to_owned(),
+                events: skipped.iter().map(|r| r.event_id).collect(),
+            });
+        }
+        PgReply::InboxRows(skipped.iter().map(InboxRow::wire).collect())
+    }
+
+    /// `inbox_key_wait.sql` for an ordered subscription's keyed delivery,
+    /// as `tx` sees the inbox: `None` if no earlier event of its key is
+    /// unprocessed, `Some(true)` if one of those is dead-lettered or held,
+    /// else `Some(false)`.
+    fn key_wait(&self, entry: &WireInboxEntry, tx: &InboxTx) -> Option<bool> {
+        let (k, seq) = entry.ordering.as_ref()?;
+        let sub = entry.subscription.as_str();
+        let mut found: Option<bool> = None;
+        let mut consider = |processed: bool, blocked: bool| {
+            if !processed {
+                let f = found.get_or_insert(false);
+                *f |= blocked;
+            }
+        };
+        for r in self.rows.values().filter(|r| r.waits_before(sub, k, *seq)) {
+            let rk = r.key();
+            let processed = r.processed_ms.is_some() || tx.processed.contains(&rk);
+            let dead = match tx.failures.iter().rev().find(|f| f.0 == rk) {
+                Some(f) => f.3,
+                None if tx.resets.contains(&rk) => false,
+                None => r.dead_lettered_ms.is_some(),
+            };
+            consider(
+                processed,
+                dead || r.held_ms.is_some() || tx.holds.contains(&rk),
+            );
+        }
+        for r in tx.inserts.iter().filter(|r| r.waits_before(sub, k, *seq)) {
+            consider(
+                r.processed_ms.is_some(),
+                r.dead_lettered_ms.is_some() || r.held_ms.is_some(),
+            );
+        }
+        found
     }
 
     /// `inbox_delete_processed.sql`: at most `limit` rows processed before
@@ -728,7 +959,16 @@ impl Inbox {
                 out.reset.push(k.1);
             }
         }
+        for k in tx.holds {
+            if let Some(r) = self.rows.get_mut(&k).filter(|r| r.processed_ms.is_none()) {
+                r.held_ms.get_or_insert(now);
+                out.held.push(k.1);
+            }
+        }
         for row in tx.inserts {
+            if row.held_ms.is_some() {
+                out.held.push(row.event_id);
+            }
             if row.processed_ms.is_some() {
                 out.processed.push(row.event_id);
                 self.processed_ever.insert(row.event_id);
@@ -764,6 +1004,9 @@ impl Inbox {
         for k in tx.locked {
             self.locks.remove(&k);
         }
+        for k in tx.key_locks {
+            self.key_locks.remove(&k);
+        }
         out
     }
 
@@ -774,6 +1017,9 @@ impl Inbox {
         self.unregister_keys(session, &keys);
         for k in tx.locked {
             self.locks.remove(&k);
+        }
+        for k in tx.key_locks {
+            self.key_locks.remove(&k);
         }
     }
 }

@@ -843,7 +843,16 @@ impl Session {
             let done = db.inbox.commit(tx.inbox, now, self.id);
             self.state.unlocked.notify_waiters();
             if !done.reset.is_empty() {
-                trace.now(Event::InboxReset { ids: done.reset });
+                trace.now(Event::InboxReset {
+                    client: self.client.clone(),
+                    ids: done.reset,
+                });
+            }
+            if !done.held.is_empty() {
+                trace.now(Event::InboxHeld {
+                    client: self.client.clone(),
+                    events: done.held,
+                });
             }
             for (event_id, attempts, dead_lettered) in done.failures {
                 trace.now(Event::InboxFailure {
@@ -962,6 +971,9 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::Ping => "ping",
         PgRequest::InboxRecordFailure { .. } => "inbox_record_failure",
         PgRequest::InboxList { .. } => "inbox_list",
+        PgRequest::InboxHeld { .. } => "inbox_held",
+        PgRequest::InboxSkip { .. } => "inbox_skip",
+        PgRequest::InboxReleasable { .. } => "inbox_releasable",
         PgRequest::InboxDeleteProcessed { .. } => "inbox_delete_processed",
     }
 }

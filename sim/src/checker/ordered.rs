@@ -1,0 +1,121 @@
+//! Ordering keys (issue 27), the consumer's half, on an ordered
+//! subscription (`consumer_partitions` > 0):
+//!
+//! - **applied in commit order**: an event of a key takes effect only once
+//!   every earlier event of its key has taken effect in the subscription or
+//!   was skipped (at the outbox, never published; or at the inbox by an
+//!   operator). So a key's effects commit in the order its transactions
+//!   committed, a dead-lettered event holds back its key's later events
+//!   until it is replayed or skipped, and a duplicate or a redelivery never
+//!   reorders what took effect.
+//! - **held, not lost**: a delivery recorded held waits behind an earlier
+//!   event of its key that is unprocessed (dead-lettered or held itself)
+//!   in the inbox when it commits.
+//! - **deferred only behind its key**: a delivery requeued with no failure
+//!   recorded (deferred) is keyed, and an earlier event of its key was
+//!   delivered and has not taken effect or been skipped yet
+//!   ([`deferral_justified`], used by the budget rule).
+//!
+//! Effects come from the fake's `InboxCommitted` (a handler transaction's
+//! commit, replays included), inbox skips from its `InboxSkipped`, holds
+//! from its `InboxHeld`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use uuid::Uuid;
+
+use super::{Context, Findings, Invariant};
+use crate::trace::Event;
+
+pub fn check(ctx: &Context<'_>, out: &mut Findings) {
+    if ctx.limits.consumer_partitions == 0 || ctx.model.keyed.is_empty() {
+        return;
+    }
+    // Per subscription: events that took effect or were skipped.
+    let mut done: BTreeMap<&str, BTreeSet<Uuid>> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        let at = Some(*at);
+        match e {
+            Event::InboxCommitted { effects, .. } => {
+                for (sub, id) in effects {
+                    let seen = done.entry(sub.as_str()).or_default();
+                    if seen.contains(id) {
+                        continue; // a repeat after retention; judged elsewhere
+                    }
+                    if let Some((earlier, key)) = pending_before(ctx, id, seen) {
+                        out.add(
+                            Invariant::KeyAppliedInOrder,
+                            at,
+                            format!(
+                                "{id} of key {key:?} took effect in {sub} before its earlier event {earlier}"
+                            ),
+                        );
+                    }
+                    seen.insert(*id);
+                }
+            }
+            Event::InboxSkipped { events, .. } => {
+                // The sim's consumers share one subscription.
+                let seen = done.entry(crate::world::CONSUMER_QUEUE).or_default();
+                seen.extend(events.iter().copied());
+            }
+            Event::InboxHeld { client, events } => {
+                let seen = done.entry(crate::world::CONSUMER_QUEUE).or_default();
+                for id in events {
+                    if ctx.model.keyed.contains_key(id) && pending_before(ctx, id, seen).is_none() {
+                        out.add(
+                            Invariant::KeyHeldBehindItsHead,
+                            at,
+                            format!(
+                                "{client} recorded {id} held though every earlier event of its key took effect"
+                            ),
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The first earlier event of `id`'s key that neither took effect (`done`)
+/// nor was skipped at the outbox, if `id` is keyed and has one.
+fn pending_before<'m>(
+    ctx: &'m Context<'_>,
+    id: &Uuid,
+    done: &BTreeSet<Uuid>,
+) -> Option<(Uuid, &'m str)> {
+    let (key, seq) = ctx.model.keyed.get(id)?;
+    ctx.model
+        .by_key
+        .get(key)?
+        .range(..*seq)
+        .map(|(_, e)| *e)
+        .find(|e| !done.contains(e) && !ctx.model.skipped.contains(e))
+        .map(|e| (e, key.as_str()))
+}
+
+/// Whether a requeue of `event` that answers no failure record is an
+/// ordered subscription's deferral: `event` is keyed, and an earlier event
+/// of its key was delivered (`delivered`) and its inbox row does not say
+/// it took effect or was skipped (`done`; a row the janitor deleted past
+/// the retention says nothing: a redelivery of its event is new to the
+/// inbox, and the later events of its key wait behind it again).
+pub fn deferral_justified(
+    ctx: &Context<'_>,
+    event: Uuid,
+    delivered: &BTreeSet<Uuid>,
+    done: &BTreeSet<Uuid>,
+) -> bool {
+    if ctx.limits.consumer_partitions == 0 {
+        return false;
+    }
+    let Some((key, seq)) = ctx.model.keyed.get(&event) else {
+        return false;
+    };
+    ctx.model.by_key.get(key).is_some_and(|events| {
+        events
+            .range(..*seq)
+            .any(|(_, e)| delivered.contains(e) && !done.contains(e))
+    })
+}
