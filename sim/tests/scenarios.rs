@@ -95,6 +95,7 @@ fn every_scenario_file_has_a_test_here() {
         "hostile_deliveries",
         "lease_expiry_mid_confirm",
         "ordering_keys_consumers",
+        "ordering_keys_handover",
         "ordering_keys_hot",
         "ordering_keys_many",
         "ordering_keys_swarm",
@@ -230,6 +231,10 @@ fn broker_node_partition() {
 #[test]
 fn ordering_keys_consumers() {
     check("ordering_keys_consumers");
+}
+#[test]
+fn ordering_keys_handover() {
+    check("ordering_keys_handover");
 }
 #[test]
 fn ordering_keys_hot() {

@@ -252,6 +252,74 @@ async fn p9(
     Ok(())
 }
 
+/// P9, the subscriber's half: the production subscriber working off `n`
+/// keyed deliveries over 1 000 keys (and a tenth of `n`, at least 1 000,
+/// over 10 keys) on an ordered subscription of 4 partitions, each against
+/// `n` unkeyed deliveries on the default subscription (4 workers) in the
+/// same run. Table lines and JSON keys.
+async fn p9_subscriber(
+    conn: &Connection,
+    pool: &PgPool,
+    amqp_url: &str,
+    n: usize,
+    table: &mut Vec<String>,
+    json: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    pool.execute("CREATE TABLE IF NOT EXISTS p7_applied (event_id uuid PRIMARY KEY, routing_key text NOT NULL)")
+        .await?;
+    for (keys, rows) in [(1000_u32, n), (10, (n / 10).max(1000))] {
+        eprintln!("P9: subscribing to {rows} unkeyed deliveries, then {rows} over {keys} keys ...");
+        let plain = p9_consume(conn, pool, amqp_url, rows, None).await?;
+        let keyed = p9_consume(conn, pool, amqp_url, rows, Some(keys)).await?;
+        let ratio = keyed / plain;
+        table.push(format!(
+            "| P9 ordered subscriber, {rows} deliveries over {keys} keys, 4 partitions (unordered, unkeyed: {plain:.0}/s) | {keyed:.0} deliveries/s | {ratio:.2}× unkeyed | {} |",
+            if keys == 1000 { "≥ 0.8×" } else { "—" }
+        ));
+        json.insert(format!("p9_subscribe_{keys}_keys_vs_unkeyed"), ratio.into());
+        json.insert(format!("p9_subscribe_{keys}_keys_per_sec"), keyed.into());
+    }
+    Ok(())
+}
+
+/// One P9 subscriber run: `n` deliveries (over `keys` keys on an ordered
+/// subscription of 4 partitions, or unkeyed on the default one), its
+/// topology declared first and deleted after. Deliveries per second.
+async fn p9_consume(
+    conn: &Connection,
+    pool: &PgPool,
+    amqp_url: &str,
+    n: usize,
+    keys: Option<u32>,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let mut settings = p7_settings(None, None);
+    if keys.is_some() {
+        settings = settings.ordered(4);
+    }
+    let ch = conn.create_channel().await?;
+    LapinBroker::declare_subscription(&ch, &settings.spec).await?;
+    let envelopes: Vec<EventEnvelope> = (0..n).map(envelope).collect();
+    p7_fill(conn, &envelopes, keys).await?;
+    let (rate, _) = p7_subscribe(pool, amqp_url, n as u64, settings.clone()).await?;
+    let spec = &settings.spec;
+    let mut queues = vec![spec.queue.clone(), spec.dlq_name()];
+    queues.extend((0..spec.partitions).map(|p| spec.partition_queue(p)));
+    for q in queues {
+        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await?;
+    }
+    for x in [
+        spec.route_exchange(),
+        spec.rest_exchange(),
+        spec.exchange.clone(),
+    ] {
+        ch.exchange_delete(x.as_str().into(), Default::default())
+            .await?;
+    }
+    pool.execute("TRUNCATE event_inbox, p7_applied").await?;
+    Ok(rate)
+}
+
 /// p50 and p99 of a domain transaction with one `publish_tx`, unkeyed and
 /// keyed (100 keys in turn), interleaved so both see the same machine.
 async fn keyed_publish_cost(
@@ -796,24 +864,46 @@ fn p7_settings(batch_max: Option<u32>, kind: Option<QueueType>) -> outbox::Subsc
 }
 
 /// Publishes `envelopes` to P7's exchange, persistent, confirmed at depth
-/// `DEPTH`, and waits until the queue holds them all.
+/// `DEPTH`, with the headers the drainer sets: the bucket, and with `keys`
+/// event `i` as number `i / keys + 1` of key `key-{i % keys}`.
 async fn p7_fill(
     conn: &Connection,
     envelopes: &[EventEnvelope],
+    keys: Option<u32>,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    use lapin::types::AMQPValue;
+    use outbox::core::ports::{BUCKET_HEADER, KEY_SEQ_HEADER, KeySeq, ORDERING_KEY_HEADER};
     let ch = conn.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let mut pending = std::collections::VecDeque::with_capacity(DEPTH);
-    for e in envelopes {
+    for (i, e) in envelopes.iter().enumerate() {
         if pending.len() == DEPTH {
             let c: lapin::PublisherConfirm = pending.pop_front().expect("non-empty");
             c.await?;
         }
         let body = e.encode(&Default::default())?;
+        let ordering = keys.map(|k| KeySeq {
+            key: format!("key-{}", i as u32 % k),
+            seq: i64::from(i as u32 / k + 1),
+        });
+        let mut headers = FieldTable::default();
+        let bucket = outbox::core::ports::bucket_of(ordering.as_ref(), e.id);
+        headers.insert(
+            BUCKET_HEADER.into(),
+            AMQPValue::LongString(bucket.to_string().into()),
+        );
+        if let Some(o) = &ordering {
+            headers.insert(
+                ORDERING_KEY_HEADER.into(),
+                AMQPValue::LongString(o.key.as_str().into()),
+            );
+            headers.insert(KEY_SEQ_HEADER.into(), AMQPValue::LongLongInt(o.seq));
+        }
         let props = BasicProperties::default()
             .with_message_id(e.id.to_string().into())
             .with_content_type("application/json".into())
-            .with_delivery_mode(2);
+            .with_delivery_mode(2)
+            .with_headers(headers);
         pending.push_back(
             ch.basic_publish(
                 P7_EXCHANGE.into(),
@@ -880,15 +970,14 @@ async fn p7_subscribe(
     pool: &PgPool,
     amqp_url: &str,
     n: u64,
-    batch_max: Option<u32>,
-    kind: Option<QueueType>,
+    settings: outbox::SubscriberSettings,
 ) -> Result<(f64, f64), Box<dyn std::error::Error>> {
     let subscriber = std::sync::Arc::new(outbox::Subscriber::new(
         std::sync::Arc::new(outbox::PgInboxStore::new(pool.clone())),
         std::sync::Arc::new(LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start")),
         std::sync::Arc::new(outbox::TokioClock::default()),
         std::sync::Arc::new(Applies),
-        p7_settings(batch_max, kind),
+        settings,
     ));
     let counters = subscriber.counters();
     let (stop, rx) = tokio::sync::watch::channel(false);
@@ -958,13 +1047,13 @@ async fn p7(
         .await?;
     p7_topology(amqp_url, true, None).await?;
     let fresh = |n: usize| -> Vec<EventEnvelope> { (0..n).map(envelope).collect() };
-    p7_fill(conn, &fresh(n)).await?;
+    p7_fill(conn, &fresh(n), None).await?;
     eprintln!("  consume ceiling ...");
     let ceiling = p7_consume_ceiling(conn, n).await?;
     eprintln!("  subscriber, defaults ...");
     let applied = fresh(n);
-    p7_fill(conn, &applied).await?;
-    let (defaults, wal) = p7_subscribe(pool, amqp_url, n as u64, None, None).await?;
+    p7_fill(conn, &applied, None).await?;
+    let (defaults, wal) = p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None)).await?;
     // One delivery in four repeats an event the inbox holds as processed.
     let mixed: Vec<EventEnvelope> = (0..n)
         .map(|i| {
@@ -975,18 +1064,19 @@ async fn p7(
             }
         })
         .collect();
-    p7_fill(conn, &mixed).await?;
+    p7_fill(conn, &mixed, None).await?;
     eprintln!("  subscriber, 25 % duplicates ...");
-    let (duplicates, _) = p7_subscribe(pool, amqp_url, n as u64, None, None).await?;
-    p7_fill(conn, &fresh(n)).await?;
+    let (duplicates, _) = p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None)).await?;
+    p7_fill(conn, &fresh(n), None).await?;
     eprintln!("  subscriber, batches of one ...");
-    let (single, _) = p7_subscribe(pool, amqp_url, n as u64, Some(1), None).await?;
+    let (single, _) = p7_subscribe(pool, amqp_url, n as u64, p7_settings(Some(1), None)).await?;
     p7_topology(amqp_url, false, None).await?;
     eprintln!("  subscriber, defaults on a classic queue ...");
     let classic = Some(QueueType::Classic);
     p7_topology(amqp_url, true, classic).await?;
-    p7_fill(conn, &fresh(n)).await?;
-    let (on_classic, _) = p7_subscribe(pool, amqp_url, n as u64, None, classic).await?;
+    p7_fill(conn, &fresh(n), None).await?;
+    let (on_classic, _) =
+        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, classic)).await?;
     p7_topology(amqp_url, false, classic).await?;
     pool.execute("TRUNCATE event_inbox, p7_applied").await?;
     Ok([ceiling, defaults, duplicates, single, wal, on_classic])
@@ -1269,6 +1359,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if want("p9") {
         p9(&pool, &args.amqp_url, n, &mut table, &mut json).await?;
         purge(&conn).await?;
+        p9_subscriber(&conn, &pool, &args.amqp_url, n, &mut table, &mut json).await?;
     }
 
     if want("p5") {

@@ -195,20 +195,16 @@ impl LapinBroker {
         channel: &Channel,
         spec: &SubscriptionSpec,
     ) -> Result<(), BrokerError> {
-        let durable_exchange = ExchangeDeclareOptions {
+        let durable = ExchangeDeclareOptions {
             durable: true,
             ..ExchangeDeclareOptions::default()
-        };
-        let durable_queue = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
         };
         let (route, rest) = (spec.route_exchange(), spec.rest_exchange());
         channel
             .exchange_declare(
                 rest.as_str().into(),
                 ExchangeKind::Fanout,
-                durable_exchange,
+                durable,
                 FieldTable::default(),
             )
             .await
@@ -219,7 +215,7 @@ impl LapinBroker {
             .exchange_declare(
                 route.as_str().into(),
                 ExchangeKind::Headers,
-                durable_exchange,
+                durable,
                 route_args,
             )
             .await
@@ -241,39 +237,45 @@ impl LapinBroker {
             None => (0..spec.partitions).collect(),
         };
         for p in partitions {
-            let queue = spec.partition_queue(p);
+            Self::declare_partition(channel, spec, p).await?;
+        }
+        Ok(())
+    }
+
+    /// Partition `p`'s queue, bound to `<queue>.route` by each of its
+    /// buckets (partition 0 also to `<queue>.route.rest`).
+    async fn declare_partition(
+        channel: &Channel,
+        spec: &SubscriptionSpec,
+        p: u16,
+    ) -> Result<(), BrokerError> {
+        let queue = spec.partition_queue(p);
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(queue.as_str().into(), durable, partition_arguments(spec))
+            .await
+            .map_err(|e| declare_err(spec, e))?;
+        let mut sources: Vec<(String, FieldTable)> = spec
+            .buckets_of(p)
+            .map(|b| (spec.route_exchange(), bucket_binding(b)))
+            .collect();
+        if p == 0 {
+            sources.push((spec.rest_exchange(), FieldTable::default()));
+        }
+        for (exchange, args) in sources {
             channel
-                .queue_declare(
+                .queue_bind(
                     queue.as_str().into(),
-                    durable_queue,
-                    partition_arguments(spec),
+                    exchange.as_str().into(),
+                    "".into(),
+                    QueueBindOptions::default(),
+                    args,
                 )
                 .await
-                .map_err(|e| declare_err(spec, e))?;
-            for bucket in spec.buckets_of(p) {
-                channel
-                    .queue_bind(
-                        queue.as_str().into(),
-                        route.as_str().into(),
-                        "".into(),
-                        QueueBindOptions::default(),
-                        bucket_binding(bucket),
-                    )
-                    .await
-                    .map_err(channel_err)?;
-            }
-            if p == 0 {
-                channel
-                    .queue_bind(
-                        queue.as_str().into(),
-                        rest.as_str().into(),
-                        "".into(),
-                        QueueBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                    .map_err(channel_err)?;
-            }
+                .map_err(channel_err)?;
         }
         Ok(())
     }

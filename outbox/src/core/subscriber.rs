@@ -524,7 +524,7 @@ where
                 continue;
             };
             self.marks.hit(Mark::HeldReleased);
-            let outcome = match self.replay_row(&row).await {
+            let outcome = match self.release_row(&row).await {
                 Ok(outcome) => outcome,
                 Err(e) => {
                     tracing::debug!(queue = %queue, error = %e, "releasing held rows stopped on the database");
@@ -1420,7 +1420,7 @@ where
             for row in rows {
                 after = row.ordering.as_ref().map_or(after, |k| k.seq);
                 self.marks.hit(Mark::HeldReleased);
-                let outcome = match self.replay_row(&row).await {
+                let outcome = match self.release_row(&row).await {
                     Ok(outcome) => outcome,
                     Err(e) => return stopped(e),
                 };
@@ -1438,6 +1438,34 @@ where
 
     /// One stored row replayed.
     async fn replay_row(&self, row: &InboxRow) -> Result<ReplayOutcome, StoreError> {
+        self.replay_row_with(row, true, 1).await
+    }
+
+    /// A held row released: replayed with the attempt budget a delivery has
+    /// (`max_attempts`, retried in place after [`RETRY_BACKOFF_MIN`]), since
+    /// it never had a delivery's retries; it is dead-lettered, the key's
+    /// new head, only once it failed them all.
+    async fn release_row(&self, row: &InboxRow) -> Result<ReplayOutcome, StoreError> {
+        let budget = self.settings.max_attempts.max(1);
+        let mut attempt = 1;
+        loop {
+            let outcome = self.replay_row_with(row, attempt == 1, budget).await?;
+            if !matches!(outcome, ReplayOutcome::Failed { .. }) || attempt >= budget {
+                return Ok(outcome);
+            }
+            attempt += 1;
+            self.clock.sleep(RETRY_BACKOFF_MIN).await;
+        }
+    }
+
+    /// One stored row replayed against `budget` attempts, its budget reset
+    /// first if `fresh`.
+    async fn replay_row_with(
+        &self,
+        row: &InboxRow,
+        fresh: bool,
+        budget: u32,
+    ) -> Result<ReplayOutcome, StoreError> {
         let envelope = match EventEnvelope::decode_delivery(&row.payload) {
             Err(reason) => return Ok(ReplayOutcome::Undecodable { reason }),
             Ok(envelope) => envelope,
@@ -1449,7 +1477,7 @@ where
                 subscription: &row.subscription,
                 routing_key: &row.routing_key,
                 payload: &row.payload,
-                fresh_budget: true,
+                fresh_budget: fresh,
                 ordering: row.ordering.as_ref(),
             },
             envelope: &envelope,
@@ -1458,20 +1486,21 @@ where
             // database answering is the handler's.
             overran: AtomicBool::new(true),
         };
-        Ok(self.replay_outcome(self.replay_one(&item).await?))
+        Ok(self.replay_outcome(self.replay_one(&item, budget).await?))
     }
 
     /// One replayed row, escalated like a delivery until decided, but
     /// never retried in place: database trouble is the operator's answer.
-    /// A budget of 1: a row whose handler fails again is in no queue any
-    /// more, so it stays dead-lettered until the next replay, or nothing
-    /// would ever run it again. Found by the simulation
-    /// (producer_and_consumer_swarm, seed 43).
-    async fn replay_one(&self, item: &Item<'_>) -> Result<Applied, StoreError> {
+    /// An operator's replay has a budget of 1: a row whose handler fails
+    /// again is in no queue any more, so it stays dead-lettered until the
+    /// next replay, or nothing would ever run it again. Found by the
+    /// simulation (producer_and_consumer_swarm, seed 43). A released held
+    /// row has a delivery's budget ([`release_row`](Self::release_row)).
+    async fn replay_one(&self, item: &Item<'_>, budget: u32) -> Result<Applied, StoreError> {
         let mut escalation = Escalation::starting(Level::Savepoints);
         let group = [item];
         loop {
-            let failure = match self.apply(&group, 1, escalation.pass()).await {
+            let failure = match self.apply(&group, budget, escalation.pass()).await {
                 Ok(mut applied) => return Ok(applied.pop().expect("one item, one outcome")),
                 Err(failure) => failure,
             };

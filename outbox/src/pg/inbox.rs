@@ -159,6 +159,36 @@ fn begin_statement(bounds: TxBounds, tag: &str) -> String {
         .replace("{tag}", tag)
 }
 
+/// For an ordered subscription's keyed delivery, in its transaction: takes
+/// the key's lock, then looks for earlier unprocessed events of its key,
+/// and says which insert the delivery gets: `inbox_try_insert.sql` (none
+/// waits), `inbox_wait.sql` (one waits for its retry) or `inbox_hold.sql`
+/// (one is dead-lettered or held).
+async fn key_statement(
+    tx: &mut PgTx,
+    subscription: &str,
+    o: &KeySeq,
+) -> Result<&'static str, StoreError> {
+    sqlx::query(sql::INBOX_KEY_LOCK)
+        .bind(subscription)
+        .bind(&o.key)
+        .execute(&mut **tx)
+        .await
+        .map_err(map_err)?;
+    let blocked: Option<bool> = sqlx::query_scalar(sql::INBOX_KEY_WAIT)
+        .bind(subscription)
+        .bind(&o.key)
+        .bind(o.seq)
+        .fetch_one(&mut **tx)
+        .await
+        .map_err(map_err)?;
+    Ok(match blocked {
+        None => sql::INBOX_TRY_INSERT,
+        Some(false) => sql::INBOX_WAIT,
+        Some(true) => sql::INBOX_HOLD,
+    })
+}
+
 /// An inbox row as the listing statements select it.
 fn inbox_row(r: &sqlx::postgres::PgRow) -> InboxRow {
     let key: Option<String> = r.get("ordering_key");
@@ -236,27 +266,10 @@ impl InboxStore for PgInboxStore {
                 entry.ordering.map(|o| o.key.as_str()),
                 entry.ordering.map(|o| o.seq),
             );
-            let mut statement = sql::INBOX_TRY_INSERT;
-            if let Some(o) = entry.ordering {
-                sqlx::query(sql::INBOX_KEY_LOCK)
-                    .bind(entry.subscription)
-                    .bind(&o.key)
-                    .execute(&mut **tx)
-                    .await
-                    .map_err(map_err)?;
-                let blocked: Option<bool> = sqlx::query_scalar(sql::INBOX_KEY_WAIT)
-                    .bind(entry.subscription)
-                    .bind(&o.key)
-                    .bind(o.seq)
-                    .fetch_one(&mut **tx)
-                    .await
-                    .map_err(map_err)?;
-                match blocked {
-                    None => {}
-                    Some(false) => statement = sql::INBOX_WAIT,
-                    Some(true) => statement = sql::INBOX_HOLD,
-                }
-            }
+            let statement = match entry.ordering {
+                Some(o) => key_statement(tx, entry.subscription, o).await?,
+                None => sql::INBOX_TRY_INSERT,
+            };
             let done = sqlx::query(statement)
                 .bind(entry.event_id)
                 .bind(entry.subscription)

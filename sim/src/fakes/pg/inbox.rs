@@ -670,32 +670,9 @@ impl Inbox {
         now: u64,
     ) -> PgReply {
         let (id, k) = (entry.event_id, key(&entry.subscription, entry.event_id));
-        if let Some((ordering_key, _)) = &entry.ordering {
-            let lock = (entry.subscription.clone(), ordering_key.clone());
-            if self
-                .key_locks
-                .insert(lock.clone(), caller.session)
-                .is_none()
-            {
-                tx.key_locks.push(lock);
-            }
-        }
-        let hold = match self.key_wait(entry, tx) {
-            None => false,
-            Some(false) => {
-                caller.trace.now(Event::InboxBehindKey {
-                    client: caller.client.to_owned(),
-                    event_id: id,
-                });
-                // `inbox_wait.sql`: its row records that it waits
-                // (unprocessed, no attempt), unless it has one.
-                let own = tx.inserts.iter().any(|r| r.key() == k);
-                if !own && !self.rows.contains_key(&k) {
-                    tx.inserts.push(InboxRow::new(entry, now));
-                }
-                return PgReply::Inbox(WireInsertOutcome::BehindRetry);
-            }
-            Some(true) => true,
+        let hold = match self.key_statement(entry, caller, tx, now) {
+            Ok(hold) => hold,
+            Err(reply) => return reply,
         };
         // A row this transaction already holds (an earlier delivery of the
         // same event in the batch): PostgreSQL's insert conflicts with it
@@ -834,6 +811,48 @@ impl Inbox {
             });
         }
         PgReply::InboxRows(skipped.iter().map(InboxRow::wire).collect())
+    }
+
+    /// An ordered subscription's keyed delivery, first: takes its key's
+    /// lock (`inbox_key_lock.sql`), looks for earlier unprocessed events
+    /// of its key (`inbox_key_wait.sql`) and, if one waits for its retry,
+    /// records its own row waiting (`inbox_wait.sql`) and answers
+    /// `BehindRetry`; else whether the insert is `inbox_hold.sql`'s.
+    fn key_statement(
+        &mut self,
+        entry: &WireInboxEntry,
+        caller: &Caller<'_>,
+        tx: &mut InboxTx,
+        now: u64,
+    ) -> Result<bool, PgReply> {
+        let Some((ordering_key, _)) = &entry.ordering else {
+            return Ok(false);
+        };
+        let lock = (entry.subscription.clone(), ordering_key.clone());
+        if self
+            .key_locks
+            .insert(lock.clone(), caller.session)
+            .is_none()
+        {
+            tx.key_locks.push(lock);
+        }
+        match self.key_wait(entry, tx) {
+            None => Ok(false),
+            Some(true) => Ok(true),
+            Some(false) => {
+                caller.trace.now(Event::InboxBehindKey {
+                    client: caller.client.to_owned(),
+                    event_id: entry.event_id,
+                });
+                // Unprocessed, no attempt, unless it has a row.
+                let k = key(&entry.subscription, entry.event_id);
+                let own = tx.inserts.iter().any(|r| r.key() == k);
+                if !own && !self.rows.contains_key(&k) {
+                    tx.inserts.push(InboxRow::new(entry, now));
+                }
+                Err(PgReply::Inbox(WireInsertOutcome::BehindRetry))
+            }
+        }
     }
 
     /// `inbox_key_wait.sql` for an ordered subscription's keyed delivery,
