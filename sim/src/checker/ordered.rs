@@ -31,8 +31,12 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     if ctx.limits.consumer_partitions == 0 || ctx.model.keyed.is_empty() {
         return;
     }
-    // Per subscription: events that took effect or were skipped.
+    // Per subscription: events that took effect. Skips and holds name no
+    // subscription (the simulation has one): a skip counts for each, and
+    // a hold is judged against what took effect in any.
     let mut done: BTreeMap<&str, BTreeSet<Uuid>> = BTreeMap::new();
+    let mut skipped: BTreeSet<Uuid> = BTreeSet::new();
+    let mut anywhere: BTreeSet<Uuid> = BTreeSet::new();
     for (at, e) in ctx.events {
         let at = Some(*at);
         match e {
@@ -42,7 +46,9 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                     if seen.contains(id) {
                         continue; // a repeat after retention; judged elsewhere
                     }
-                    if let Some((earlier, key)) = pending_before(ctx, id, seen) {
+                    let pending =
+                        pending_before(ctx, id, |e| seen.contains(e) || skipped.contains(e));
+                    if let Some((earlier, key)) = pending {
                         out.add(
                             Invariant::KeyAppliedInOrder,
                             at,
@@ -52,17 +58,15 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                         );
                     }
                     seen.insert(*id);
+                    anywhere.insert(*id);
                 }
             }
-            Event::InboxSkipped { events, .. } => {
-                // The sim's consumers share one subscription.
-                let seen = done.entry(crate::world::CONSUMER_QUEUE).or_default();
-                seen.extend(events.iter().copied());
-            }
+            Event::InboxSkipped { events, .. } => skipped.extend(events.iter().copied()),
             Event::InboxHeld { client, events } => {
-                let seen = done.entry(crate::world::CONSUMER_QUEUE).or_default();
                 for id in events {
-                    if ctx.model.keyed.contains_key(id) && pending_before(ctx, id, seen).is_none() {
+                    let pending =
+                        pending_before(ctx, id, |e| anywhere.contains(e) || skipped.contains(e));
+                    if ctx.model.keyed.contains_key(id) && pending.is_none() {
                         out.add(
                             Invariant::KeyHeldBehindItsHead,
                             at,
@@ -78,12 +82,12 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     }
 }
 
-/// The first earlier event of `id`'s key that neither took effect (`done`)
-/// nor was skipped at the outbox, if `id` is keyed and has one.
+/// The first earlier event of `id`'s key that is neither `done` nor
+/// skipped at the outbox, if `id` is keyed and has one.
 fn pending_before<'m>(
     ctx: &'m Context<'_>,
     id: &Uuid,
-    done: &BTreeSet<Uuid>,
+    done: impl Fn(&Uuid) -> bool,
 ) -> Option<(Uuid, &'m str)> {
     let (key, seq) = ctx.model.keyed.get(id)?;
     ctx.model
@@ -91,7 +95,7 @@ fn pending_before<'m>(
         .get(key)?
         .range(..*seq)
         .map(|(_, e)| *e)
-        .find(|e| !done.contains(e) && !ctx.model.skipped.contains(e))
+        .find(|e| !done(e) && !ctx.model.skipped.contains(e))
         .map(|e| (e, key.as_str()))
 }
 

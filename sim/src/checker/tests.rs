@@ -50,6 +50,8 @@ struct Run {
     events: Vec<(Duration, Event)>,
     fin: FinalState,
     expect: Expect,
+    /// Partitions of an ordered subscription (0: not ordered).
+    partitions: u16,
 }
 
 impl Run {
@@ -70,7 +72,17 @@ impl Run {
     }
 
     fn verdict(&self) -> Verdict {
-        check(&self.events, &self.fin, &limits(), &self.expect)
+        let limits = Limits {
+            consumer_partitions: self.partitions,
+            ..limits()
+        };
+        check(&self.events, &self.fin, &limits, &self.expect)
+    }
+
+    /// The same run on an ordered subscription.
+    fn ordered(mut self) -> Self {
+        self.partitions = 4;
+        self
     }
 }
 
@@ -168,6 +180,7 @@ fn producer() -> Run {
             ..FinalState::default()
         },
         expect: Expect::default(),
+        partitions: 0,
     }
 }
 
@@ -1408,9 +1421,42 @@ fn keyed(t0: u64, numbers: [i64; 2]) -> Run {
     )
 }
 
+/// `keyed(100, [1, 2])` on an ordered subscription, with `effects` (event
+/// numbers, in commit order) taking effect from 300 ms on.
+fn applied(effects: &[u128]) -> Run {
+    let mut run = keyed(100, [1, 2]).ordered();
+    for (i, n) in effects.iter().enumerate() {
+        run = run.at(
+            300 + 10 * i as u64,
+            Event::InboxCommitted {
+                client: s("c#1"),
+                began: ms(290),
+                processed: vec![id(*n)],
+                effects: vec![(s("q"), id(*n))],
+            },
+        );
+    }
+    run
+}
+
 fn ordering_cases() -> Vec<(Invariant, Run)> {
     use Invariant as I;
     vec![
+        // The second event took effect before the first (a requeued first
+        // event overtaken, or a dead-lettered one replayed later).
+        (I::KeyAppliedInOrder, applied(&[2, 1])),
+        (I::KeyAppliedInOrder, applied(&[2])),
+        // Recorded held though the first had taken effect.
+        (
+            I::KeyHeldBehindItsHead,
+            applied(&[1]).at(
+                320,
+                Event::InboxHeld {
+                    client: s("c#1"),
+                    events: vec![id(2)],
+                },
+            ),
+        ),
         // Numbered against commit order: the second commit took 1 again,
         // or skipped a number.
         (I::KeyNumberedInCommitOrder, keyed(100, [1, 1])),
@@ -1451,6 +1497,57 @@ fn cases() -> Vec<(Invariant, Run)> {
         mark_cases(),
     ]
     .concat()
+}
+
+#[test]
+fn a_keys_events_applied_in_order_or_held_behind_their_head_pass() {
+    use Invariant as I;
+    let rules = [I::KeyAppliedInOrder, I::KeyHeldBehindItsHead];
+    let fine = |run: Run| {
+        let v = run.verdict();
+        for i in rules {
+            assert!(!v.counts.contains_key(&i), "{:#?}", v.violations);
+        }
+    };
+    fine(applied(&[1, 2]));
+    // Held behind the dead-lettered first, released after its replay.
+    let held = keyed(100, [1, 2]).ordered().at(
+        300,
+        Event::InboxHeld {
+            client: s("c#1"),
+            events: vec![id(2)],
+        },
+    );
+    fine(held.clone());
+    let effect = |t: u64, n: u128| {
+        (
+            t,
+            Event::InboxCommitted {
+                client: s("c#1"),
+                began: ms(t - 10),
+                processed: vec![id(n)],
+                effects: vec![(s("q"), id(n))],
+            },
+        )
+    };
+    let (t1, e1) = effect(400, 1);
+    let (t2, e2) = effect(410, 2);
+    fine(held.clone().at(t1, e1).at(t2, e2));
+    // Skipped at the inbox: the second goes on.
+    let (t2, e2) = effect(410, 2);
+    fine(
+        held.at(
+            400,
+            Event::InboxSkipped {
+                client: s("c#1"),
+                events: vec![id(1)],
+            },
+        )
+        .at(t2, e2),
+    );
+    // Not ordered: no such rule.
+    let v = keyed(100, [1, 2]).at(t1, effect(400, 2).1).verdict();
+    assert!(!v.counts.contains_key(&I::KeyAppliedInOrder));
 }
 
 #[test]
