@@ -109,9 +109,13 @@ fn declare_err(spec: &SubscriptionSpec, e: lapin::Error) -> BrokerError {
 impl LapinBroker {
     /// Declares a subscription's topology on `channel`: the topic exchange,
     /// `canopy.dlq` (direct), `<queue>.dlq` bound to it with the queue's name,
-    /// the queue with its arguments ([`queue_arguments`]: kind, dead-letter
+    /// the queue with its arguments (`queue_arguments`: kind, dead-letter
     /// target and, for a quorum queue, lossless dead-lettering and the
-    /// delivery limit), and the queue's bindings. Idempotent; a queue that
+    /// delivery limit), and the queue's bindings; for an ordered
+    /// subscription (`spec.partitions` > 0), instead of the queue and its
+    /// bindings, `<queue>.route` and the partition queue `spec.partition`
+    /// names (every one if `None`), single-active-consumer, bound by its
+    /// buckets. Idempotent; a queue that
     /// exists with other arguments is refused by the broker
     /// (`PRECONDITION_FAILED`), and the error names the queue, the argument
     /// and `CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE`.

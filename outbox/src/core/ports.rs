@@ -927,8 +927,10 @@ pub trait ConsumerBroker: Send + Sync + 'static {
     type Consumer: DeliverySource;
 
     /// Declares the topology (the queue with its dead-letter arguments, the
-    /// `canopy.dlq` exchange, `<queue>.dlq` and the bindings), sets the
-    /// prefetch and starts consuming.
+    /// `canopy.dlq` exchange, `<queue>.dlq` and the bindings; for an ordered
+    /// subscription, `<queue>.route` and the partition queue
+    /// `spec.partition` names instead of the queue), sets the prefetch and
+    /// starts consuming from [`SubscriptionSpec::consumed_queue`].
     fn subscription_open(
         &self,
         spec: &SubscriptionSpec,

@@ -47,6 +47,17 @@
 //! Broker trouble ends the consumer; the subscriber reopens it with a
 //! backoff, and the broker redelivers whatever was unacknowledged; the inbox
 //! absorbs the duplicates.
+//!
+//! An ordered subscription ([`SubscriberSettings::ordered`], issue 27)
+//! applies one ordering key's events in the order they committed: one
+//! worker per partition queue, each the single active consumer of its
+//! partition across replicas; a batch in rounds of one delivery per key;
+//! and the inbox, under the key's lock, deferring a delivery behind an
+//! earlier event of its key that waits for a retry
+//! ([`DeliveryOutcome::Deferred`]) and holding one behind a dead-lettered
+//! event ([`DeliveryOutcome::Held`]) until that event is replayed or
+//! skipped ([`Subscriber::skip`]), which releases the key's held rows in
+//! order.
 
 use std::collections::BTreeMap;
 use std::future::Future;
