@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{eventually, unique};
-use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use outbox::core::ports::{
     BUCKETS, Broker, Confirm, KeySeq, OutgoingMessage, PublishChannel, bucket_of,
@@ -150,19 +149,9 @@ async fn publish(exchange: &str, events: &[(String, i64)]) {
 }
 
 async fn depth(conn: &lapin::Connection, queue: &str) -> (u32, u32) {
-    let ch = conn.create_channel().await.unwrap();
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
+    common::queue_counts(conn, queue)
         .await
-        .unwrap();
-    (q.message_count(), q.consumer_count())
+        .expect("the queue exists")
 }
 
 /// Consumers registered on each queue, active or waiting, as
@@ -181,23 +170,6 @@ async fn registered_consumers() -> BTreeMap<String, usize> {
         *counts.entry(line.trim().to_owned()).or_insert(0) += 1;
     }
     counts
-}
-
-async fn delete_ordered(conn: &lapin::Connection, s: &SubscriberSettings) {
-    for p in 0..s.spec.partitions {
-        common::delete_queue(conn, &s.spec.partition_queue(p)).await;
-    }
-    common::delete_queue(conn, &s.spec.dlq_name()).await;
-    let ch = conn.create_channel().await.unwrap();
-    for x in [
-        s.spec.route_exchange(),
-        s.spec.rest_exchange(),
-        s.spec.exchange.clone(),
-    ] {
-        ch.exchange_delete(x.as_str().into(), Default::default())
-            .await
-            .unwrap();
-    }
 }
 
 async fn create_applied(pool: &PgPool) {
@@ -335,7 +307,7 @@ async fn a_dead_lettered_event_holds_its_key_until_replayed_or_skipped(pool: PgP
     assert_eq!(by_key["a"], [1, 2, 3, 4, 5, 6]);
     assert_eq!(by_key["b"], [1, 2, 4, 5, 6]);
     r.stop().await;
-    delete_ordered(&conn, &s).await;
+    common::delete_ordered_subscription(&conn, &s.spec).await;
 }
 
 #[tokio::test]
@@ -374,35 +346,33 @@ async fn every_event_lands_in_its_buckets_partition_and_nothing_is_dropped() {
     )
     .await;
     // `publish_confirmed` goes through the library too, so it carries a
-    // bucket: publish one by hand without any header.
+    // bucket: publish by hand one without any header and one whose bucket
+    // is out of range.
     ch.confirm_select(Default::default()).await.unwrap();
-    ch.basic_publish(
-        exchange.as_str().into(),
-        "orders.bare".into(),
-        Default::default(),
-        b"{}",
-        lapin::BasicProperties::default(),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
-    let mut headers = FieldTable::default();
-    headers.insert(
+    let mut odd = FieldTable::default();
+    odd.insert(
         "canopy-bucket".into(),
         lapin::types::AMQPValue::LongString("64".into()),
     );
-    ch.basic_publish(
-        exchange.as_str().into(),
-        "orders.odd".into(),
-        Default::default(),
-        b"{}",
-        lapin::BasicProperties::default().with_headers(headers),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    for (key, props) in [
+        ("orders.bare", lapin::BasicProperties::default()),
+        (
+            "orders.odd",
+            lapin::BasicProperties::default().with_headers(odd),
+        ),
+    ] {
+        ch.basic_publish(
+            exchange.as_str().into(),
+            key.into(),
+            Default::default(),
+            b"{}",
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
     expected[0] += 2;
     // The library's foreign-looking message has a random id, so a random
     // bucket: it lands in some partition, counted below.
@@ -430,7 +400,7 @@ async fn every_event_lands_in_its_buckets_partition_and_nothing_is_dropped() {
         seen.iter().zip(&expected).all(|(g, w)| g >= w),
         "{seen:?} vs {expected:?}"
     );
-    delete_ordered(&conn, &s).await;
+    common::delete_ordered_subscription(&conn, &s.spec).await;
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
@@ -512,5 +482,5 @@ async fn two_replicas_apply_each_keys_events_in_commit_order(pool: PgPool) {
         );
     }
     b.stop().await;
-    delete_ordered(&conn, &s).await;
+    common::delete_ordered_subscription(&conn, &s.spec).await;
 }

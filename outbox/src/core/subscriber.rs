@@ -530,25 +530,16 @@ where
                 return;
             }
         };
+        // Each row is its key's lowest held one: release the key from it.
         for row in rows {
-            let Some(o) = row.ordering.clone() else {
-                continue;
-            };
-            self.marks.hit(Mark::HeldReleased);
-            let outcome = match self.release_row(&row).await {
-                Ok(outcome) => outcome,
-                Err(e) => {
-                    tracing::debug!(queue = %queue, error = %e, "releasing held rows stopped on the database");
-                    return;
-                }
-            };
-            tracing::info!(queue = %queue, event_id = %row.event_id, key = ?o.key, outcome = ?outcome, "held row released");
-            if matches!(
-                outcome,
-                ReplayOutcome::Applied | ReplayOutcome::AlreadyProcessed
-            ) {
+            if let Some(o) = &row.ordering {
+                let before = KeySeq {
+                    key: o.key.clone(),
+                    seq: o.seq - 1,
+                };
                 let mut released = Vec::new();
-                self.release_held(&o, &mut released).await;
+                self.release_held(&before, &mut released).await;
+                tracing::info!(queue = %queue, key = ?o.key, released = ?released, "held rows released");
             }
         }
     }

@@ -110,6 +110,18 @@ impl PgInboxStore {
 
     /// One statement of no rows (a savepoint, a check, a rollback to one)
     /// in the transaction, bounded as [`Self::in_tx`].
+    /// Inbox rows a listing statement selects, on the pool, bounded.
+    async fn rows(
+        &self,
+        query: sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        bounded(async {
+            let rows = query.fetch_all(&self.pool).await.map_err(map_err)?;
+            Ok(rows.iter().map(inbox_row).collect())
+        })
+        .await
+    }
+
     async fn raw_in_tx(tx: &mut PgInboxTx, statement: &'static str) -> Result<(), StoreError> {
         let (tx, abandoned) = tx.parts();
         Self::in_tx(abandoned, async {
@@ -419,20 +431,16 @@ impl InboxStore for PgInboxStore {
             .limit
             .unwrap_or(LIST_LIMIT_DEFAULT)
             .clamp(1, LIST_LIMIT_MAX);
-        bounded(async {
-            let rows = sqlx::query(sql::INBOX_LIST_UNPROCESSED)
+        self.rows(
+            sqlx::query(sql::INBOX_LIST_UNPROCESSED)
                 .bind(f.ids.as_deref())
                 .bind(f.subscription.as_deref())
                 .bind(f.routing_key.as_deref())
                 .bind(f.dead_lettered_only)
                 .bind(i64::from(limit))
                 .bind(f.after.map(|c| c.received_at))
-                .bind(f.after.map(|c| c.event_id))
-                .fetch_all(&self.pool)
-                .await
-                .map_err(map_err)?;
-            Ok(rows.iter().map(inbox_row).collect())
-        })
+                .bind(f.after.map(|c| c.event_id)),
+        )
         .await
     }
 
@@ -443,17 +451,13 @@ impl InboxStore for PgInboxStore {
         after: i64,
         limit: u32,
     ) -> Result<Vec<InboxRow>, StoreError> {
-        bounded(async {
-            let rows = sqlx::query(sql::INBOX_HELD)
+        self.rows(
+            sqlx::query(sql::INBOX_HELD)
                 .bind(subscription)
                 .bind(key)
                 .bind(after)
-                .bind(i64::from(limit.clamp(1, LIST_LIMIT_MAX)))
-                .fetch_all(&self.pool)
-                .await
-                .map_err(map_err)?;
-            Ok(rows.iter().map(inbox_row).collect())
-        })
+                .bind(i64::from(limit.clamp(1, LIST_LIMIT_MAX))),
+        )
         .await
     }
 
@@ -462,15 +466,11 @@ impl InboxStore for PgInboxStore {
         subscription: &str,
         limit: u32,
     ) -> Result<Vec<InboxRow>, StoreError> {
-        bounded(async {
-            let rows = sqlx::query(sql::INBOX_RELEASABLE)
+        self.rows(
+            sqlx::query(sql::INBOX_RELEASABLE)
                 .bind(subscription)
-                .bind(i64::from(limit.clamp(1, LIST_LIMIT_MAX)))
-                .fetch_all(&self.pool)
-                .await
-                .map_err(map_err)?;
-            Ok(rows.iter().map(inbox_row).collect())
-        })
+                .bind(i64::from(limit.clamp(1, LIST_LIMIT_MAX))),
+        )
         .await
     }
 

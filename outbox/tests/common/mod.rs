@@ -224,6 +224,25 @@ pub async fn delete_subscription(conn: &Connection, queue: &str, exchange: &str)
         .unwrap();
 }
 
+/// Deletes what an ordered subscription declared (issue 27): its first
+/// `spec.partitions` partition queues, `<queue>.route` and its alternate
+/// exchange, then what [`delete_subscription`] deletes.
+pub async fn delete_ordered_subscription(
+    conn: &Connection,
+    spec: &outbox::core::ports::SubscriptionSpec,
+) {
+    for p in 0..spec.partitions {
+        delete_queue(conn, &spec.partition_queue(p)).await;
+    }
+    let ch = conn.create_channel().await.unwrap();
+    for x in [spec.route_exchange(), spec.rest_exchange()] {
+        ch.exchange_delete(x.as_str().into(), Default::default())
+            .await
+            .unwrap();
+    }
+    delete_subscription(conn, &spec.queue, &spec.exchange).await;
+}
+
 /// Polls `cond` every 20 ms until it holds; panics after `limit`.
 pub async fn eventually<F, Fut>(limit: Duration, mut cond: F)
 where
@@ -399,19 +418,25 @@ pub async fn wait_for_queue(queue: &str) {
     let conn = connect().await;
     eventually(Duration::from_secs(10), || {
         let conn = &conn;
-        async move {
-            let ch = conn.create_channel().await.unwrap();
-            ch.queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .is_ok_and(|q| q.consumer_count() > 0)
-        }
+        async move { queue_counts(conn, queue).await.is_some_and(|(_, c)| c > 0) }
     })
     .await;
+}
+
+/// `queue`'s ready messages and consumers (a single-active-consumer queue
+/// counts only its active one), as a passive declaration answers them;
+/// `None` if there is no such queue.
+pub async fn queue_counts(conn: &Connection, queue: &str) -> Option<(u32, u32)> {
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .ok()
+    .map(|q| (q.message_count(), q.consumer_count()))
 }

@@ -381,6 +381,14 @@ impl SimInboxStore {
         })
     }
 
+    /// A side statement answered with inbox rows (a listing, a skip).
+    async fn rows(&self, req: PgRequest) -> Result<Vec<InboxRow>, StoreError> {
+        match self.side_call(req).await? {
+            PgReply::InboxRows(rows) => Ok(rows.into_iter().map(inbox_row).collect()),
+            other => Err(unexpected(other)),
+        }
+    }
+
     async fn side_call(&self, req: PgRequest) -> Result<PgReply, StoreError> {
         self.side.call(req).await
     }
@@ -594,20 +602,15 @@ impl InboxStore for SimInboxStore {
             .limit
             .unwrap_or(LIST_LIMIT_DEFAULT)
             .clamp(1, LIST_LIMIT_MAX);
-        match self
-            .side_call(PgRequest::InboxList {
-                ids: f.ids.clone(),
-                subscription: f.subscription.clone(),
-                routing_key: f.routing_key.clone(),
-                dead_lettered_only: f.dead_lettered_only,
-                limit,
-                after: f.after.map(|c| (sim_ms(c.received_at), c.event_id)),
-            })
-            .await?
-        {
-            PgReply::InboxRows(rows) => Ok(rows.into_iter().map(inbox_row).collect()),
-            other => Err(unexpected(other)),
-        }
+        self.rows(PgRequest::InboxList {
+            ids: f.ids.clone(),
+            subscription: f.subscription.clone(),
+            routing_key: f.routing_key.clone(),
+            dead_lettered_only: f.dead_lettered_only,
+            limit,
+            after: f.after.map(|c| (sim_ms(c.received_at), c.event_id)),
+        })
+        .await
     }
 
     async fn inbox_held(
@@ -617,18 +620,13 @@ impl InboxStore for SimInboxStore {
         after: i64,
         limit: u32,
     ) -> Result<Vec<InboxRow>, StoreError> {
-        match self
-            .side_call(PgRequest::InboxHeld {
-                subscription: subscription.to_owned(),
-                key: key.to_owned(),
-                after,
-                limit: limit.clamp(1, LIST_LIMIT_MAX),
-            })
-            .await?
-        {
-            PgReply::InboxRows(rows) => Ok(rows.into_iter().map(inbox_row).collect()),
-            other => Err(unexpected(other)),
-        }
+        self.rows(PgRequest::InboxHeld {
+            subscription: subscription.to_owned(),
+            key: key.to_owned(),
+            after,
+            limit: limit.clamp(1, LIST_LIMIT_MAX),
+        })
+        .await
     }
 
     async fn inbox_releasable(
@@ -636,16 +634,11 @@ impl InboxStore for SimInboxStore {
         subscription: &str,
         limit: u32,
     ) -> Result<Vec<InboxRow>, StoreError> {
-        match self
-            .side_call(PgRequest::InboxReleasable {
-                subscription: subscription.to_owned(),
-                limit: limit.clamp(1, LIST_LIMIT_MAX),
-            })
-            .await?
-        {
-            PgReply::InboxRows(rows) => Ok(rows.into_iter().map(inbox_row).collect()),
-            other => Err(unexpected(other)),
-        }
+        self.rows(PgRequest::InboxReleasable {
+            subscription: subscription.to_owned(),
+            limit: limit.clamp(1, LIST_LIMIT_MAX),
+        })
+        .await
     }
 
     async fn inbox_skip(
@@ -653,16 +646,11 @@ impl InboxStore for SimInboxStore {
         subscription: &str,
         ids: &[uuid::Uuid],
     ) -> Result<Vec<InboxRow>, StoreError> {
-        match self
-            .side_call(PgRequest::InboxSkip {
-                subscription: subscription.to_owned(),
-                ids: ids.to_vec(),
-            })
-            .await?
-        {
-            PgReply::InboxRows(rows) => Ok(rows.into_iter().map(inbox_row).collect()),
-            other => Err(unexpected(other)),
-        }
+        self.rows(PgRequest::InboxSkip {
+            subscription: subscription.to_owned(),
+            ids: ids.to_vec(),
+        })
+        .await
     }
 
     async fn inbox_delete_processed(

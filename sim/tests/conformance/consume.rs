@@ -172,22 +172,17 @@ where
         broker: LapinBroker::new(proxy.amqp_url()),
         publisher: LapinBroker::new(common::amqp_url()),
         proxy,
-        queue: queue.clone(),
-        exchange: exchange.clone(),
+        queue,
+        exchange,
         admin,
     };
+    // The ordered body declares up to 4 partitions.
+    let declared = SubscriptionSpec {
+        partitions: 4,
+        ..arm.spec(1)
+    };
     body(arm).await;
-    let conn = common::connect().await;
-    for p in 0..4 {
-        common::delete_queue(&conn, &format!("{queue}.p{p}")).await;
-    }
-    let ch = conn.create_channel().await.unwrap();
-    for x in [format!("{queue}.route"), format!("{queue}.route.rest")] {
-        ch.exchange_delete(x.as_str().into(), Default::default())
-            .await
-            .unwrap();
-    }
-    common::delete_subscription(&conn, &queue, &exchange).await;
+    common::delete_ordered_subscription(&common::connect().await, &declared).await;
 }
 
 fn with_fake<F, Fut>(body: F)

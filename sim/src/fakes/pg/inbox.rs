@@ -802,8 +802,8 @@ impl Inbox {
                 skipped.push(r.clone());
             }
         }
+        // A repeated id finds its row processed by the first: skipped once.
         skipped.sort_by_key(|r| (r.received_ms, r.event_id));
-        skipped.dedup_by_key(|r| r.event_id);
         if !skipped.is_empty() {
             caller.trace.now(Event::InboxSkipped {
                 client: caller.client.to_owned(),
