@@ -179,6 +179,13 @@ pub enum PgRequest {
     Skip {
         ids: Option<Vec<Uuid>>,
     },
+    /// `inbox_lock_keys`: in a transaction, the key locks of an ordered
+    /// subscription's keyed deliveries, taken in key order; waits while
+    /// another open transaction holds one (holding those before it).
+    InboxLockKeys {
+        subscription: String,
+        keys: Vec<String>,
+    },
     /// `inbox_try_insert`: in a transaction; waits while another open
     /// transaction holds the row.
     InboxTryInsert {
@@ -327,11 +334,11 @@ pub enum WireInsertOutcome {
         attempts: i32,
     },
     AlreadyProcessed,
-    /// `inbox_key_wait.sql` found an earlier event of the key waiting for
-    /// its retry: nothing written.
+    /// `inbox_try_insert_keyed.sql` found an earlier event of the key
+    /// waiting for its retry: its row (if new) recorded waiting.
     BehindRetry,
-    /// `inbox_key_wait.sql` found an earlier event of the key dead-lettered
-    /// or held: recorded held (`inbox_hold.sql`).
+    /// `inbox_try_insert_keyed.sql` found an earlier event of the key
+    /// dead-lettered or held: recorded held.
     Held,
 }
 

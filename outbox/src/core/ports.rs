@@ -424,7 +424,8 @@ pub struct InboxEntry<'a> {
     /// Its ordering key and number, on an ordered subscription only: the
     /// row records them, and the insert first looks for an earlier event
     /// of the key still unprocessed ([`InsertOutcome::BehindRetry`],
-    /// [`InsertOutcome::Held`]).
+    /// [`InsertOutcome::Held`]). The transaction must hold the key's lock
+    /// by then ([`InboxStore::inbox_lock_keys`]).
     pub ordering: Option<&'a KeySeq>,
 }
 
@@ -594,6 +595,24 @@ pub trait InboxStore: Send + Sync + 'static {
     /// the connection is never reused. Best effort: what cannot reach the
     /// server is ended by the transaction's [`TxBounds`].
     fn inbox_abandon(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
+
+    /// Ordered subscriptions (issue 27), first in a handler's transaction
+    /// with keyed deliveries: takes the lock of each of `keys` in
+    /// `subscription`, held until the transaction ends (a savepoint's
+    /// rollback keeps it), waiting for a transaction that holds one. Every
+    /// taker takes its keys in one order, so two never wait on each other
+    /// in a cycle. Deliveries, replays and skips of one key then decide one
+    /// after the other, each seeing what the one before committed: a
+    /// delivery recorded held behind a dead-lettered event cannot commit
+    /// after that event's replay or skip looked for the key's held rows,
+    /// which would leave it held for ever. A key listed twice is locked
+    /// once.
+    fn inbox_lock_keys(
+        &self,
+        tx: &mut Self::Tx,
+        subscription: &str,
+        keys: &[&str],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Inserts the row if absent (`ON CONFLICT DO NOTHING`) and locks it,
     /// waiting for a concurrent transaction that holds it; then sets the

@@ -962,6 +962,16 @@ where
             .inbox_begin(bounds)
             .await
             .map_err(|e| BatchFailure::trouble(e, Vec::new()))?;
+        if let Err(e) = self.lock_keys(&mut tx, items).await {
+            self.store.inbox_rollback(tx).await;
+            // Blamed on the first keyed delivery (only they take locks).
+            let index = items
+                .iter()
+                .position(|i| i.entry.ordering.is_some())
+                .unwrap_or(0);
+            let abort = Abort::from(e);
+            return Err(abort.into_failure(index, items[index].slot, Vec::new(), None));
+        }
         let mut applied = Vec::with_capacity(items.len());
         let mut handler_wrote_last = false;
         // The slot of the item whose handler ran last with an `Ok`: our own
@@ -1021,6 +1031,21 @@ where
             self.marks.hit(Mark::BatchCommitted);
         }
         Ok(applied)
+    }
+
+    /// The key locks of the keyed deliveries among `items`, all in one
+    /// call, first in their transaction (none if none is keyed).
+    async fn lock_keys(&self, tx: &mut S::Tx, items: &[&Item<'_>]) -> Result<(), StoreError> {
+        let keys: Vec<&str> = items
+            .iter()
+            .filter_map(|i| i.entry.ordering.map(|o| o.key.as_str()))
+            .collect();
+        if keys.is_empty() {
+            return Ok(());
+        }
+        self.store
+            .inbox_lock_keys(tx, &self.settings.spec.queue, &keys)
+            .await
     }
 
     /// One item of [`apply`](Self::apply), in its transaction: what it came

@@ -171,34 +171,40 @@ fn begin_statement(bounds: TxBounds, tag: &str) -> String {
         .replace("{tag}", tag)
 }
 
-/// For an ordered subscription's keyed delivery, in its transaction: takes
-/// the key's lock, then looks for earlier unprocessed events of its key,
-/// and says which insert the delivery gets: `inbox_try_insert.sql` (none
-/// waits), `inbox_wait.sql` (one waits for its retry) or `inbox_hold.sql`
-/// (one is dead-lettered or held).
-async fn key_statement(
+/// What the insert of a delivery found: whether a row was written, and,
+/// for an ordered subscription's keyed delivery, what waits before it
+/// (`inbox_try_insert_keyed.sql`: `None` if nothing, `Some(false)` if an
+/// event waiting for its retry, `Some(true)` if a dead-lettered or held one).
+async fn insert_row(
     tx: &mut PgTx,
-    subscription: &str,
-    o: &KeySeq,
-) -> Result<&'static str, StoreError> {
-    sqlx::query(sql::INBOX_KEY_LOCK)
-        .bind(subscription)
-        .bind(&o.key)
-        .execute(&mut **tx)
-        .await
-        .map_err(map_err)?;
-    let blocked: Option<bool> = sqlx::query_scalar(sql::INBOX_KEY_WAIT)
-        .bind(subscription)
+    entry: &InboxEntry<'_>,
+    payload: &str,
+) -> Result<(bool, Option<bool>), StoreError> {
+    let Some(o) = entry.ordering else {
+        let done = sqlx::query(sql::INBOX_TRY_INSERT)
+            .bind(entry.event_id)
+            .bind(entry.subscription)
+            .bind(entry.routing_key)
+            .bind(payload)
+            .bind(None::<&str>)
+            .bind(None::<i64>)
+            .execute(&mut **tx)
+            .await
+            .map_err(map_err)?;
+        return Ok((done.rows_affected() == 1, None));
+    };
+    let row = sqlx::query(sql::INBOX_TRY_INSERT_KEYED)
+        .bind(entry.event_id)
+        .bind(entry.subscription)
+        .bind(entry.routing_key)
+        .bind(payload)
         .bind(&o.key)
         .bind(o.seq)
         .fetch_one(&mut **tx)
         .await
         .map_err(map_err)?;
-    Ok(match blocked {
-        None => sql::INBOX_TRY_INSERT,
-        Some(false) => sql::INBOX_WAIT,
-        Some(true) => sql::INBOX_HOLD,
-    })
+    let written: i64 = row.get("written");
+    Ok((written == 1, row.get("blocked")))
 }
 
 /// An inbox row as the listing statements select it.
@@ -266,6 +272,25 @@ impl InboxStore for PgInboxStore {
         drop(tx);
     }
 
+    async fn inbox_lock_keys(
+        &self,
+        tx: &mut PgInboxTx,
+        subscription: &str,
+        keys: &[&str],
+    ) -> Result<(), StoreError> {
+        let (tx, abandoned) = tx.parts();
+        Self::in_tx(abandoned, async {
+            sqlx::query(sql::INBOX_LOCK_KEYS)
+                .bind(subscription)
+                .bind(keys)
+                .execute(&mut **tx)
+                .await
+                .map_err(map_err)
+                .map(drop)
+        })
+        .await
+    }
+
     async fn inbox_try_insert(
         &self,
         tx: &mut PgInboxTx,
@@ -274,29 +299,24 @@ impl InboxStore for PgInboxStore {
         let payload = payload_text(entry)?;
         let (tx, abandoned) = tx.parts();
         Self::in_tx(abandoned, async {
-            let (key, seq) = (
-                entry.ordering.map(|o| o.key.as_str()),
-                entry.ordering.map(|o| o.seq),
-            );
-            let statement = match entry.ordering {
-                Some(o) => key_statement(tx, entry.subscription, o).await?,
-                None => sql::INBOX_TRY_INSERT,
+            let (written, blocked) = insert_row(tx, entry, payload).await?;
+            let holding = match blocked {
+                Some(false) => return Ok(InsertOutcome::BehindRetry),
+                Some(true) if written => return Ok(InsertOutcome::Held),
+                Some(true) => {
+                    // A redelivery of a row that exists: held too, unless
+                    // it took effect (the lock below says which).
+                    sqlx::query(sql::INBOX_HOLD)
+                        .bind(entry.event_id)
+                        .bind(entry.subscription)
+                        .execute(&mut **tx)
+                        .await
+                        .map_err(map_err)?;
+                    true
+                }
+                None => false,
             };
-            let done = sqlx::query(statement)
-                .bind(entry.event_id)
-                .bind(entry.subscription)
-                .bind(entry.routing_key)
-                .bind(payload)
-                .bind(key)
-                .bind(seq)
-                .execute(&mut **tx)
-                .await
-                .map_err(map_err)?;
-            if statement == sql::INBOX_WAIT {
-                return Ok(InsertOutcome::BehindRetry);
-            }
-            let holding = statement == sql::INBOX_HOLD;
-            let outcome = if done.rows_affected() == 1 && !holding {
+            let outcome = if written {
                 InsertOutcome::Inserted
             } else {
                 // The row exists (committed: the insert waited for any

@@ -40,11 +40,10 @@ pub(crate) mod sql {
     pub const INBOX_TERMINATE: &str = include_str!("sql/inbox_terminate.sql");
     pub const INBOX_TRY_INSERT: &str = include_str!("sql/inbox_try_insert.sql");
     pub const INBOX_LOCK: &str = include_str!("sql/inbox_lock.sql");
-    pub const INBOX_KEY_LOCK: &str = include_str!("sql/inbox_key_lock.sql");
-    pub const INBOX_KEY_WAIT: &str = include_str!("sql/inbox_key_wait.sql");
+    pub const INBOX_LOCK_KEYS: &str = include_str!("sql/inbox_lock_keys.sql");
+    pub const INBOX_TRY_INSERT_KEYED: &str = include_str!("sql/inbox_try_insert_keyed.sql");
     pub const INBOX_SKIP_LOCK: &str = include_str!("sql/inbox_skip_lock.sql");
     pub const INBOX_HOLD: &str = include_str!("sql/inbox_hold.sql");
-    pub const INBOX_WAIT: &str = include_str!("sql/inbox_wait.sql");
     pub const INBOX_HELD: &str = include_str!("sql/inbox_held.sql");
     pub const INBOX_RELEASABLE: &str = include_str!("sql/inbox_releasable.sql");
     pub const INBOX_SKIP: &str = include_str!("sql/inbox_skip.sql");

@@ -490,6 +490,20 @@ impl InboxStore for SimInboxStore {
         drop(tx);
     }
 
+    async fn inbox_lock_keys(
+        &self,
+        tx: &mut SimTx,
+        subscription: &str,
+        keys: &[&str],
+    ) -> Result<(), StoreError> {
+        tx.call(PgRequest::InboxLockKeys {
+            subscription: subscription.to_owned(),
+            keys: keys.iter().map(|k| (*k).to_owned()).collect(),
+        })
+        .await
+        .map(drop)
+    }
+
     async fn inbox_try_insert(
         &self,
         tx: &mut SimTx,

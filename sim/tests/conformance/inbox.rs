@@ -334,10 +334,23 @@ fn ks(key: &str, seq: i64) -> outbox::KeySeq {
     }
 }
 
+/// BEGIN, and the key lock of `entry` if it is keyed (as the subscriber
+/// takes it, first in the transaction).
+async fn begin_for<S: InboxStore>(store: &S, entry: &InboxEntry<'_>) -> S::Tx {
+    let mut tx = store.inbox_begin(bounds()).await.unwrap();
+    if let Some(o) = entry.ordering {
+        store
+            .inbox_lock_keys(&mut tx, entry.subscription, &[o.key.as_str()])
+            .await
+            .unwrap();
+    }
+    tx
+}
+
 /// BEGIN, try_insert of `entry`, COMMIT (nothing else): what the insert
 /// found.
 async fn insert_only<S: InboxStore>(store: &S, entry: &InboxEntry<'_>) -> InsertOutcome {
-    let mut tx = store.inbox_begin(bounds()).await.unwrap();
+    let mut tx = begin_for(store, entry).await;
     let outcome = store.inbox_try_insert(&mut tx, entry).await.unwrap();
     store.inbox_commit(tx).await.unwrap();
     outcome
@@ -350,7 +363,7 @@ async fn apply<A: InboxArm>(arm: &A, store: &A::S, e: &Event) -> InsertOutcome {
 
 /// [`apply`] of an entry as given.
 async fn apply_entry<A: InboxArm>(arm: &A, store: &A::S, entry: &InboxEntry<'_>) -> InsertOutcome {
-    let mut tx = store.inbox_begin(bounds()).await.unwrap();
+    let mut tx = begin_for(store, entry).await;
     let outcome = store.inbox_try_insert(&mut tx, entry).await.unwrap();
     if outcome != InsertOutcome::AlreadyProcessed {
         arm.effect(&mut tx, entry.event_id).await;
@@ -366,7 +379,7 @@ async fn reset<S: InboxStore>(store: &S, entry: &InboxEntry<'_>) -> InsertOutcom
         fresh_budget: true,
         ..*entry
     };
-    let mut tx = store.inbox_begin(bounds()).await.unwrap();
+    let mut tx = begin_for(store, entry).await;
     let outcome = store.inbox_try_insert(&mut tx, &replay).await.unwrap();
     store.inbox_commit(tx).await.unwrap();
     outcome
@@ -1217,8 +1230,8 @@ async fn a_listing_resumes_after_its_cursor<A: InboxArm>(arm: A) {
 /// One failed attempt of an ordered delivery (see [`fail`]).
 async fn fail_keyed<A: InboxArm>(arm: &A, e: &Event, o: &outbox::KeySeq, max_attempts: u32) {
     let store = arm.store();
-    let mut tx = store.inbox_begin(bounds()).await.unwrap();
     let entry = keyed(e, o);
+    let mut tx = begin_for(store, &entry).await;
     assert_eq!(
         store.inbox_try_insert(&mut tx, &entry).await.unwrap(),
         InsertOutcome::Inserted
@@ -1372,7 +1385,7 @@ async fn one_keys_deliveries_take_its_lock_one_transaction_at_a_time<A: InboxArm
     let (a, b) = (arm.store(), arm.other());
     let (e1, e2) = (event("k"), event("k"));
     let (k1, k2) = (ks("acct-1", 1), ks("acct-1", 2));
-    let mut tx = a.inbox_begin(bounds()).await.unwrap();
+    let mut tx = begin_for(a, &keyed(&e1, &k1)).await;
     assert_eq!(
         a.inbox_try_insert(&mut tx, &keyed(&e1, &k1)).await.unwrap(),
         InsertOutcome::Inserted
@@ -1387,8 +1400,7 @@ async fn one_keys_deliveries_take_its_lock_one_transaction_at_a_time<A: InboxArm
     );
     // The same key's next delivery waits for the first transaction.
     let mut tx2 = b.inbox_begin(bounds()).await.unwrap();
-    let waited =
-        tokio::time::timeout(ms(400), b.inbox_try_insert(&mut tx2, &keyed(&e2, &k2))).await;
+    let waited = tokio::time::timeout(ms(400), b.inbox_lock_keys(&mut tx2, "q", &["acct-1"])).await;
     assert!(waited.is_err(), "waits on the key's lock");
     b.inbox_abandon(tx2).await;
     let record = a
@@ -1397,7 +1409,7 @@ async fn one_keys_deliveries_take_its_lock_one_transaction_at_a_time<A: InboxArm
         .unwrap();
     assert!(record.dead_lettered);
     let waiting = async {
-        let mut tx2 = b.inbox_begin(bounds()).await.unwrap();
+        let mut tx2 = begin_for(b, &keyed(&e2, &k2)).await;
         let outcome = b
             .inbox_try_insert(&mut tx2, &keyed(&e2, &k2))
             .await
@@ -1417,8 +1429,51 @@ async fn one_keys_deliveries_take_its_lock_one_transaction_at_a_time<A: InboxArm
     );
 }
 
+/// Two transactions locking overlapping sets of keys: the second waits
+/// for the first's end, not for ever (all take them in one order), and
+/// keys listed twice or in any order are locked once.
+async fn key_locks_of_overlapping_sets_wait_for_each_other_and_never_deadlock<A: InboxArm>(arm: A) {
+    let (a, b) = (arm.store(), arm.other());
+    let mut first = a.inbox_begin(bounds()).await.unwrap();
+    a.inbox_lock_keys(&mut first, "q", &["k-2", "k-1", "k-2"])
+        .await
+        .unwrap();
+    // Another subscription's key of the same name is another lock.
+    let mut elsewhere = b.inbox_begin(bounds()).await.unwrap();
+    tokio::time::timeout(ms(2_000), b.inbox_lock_keys(&mut elsewhere, "q2", &["k-1"]))
+        .await
+        .expect("another subscription's key does not wait")
+        .unwrap();
+    b.inbox_rollback(elsewhere).await;
+    let took = std::sync::atomic::AtomicBool::new(false);
+    let second = async {
+        let mut tx = b.inbox_begin(bounds()).await.unwrap();
+        b.inbox_lock_keys(&mut tx, "q", &["k-3", "k-1"])
+            .await
+            .unwrap();
+        took.store(true, std::sync::atomic::Ordering::SeqCst);
+        b.inbox_commit(tx).await.unwrap();
+    };
+    let first_ends = async {
+        tokio::time::sleep(ms(300)).await;
+        assert!(
+            !took.load(std::sync::atomic::Ordering::SeqCst),
+            "the second waits: the first holds k-1"
+        );
+        // It takes more of its own meanwhile, k-3 aside.
+        a.inbox_lock_keys(&mut first, "q", &["k-1", "k-4"])
+            .await
+            .unwrap();
+        a.inbox_commit(first).await.unwrap();
+    };
+    tokio::time::timeout(ms(5_000), async { tokio::join!(second, first_ends) })
+        .await
+        .expect("the second took its keys once the first ended");
+}
+
 conformance!(postgres: with_real, fake: with_fake;
 
+    key_locks_of_overlapping_sets_wait_for_each_other_and_never_deadlock,
     an_ordered_delivery_behind_a_retrying_event_of_its_key_waits_behind_it,
     a_delivery_behind_a_dead_lettered_event_is_held_until_skipped,
     one_keys_deliveries_take_its_lock_one_transaction_at_a_time,

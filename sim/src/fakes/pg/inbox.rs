@@ -167,7 +167,7 @@ pub struct Inbox {
     rows: BTreeMap<Key, InboxRow>,
     /// Rows held by an open transaction, by session number.
     locks: BTreeMap<Key, u64>,
-    /// Ordered subscriptions' key locks (`inbox_key_lock.sql`'s advisory
+    /// Ordered subscriptions' key locks (`inbox_lock_keys.sql`'s advisory
     /// lock): (subscription, key) → the session whose transaction holds it.
     key_locks: BTreeMap<(String, String), u64>,
     /// Committed handler effects per (subscription, event).
@@ -206,8 +206,7 @@ pub struct InboxTx {
     /// Rows given a fresh budget by a replay's insert, applied first at
     /// commit.
     resets: Vec<Key>,
-    /// Existing rows this transaction marked held (`inbox_hold.sql`'s
-    /// conflict arm).
+    /// Existing rows this transaction marked held (`inbox_hold.sql`).
     holds: Vec<Key>,
     /// Key locks it holds, to its end (a savepoint's rollback keeps them:
     /// each is taken before its delivery's savepoint).
@@ -360,20 +359,11 @@ impl Inbox {
         tx: Option<&InboxTx>,
     ) -> Option<(Vec<u64>, &'static str)> {
         match req {
-            PgRequest::InboxTryInsert { entry } => {
-                let key_lock = entry.ordering.as_ref().and_then(|(k, _)| {
-                    self.key_locks
-                        .get(&(entry.subscription.clone(), k.clone()))
-                        .filter(|s| **s != session)
-                });
-                if let Some(s) = key_lock {
-                    return Some((vec![*s], "inbox key lock"));
-                }
-                self.locks
-                    .get(&key(&entry.subscription, entry.event_id))
-                    .filter(|s| **s != session)
-                    .map(|s| (vec![*s], "inbox row"))
-            }
+            PgRequest::InboxTryInsert { entry } => self
+                .locks
+                .get(&key(&entry.subscription, entry.event_id))
+                .filter(|s| **s != session)
+                .map(|s| (vec![*s], "inbox row")),
             PgRequest::InboxSkip { subscription, ids } => {
                 let key_holders = ids
                     .iter()
@@ -501,7 +491,8 @@ impl Inbox {
             return Some(PgReply::Error(PgError::new(r.code, r.message)));
         }
         let reply = match req {
-            PgRequest::InboxTryInsert { .. }
+            PgRequest::InboxLockKeys { .. }
+            | PgRequest::InboxTryInsert { .. }
             | PgRequest::InboxMarkProcessed { .. }
             | PgRequest::Effect { .. }
             | PgRequest::InboxSavepoint
@@ -577,6 +568,13 @@ impl Inbox {
         now: u64,
     ) -> PgReply {
         match req {
+            PgRequest::InboxLockKeys { subscription, keys } => {
+                // The session's handling took them (`blocked` waits until
+                // it could): all held.
+                let held = self.lock_keys(subscription, keys, caller.session, tx);
+                debug_assert_eq!(held, None, "taken before the statement ran");
+                PgReply::Ok
+            }
             PgRequest::InboxTryInsert { entry } => {
                 tx.tried += 1;
                 self.try_insert(entry, caller, tx, now)
@@ -724,7 +722,7 @@ impl Inbox {
                 attempts: row.attempts,
             },
             None if hold => {
-                // `inbox_hold.sql`: unprocessed, held.
+                // `inbox_try_insert_keyed.sql`, blocked: unprocessed, held.
                 let mut row = InboxRow::new(entry, now);
                 row.held_ms = Some(now);
                 tx.inserts.push(row);
@@ -813,11 +811,38 @@ impl Inbox {
         PgReply::InboxRows(skipped.iter().map(InboxRow::wire).collect())
     }
 
-    /// An ordered subscription's keyed delivery, first: takes its key's
-    /// lock (`inbox_key_lock.sql`), looks for earlier unprocessed events
-    /// of its key (`inbox_key_wait.sql`) and, if one waits for its retry,
-    /// records its own row waiting (`inbox_wait.sql`) and answers
-    /// `BehindRetry`; else whether the insert is `inbox_hold.sql`'s.
+    /// `inbox_lock_keys.sql`: takes `session`'s locks of `keys` in
+    /// `subscription`, in key order, as far as it can: the session holding
+    /// the first one it cannot take (the statement waits there, holding
+    /// those before it, as PostgreSQL's does), or `None` once it holds them
+    /// all. Each is held until the transaction ends.
+    pub fn lock_keys(
+        &mut self,
+        subscription: &str,
+        keys: &[String],
+        session: u64,
+        tx: &mut InboxTx,
+    ) -> Option<u64> {
+        let sorted: std::collections::BTreeSet<&String> = keys.iter().collect();
+        for k in sorted {
+            let lock = (subscription.to_owned(), k.clone());
+            match self.key_locks.get(&lock) {
+                Some(s) if *s != session => return Some(*s),
+                Some(_) => {}
+                None => {
+                    self.key_locks.insert(lock.clone(), session);
+                    tx.key_locks.push(lock);
+                }
+            }
+        }
+        None
+    }
+
+    /// An ordered subscription's keyed delivery, first
+    /// (`inbox_try_insert_keyed.sql`, under the key's lock, which it does
+    /// not take): looks for earlier unprocessed events of its key and, if
+    /// one waits for its retry, records its own row waiting and answers
+    /// `BehindRetry`; else whether the row is to be recorded held.
     fn key_statement(
         &mut self,
         entry: &WireInboxEntry,
@@ -825,16 +850,8 @@ impl Inbox {
         tx: &mut InboxTx,
         now: u64,
     ) -> Result<bool, PgReply> {
-        let Some((ordering_key, _)) = &entry.ordering else {
+        if entry.ordering.is_none() {
             return Ok(false);
-        };
-        let lock = (entry.subscription.clone(), ordering_key.clone());
-        if self
-            .key_locks
-            .insert(lock.clone(), caller.session)
-            .is_none()
-        {
-            tx.key_locks.push(lock);
         }
         match self.key_wait(entry, tx) {
             None => Ok(false),
@@ -855,7 +872,7 @@ impl Inbox {
         }
     }
 
-    /// `inbox_key_wait.sql` for an ordered subscription's keyed delivery,
+    /// `inbox_try_insert_keyed.sql`'s look for an ordered subscription's keyed delivery,
     /// as `tx` sees the inbox: `None` if no earlier event of its key is
     /// unprocessed, `Some(true)` if one of those is dead-lettered or held,
     /// else `Some(false)`.

@@ -477,6 +477,20 @@ impl Session {
             }
             self.admitted = true;
         }
+        if let (PgRequest::InboxLockKeys { subscription, keys }, Some(tx)) = (req, self.tx.as_mut())
+            && !tx.aborted
+        {
+            let mut db = self.state.lock();
+            if let Some(holder) = db
+                .inbox
+                .lock_keys(subscription, keys, self.id, &mut tx.inbox)
+            {
+                return Handled::Blocked {
+                    holders: vec![holder],
+                    on: "inbox key lock",
+                };
+            }
+        }
         if !self.tx.as_ref().is_some_and(|t| t.aborted) {
             let tx = self.tx.as_ref().map(|t| &t.inbox);
             let db = self.state.lock();
@@ -961,6 +975,7 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::Unpark { .. } => "unpark",
         PgRequest::Skip { .. } => "skip",
         PgRequest::KeyWindow { .. } => "key_window",
+        PgRequest::InboxLockKeys { .. } => "inbox_lock_keys",
         PgRequest::InboxTryInsert { .. } => "inbox_try_insert",
         PgRequest::InboxMarkProcessed { .. } => "inbox_mark_processed",
         PgRequest::Effect { .. } => "effect",
