@@ -394,6 +394,18 @@ pub enum Event {
     },
 
     // --- the consumer (handler, fake inbox, operator) ------------------------
+    /// The simulated handler was called for an event, in the transaction
+    /// of PostgreSQL session `session`: a run begins.
+    HandlerStarted {
+        client: String,
+        event_id: Uuid,
+        session: Option<u64>,
+    },
+    /// That run is over: it returned, or the subscriber dropped it (at its
+    /// deadline, or its batch gave up). The end of its transaction at the
+    /// server (`InboxBatch` of its session: nothing it does after can take
+    /// effect) or a crash of the client's host ends it too, recorded or not.
+    HandlerEnded { client: String, event_id: Uuid },
     /// The simulated handler ran for an event.
     HandlerRan {
         client: String,
@@ -416,6 +428,8 @@ pub enum Event {
     /// statements (one per delivery of a batch) ended, committed or not.
     InboxBatch {
         client: String,
+        /// The session it ran on.
+        session: u64,
         deliveries: u32,
         committed: bool,
     },

@@ -133,6 +133,8 @@ invariants! {
     KeyAppliedInOrder = "key_applied_in_order",
     /// On an ordered subscription, a delivery is recorded held only behind an earlier event of its key that has not taken effect.
     KeyHeldBehindItsHead = "key_held_behind_its_head",
+    /// On an ordered subscription, no handler run of a keyed event begins while a run of another event of its key (on any worker of any replica, replays included) has not ended.
+    KeyHandledOneAtATime = "key_handled_one_at_a_time",
     // --- retention
     /// The outbox janitor deletes only rows published longer ago than the retention.
     OutboxJanitorScope = "outbox_janitor_scope",

@@ -11,6 +11,10 @@
 //! - **held, not lost**: a delivery recorded held waits behind an earlier
 //!   event of its key that is unprocessed (dead-lettered or held itself)
 //!   in the inbox when it commits.
+//! - **one handler at a time**: no handler run of a keyed event begins
+//!   while a run of an event of the same key has not ended, on any worker
+//!   of any replica (a run ends when it returns, when the subscriber drops
+//!   it, or when its host crashes).
 //! - **deferred only behind its key**: a delivery requeued with no failure
 //!   recorded (deferred) is keyed, and an earlier event of its key was
 //!   delivered and has not taken effect or been skipped yet
@@ -31,6 +35,7 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     if ctx.limits.consumer_partitions == 0 || ctx.model.keyed.is_empty() {
         return;
     }
+    one_handler_per_key(ctx, out);
     // Per subscription: events that took effect. Skips and holds name no
     // subscription (the simulation has one): a skip counts for each, and
     // a hold is judged against what took effect in any.
@@ -75,6 +80,67 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                             ),
                         );
                     }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A handler run under way: its client, event and session.
+type Run<'a> = (&'a str, Uuid, Option<u64>);
+
+/// No handler run of a keyed event begins while another run of its key
+/// is under way: runs go from `HandlerStarted` to `HandlerEnded`, to the
+/// end of their transaction at the server (`InboxBatch` of their session:
+/// a paused replica's run, whose transaction the server ended, takes no
+/// effect whatever it does when it wakes), or to the crash of their
+/// client's host (clients are named `host#n`).
+fn one_handler_per_key(ctx: &Context<'_>, out: &mut Findings) {
+    // Key → the runs under way.
+    let mut running: BTreeMap<&str, Vec<Run<'_>>> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::HandlerStarted {
+                client,
+                event_id,
+                session,
+            } => {
+                let Some((key, _)) = ctx.model.keyed.get(event_id) else {
+                    continue;
+                };
+                let runs = running.entry(key.as_str()).or_default();
+                if let Some((other, earlier, _)) = runs.first() {
+                    out.add(
+                        Invariant::KeyHandledOneAtATime,
+                        Some(*at),
+                        format!(
+                            "{client} began handling {event_id} of key {key:?} while {other} was handling {earlier}"
+                        ),
+                    );
+                }
+                runs.push((client.as_str(), *event_id, *session));
+            }
+            Event::HandlerEnded { client, event_id } => {
+                if let Some((key, _)) = ctx.model.keyed.get(event_id)
+                    && let Some(runs) = running.get_mut(key.as_str())
+                    && let Some(i) = runs
+                        .iter()
+                        .position(|(c, e, _)| (*c, *e) == (client.as_str(), *event_id))
+                {
+                    runs.remove(i);
+                }
+            }
+            Event::InboxBatch { session, .. } => {
+                for runs in running.values_mut() {
+                    runs.retain(|(_, _, s)| *s != Some(*session));
+                }
+            }
+            Event::Host { host, up: false } => {
+                for runs in running.values_mut() {
+                    runs.retain(|(client, _, _)| {
+                        client.split_once('#').map(|(h, _)| h) != Some(host.as_str())
+                    });
                 }
             }
             _ => {}

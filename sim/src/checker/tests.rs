@@ -1263,6 +1263,7 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
                 121,
                 Event::InboxBatch {
                     client: s("c#1"),
+                    session: 1,
                     deliveries: 5,
                     committed: false,
                 },
@@ -1439,9 +1440,58 @@ fn applied(effects: &[u128]) -> Run {
     run
 }
 
+/// `applied(&[1, 2])` with a handler run of each event: (client, event,
+/// start ms, end ms if it ended); run i is on session i + 1.
+fn handled(runs: &[(&str, u128, u64, Option<u64>)]) -> Run {
+    let mut run = applied(&[1, 2]);
+    for (session, (client, n, start, end)) in (1..).zip(runs) {
+        run = run.at(
+            *start,
+            Event::HandlerStarted {
+                client: s(client),
+                event_id: id(*n),
+                session: Some(session),
+            },
+        );
+        if let Some(end) = end {
+            run = run.at(
+                *end,
+                Event::HandlerEnded {
+                    client: s(client),
+                    event_id: id(*n),
+                },
+            );
+        }
+    }
+    run
+}
+
 fn ordering_cases() -> Vec<(Invariant, Run)> {
     use Invariant as I;
     vec![
+        // Two replicas ran one key's handlers at once (a partition with
+        // two active consumers, or a replay without the key's lock).
+        (
+            I::KeyHandledOneAtATime,
+            handled(&[("c#1", 1, 290, Some(299)), ("d#1", 2, 295, Some(305))]),
+        ),
+        // Two workers of one replica did (a key routed to two of them).
+        (
+            I::KeyHandledOneAtATime,
+            handled(&[("c#1", 1, 290, Some(299)), ("c#1", 2, 295, Some(305))]),
+        ),
+        // A run never ended by its host's crash holds the key still: a
+        // pause is not a crash.
+        (
+            I::KeyHandledOneAtATime,
+            handled(&[("c#1", 1, 290, None), ("d#1", 2, 300, Some(305))]).at(
+                298,
+                Event::Host {
+                    host: s("d"),
+                    up: false,
+                },
+            ),
+        ),
         // The second event took effect before the first (a requeued first
         // event overtaken, or a dead-lettered one replayed later).
         (I::KeyAppliedInOrder, applied(&[2, 1])),
@@ -1548,6 +1598,61 @@ fn a_keys_events_applied_in_order_or_held_behind_their_head_pass() {
     // Not ordered: no such rule.
     let v = keyed(100, [1, 2]).at(t1, effect(400, 2).1).verdict();
     assert!(!v.counts.contains_key(&I::KeyAppliedInOrder));
+}
+
+#[test]
+fn a_keys_handler_runs_one_after_another_pass() {
+    use Invariant as I;
+    let fine = |run: Run| {
+        let v = run.verdict();
+        assert!(
+            !v.counts.contains_key(&I::KeyHandledOneAtATime),
+            "{:#?}",
+            v.violations
+        );
+    };
+    // One after the other, on one replica or two.
+    fine(handled(&[
+        ("c#1", 1, 290, Some(295)),
+        ("c#1", 2, 295, Some(305)),
+    ]));
+    fine(handled(&[
+        ("c#1", 1, 290, Some(295)),
+        ("d#1", 2, 296, Some(305)),
+    ]));
+    // A run again of the same event, after the first ended.
+    fine(handled(&[
+        ("c#1", 1, 280, Some(285)),
+        ("c#1", 1, 290, Some(295)),
+    ]));
+    // A run that never ended ends with its host's crash; the standby then
+    // takes the key.
+    fine(
+        handled(&[("c#1", 1, 290, None), ("d#1", 2, 300, Some(305))]).at(
+            298,
+            Event::Host {
+                host: s("c"),
+                up: false,
+            },
+        ),
+    );
+    // A paused replica's run whose transaction the server ended: over,
+    // whatever it does when it wakes.
+    fine(
+        handled(&[("c#1", 1, 290, Some(320)), ("d#1", 2, 300, Some(305))]).at(
+            298,
+            Event::InboxBatch {
+                client: s("c#1"),
+                session: 1,
+                deliveries: 1,
+                committed: false,
+            },
+        ),
+    );
+    // Not ordered: runs of one key may overlap.
+    let mut run = handled(&[("c#1", 1, 290, Some(299)), ("d#1", 2, 295, Some(305))]);
+    run.partitions = 0;
+    fine(run);
 }
 
 #[test]

@@ -21,7 +21,9 @@
 //! locked (the `DomainLock` fault) every effect waits, past the handler's
 //! deadline.
 //!
-//! It records every run and what it came to (`HandlerRan`, before a panic
+//! It records when each run begins and ends (`HandlerStarted`,
+//! `HandlerEnded`: returned or dropped), and what it came to
+//! (`HandlerRan`, before a panic
 //! or a stall, and when the subscriber drops a run that waits on the
 //! locked domain table): the checker's budget rules count attempts against
 //! these.
@@ -126,6 +128,15 @@ impl SimHandler {
 
 impl Handler<SimTx> for SimHandler {
     async fn handle(&self, tx: &mut SimTx, event: &EventEnvelope) -> Result<(), HandlerError> {
+        self.trace.now(Event::HandlerStarted {
+            client: self.who.clone(),
+            event_id: event.id,
+            session: tx.session(),
+        });
+        let _run = Running {
+            handler: self,
+            event,
+        };
         let recorded = AtomicBool::new(false);
         let result = self.apply(tx, event, &recorded).await;
         if !recorded.load(Ordering::SeqCst) {
@@ -225,6 +236,22 @@ impl SimHandler {
             }
         }
         Ok(())
+    }
+}
+
+/// A run of the handler, from its call to its end: returned, or dropped by
+/// the subscriber (`HandlerEnded` either way).
+struct Running<'a> {
+    handler: &'a SimHandler,
+    event: &'a EventEnvelope,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.handler.trace.now(Event::HandlerEnded {
+            client: self.handler.who.clone(),
+            event_id: self.event.id,
+        });
     }
 }
 

@@ -907,6 +907,7 @@ impl Session {
         if inbox.deliveries() > 0 {
             self.state.trace.now(Event::InboxBatch {
                 client: self.client.clone(),
+                session: self.id,
                 deliveries: inbox.deliveries(),
                 committed,
             });
