@@ -94,6 +94,7 @@ fn every_scenario_file_has_a_test_here() {
         "handler_blocked_on_a_lock",
         "hostile_deliveries",
         "lease_expiry_mid_confirm",
+        "ordering_keys_consumer_swarm",
         "ordering_keys_consumers",
         "ordering_keys_handover",
         "ordering_keys_hot",
@@ -227,6 +228,10 @@ fn broker_node_crash() {
 #[test]
 fn broker_node_partition() {
     check("broker_node_partition");
+}
+#[test]
+fn ordering_keys_consumer_swarm() {
+    check("ordering_keys_consumer_swarm");
 }
 #[test]
 fn ordering_keys_consumers() {
