@@ -5,6 +5,7 @@
 //! ```text
 //! chaos run [--events N] [--faults F] [--seed S] [--rate R] [--out DIR]
 //!           [--settle-secs S] [--keep] [--amqp-url URL[,URL...]] [--cluster]
+//!           [--ordering-keys K]
 //! ```
 //! Defaults: 20 000 events, 8 faults, seed 1, about a minute of production
 //! (300 to 3 000 events/s), `target/chaos`, 180 s to settle. Exit status 0
@@ -15,6 +16,9 @@
 //! project's three-node cluster (`.ci/rabbit-cluster start`; its nodes'
 //! URLs unless `--amqp-url` lists them, in node order) with node faults:
 //! a node SIGKILLed, stopped (`stop_app`), cut off from the others.
+//! `--ordering-keys K` spreads the order events over K ordering keys and
+//! makes both subscriptions ordered; the report then judges each key's
+//! order at the broker (the observer) and in each subscription's effects.
 //! `chaos producer|drainer|subscriber` are the run's processes (the
 //! orchestrator starts them).
 
@@ -24,7 +28,8 @@ use std::time::Duration;
 use benches::chaos::{roles, run};
 
 const USAGE: &str = "usage: chaos run [--events N] [--faults F] [--seed S] [--rate R] [--out DIR] \
-                     [--settle-secs S] [--keep] [--amqp-url URL[,URL...]] [--cluster]";
+                     [--settle-secs S] [--keep] [--amqp-url URL[,URL...]] [--cluster] \
+                     [--ordering-keys K]";
 
 fn parse(args: &[String]) -> Result<run::Args, String> {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -40,6 +45,7 @@ fn parse(args: &[String]) -> Result<run::Args, String> {
         amqp: String::new(),
         cluster: false,
         keep: false,
+        ordering_keys: 0,
     };
     let mut it = args.iter();
     let num = |flag: &str, v: Option<&String>| -> Result<f64, String> {
@@ -57,6 +63,7 @@ fn parse(args: &[String]) -> Result<run::Args, String> {
             "--out" => a.out = it.next().ok_or("--out needs a folder")?.into(),
             "--keep" => a.keep = true,
             "--cluster" => a.cluster = true,
+            "--ordering-keys" => a.ordering_keys = num(flag, it.next())? as u64,
             "--amqp-url" => a.amqp = it.next().ok_or("--amqp-url needs a URL list")?.clone(),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }

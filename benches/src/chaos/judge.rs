@@ -25,6 +25,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct SubscriptionState {
     /// Effect rows per event.
     pub effects: BTreeMap<Uuid, u32>,
+    /// Each event's first effect, in the order the effects were written.
+    pub applied: Vec<Uuid>,
     /// Inbox rows dead-lettered, with their attempts.
     pub dead_lettered: BTreeMap<Uuid, i32>,
     /// Messages in its dead-letter queue, by `message_id`.
@@ -45,6 +47,8 @@ pub struct Outcome {
     /// Every row a mark set `published_at` on: (row, its claim's holder
     /// then, the marking replica).
     pub marks: Vec<(Uuid, Option<String>, String)>,
+    /// Keyed rows of the outbox: their ordering key and number.
+    pub keyed: BTreeMap<Uuid, (String, i64)>,
     /// What the observer saw.
     pub observed: Observed,
     /// Per subscription, by name.
@@ -71,8 +75,8 @@ pub async fn read_orders(pool: &PgPool, out: &mut Outcome) -> Result<(), BoxErro
         out.committed.insert(r.get("event_id"), r.get("kind"));
     }
     for r in sqlx::query(
-        "SELECT id, published_at IS NOT NULL AS published, parked_at IS NOT NULL AS parked, attempts \
-         FROM event_outbox",
+        "SELECT id, published_at IS NOT NULL AS published, parked_at IS NOT NULL AS parked, attempts, \
+         ordering_key, key_seq FROM event_outbox",
     )
     .fetch_all(pool)
     .await?
@@ -85,6 +89,10 @@ pub async fn read_orders(pool: &PgPool, out: &mut Outcome) -> Result<(), BoxErro
             }
         }
         out.attempts.insert(id, r.get("attempts"));
+        let key: Option<String> = r.get("ordering_key");
+        if let (Some(key), Some(seq)) = (key, r.get::<Option<i64>, _>("key_seq")) {
+            out.keyed.insert(id, (key, seq));
+        }
     }
     for r in sqlx::query("SELECT id, claimed_by, marked_by FROM chaos_marks")
         .fetch_all(pool)
@@ -105,6 +113,16 @@ pub async fn read_subscription(pool: &PgPool) -> Result<SubscriptionState, BoxEr
     {
         s.effects
             .insert(r.get("event_id"), r.get::<i64, _>("n") as u32);
+    }
+    let mut seen = BTreeSet::new();
+    for r in sqlx::query("SELECT event_id FROM chaos_effects ORDER BY n")
+        .fetch_all(pool)
+        .await?
+    {
+        let id: Uuid = r.get("event_id");
+        if seen.insert(id) {
+            s.applied.push(id);
+        }
     }
     for r in
         sqlx::query("SELECT event_id, attempts FROM event_inbox WHERE dead_lettered_at IS NOT NULL")
@@ -341,6 +359,21 @@ pub fn judge(o: &Outcome) -> Judgement {
         stray,
     ));
     rules.push(rule(
+        "key_published_in_order",
+        "one ordering key's events first reached the broker in the order their transactions committed",
+        out_of_order(&o.keyed, &o.observed.first_arrivals, "the broker"),
+    ));
+    let mut applied = Vec::new();
+    for s in SUBSCRIPTIONS {
+        let state = o.subscriptions.get(s.name).unwrap_or(&empty);
+        applied.extend(out_of_order(&o.keyed, &state.applied, s.name));
+    }
+    rules.push(rule(
+        "key_applied_in_order",
+        "each subscription applied one ordering key's events in the order their transactions committed, none missing before another",
+        applied,
+    ));
+    rules.push(rule(
         "observer_saw_only_envelopes",
         "every message the observer saw carries an envelope id",
         (0..o.observed.foreign)
@@ -348,4 +381,66 @@ pub fn judge(o: &Outcome) -> Judgement {
             .collect(),
     ));
     Judgement { rules, verdict }
+}
+
+/// Where `order` (event ids, first sight of each) breaks the order of
+/// their keys: an event seen while an earlier event of its key had not
+/// been (numbers from 1, no gaps: the outbox numbers a key's committed
+/// events so), at `place`.
+fn out_of_order(keyed: &BTreeMap<Uuid, (String, i64)>, order: &[Uuid], place: &str) -> Vec<String> {
+    let mut next: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut found = Vec::new();
+    for id in order {
+        let Some((key, seq)) = keyed.get(id) else {
+            continue;
+        };
+        let expected = next.entry(key.as_str()).or_insert(1);
+        if *seq != *expected {
+            found.push(format!(
+                "[{place}] {id}, number {seq} of key {key:?}, came when number {expected} was due"
+            ));
+        }
+        *expected = (*expected).max(*seq + 1);
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(n: u128) -> Uuid {
+        Uuid::from_u128(n)
+    }
+
+    /// Events 1..=3 of key "a", 4..=5 of key "b".
+    fn keyed() -> BTreeMap<Uuid, (String, i64)> {
+        [
+            (1, "a", 1),
+            (2, "a", 2),
+            (3, "a", 3),
+            (4, "b", 1),
+            (5, "b", 2),
+        ]
+        .into_iter()
+        .map(|(n, k, s)| (id(n), (k.to_owned(), s)))
+        .collect()
+    }
+
+    #[test]
+    fn each_keys_events_in_order_interleaved_with_others_are_in_order() {
+        let order = [4, 1, 2, 5, 3, 9].map(id); // 9: unkeyed
+        assert!(out_of_order(&keyed(), &order, "x").is_empty());
+    }
+
+    #[test]
+    fn a_later_event_first_or_a_missing_one_is_out_of_order() {
+        let swapped = out_of_order(&keyed(), &[2, 1, 3].map(id), "billing");
+        assert_eq!(swapped.len(), 2, "{swapped:?}");
+        assert!(swapped[0].contains("[billing]") && swapped[0].contains("number 2"));
+        // Number 2 never came: 3 came when 2 was due.
+        let gap = out_of_order(&keyed(), &[1, 3].map(id), "x");
+        assert_eq!(gap.len(), 1, "{gap:?}");
+        assert!(gap[0].contains("number 3") && gap[0].contains("number 2 was due"));
+    }
 }

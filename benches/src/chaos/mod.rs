@@ -65,6 +65,16 @@ pub const SUBSCRIBER_MAX_ATTEMPTS: u32 = 3;
 /// outside the transaction, so a restarted replica does not fail it again).
 pub const TRANSIENT_ONE_IN: u64 = 20;
 
+/// Partitions of each subscription when the run writes ordering keys
+/// (`--ordering-keys`): each replica runs one worker per partition, and
+/// the other replica stands by on each.
+pub const PARTITIONS: u16 = 4;
+
+/// The ordering key of a keyed event of the run: one of `keys`.
+pub fn ordering_key(k: u64) -> String {
+    format!("account-{k}")
+}
+
 /// Drainer replicas.
 pub const DRAINERS: usize = 3;
 /// Replicas of each subscription.
@@ -99,6 +109,26 @@ pub const SUBSCRIPTIONS: [Subscription; 2] = [
         fails: true,
     },
 ];
+
+impl Subscription {
+    /// The queues its consumers read: its own, or with ordering keys
+    /// (`keyed`) its [`PARTITIONS`] partition queues.
+    pub fn consumed_queues(&self, keyed: bool) -> Vec<String> {
+        let settings = outbox::SubscriberSettings::new(self.queue, &["#"]);
+        let settings = if keyed {
+            settings.ordered(PARTITIONS)
+        } else {
+            settings
+        };
+        let mut queues: Vec<String> = settings
+            .worker_specs()
+            .iter()
+            .map(outbox::SubscriptionSpec::consumed_queue)
+            .collect();
+        queues.dedup();
+        queues
+    }
+}
 
 /// Connects to the first node of `list` (AMQP URLs separated by commas)
 /// that answers: the orchestrator's and the observer's own connections,

@@ -29,6 +29,10 @@ pub struct Observed {
     pub foreign: u64,
     /// New arrivals per whole second since the run's start.
     pub per_second: BTreeMap<u64, u64>,
+    /// Each envelope id once, in the order it first arrived: one queue
+    /// fed by every drainer, so one key's events arrive in the order
+    /// they were published.
+    pub first_arrivals: Vec<Uuid>,
 }
 
 /// Declares the exchange and the observer's durable queue bound to it
@@ -96,7 +100,11 @@ async fn read(amqp: &str, queue: &str, seen: &Mutex<Observed>, start: Instant) -
                 None => s.foreign += 1,
                 Some(id) if d.redelivered && s.stored.contains_key(&id) => s.redelivered += 1,
                 Some(id) => {
-                    *s.stored.entry(id).or_insert(0) += 1;
+                    let n = s.stored.entry(id).or_insert(0);
+                    *n += 1;
+                    if *n == 1 {
+                        s.first_arrivals.push(id);
+                    }
                     *s.per_second.entry(start.elapsed().as_secs()).or_insert(0) += 1;
                 }
             }

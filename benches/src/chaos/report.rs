@@ -108,6 +108,18 @@ impl Report<'_> {
                 "observer redeliveries (its own lost acks)",
                 o.observed.redelivered,
             ),
+            (
+                "keyed events (they spread over the run's ordering keys)",
+                o.keyed.len() as u64,
+            ),
+            (
+                "ordering keys",
+                o.keyed
+                    .values()
+                    .map(|(k, _)| k)
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .len() as u64,
+            ),
             ("rows parked", o.parked.len() as u64),
             ("rows marked published (the audit)", o.marks.len() as u64),
         ];

@@ -113,9 +113,11 @@ pub const ORDERS_DDL: &str = "CREATE TABLE chaos_orders (\
        FOR EACH STATEMENT EXECUTE FUNCTION chaos_stall_mark()";
 
 /// A subscription's domain table: one row per effect, no key, so a double
-/// effect shows.
+/// effect shows; `n` numbers the effects in the order they were written
+/// (one key's effects are written one transaction after the other, under
+/// the key's lock, so in the order they committed).
 pub const EFFECTS_DDL: &str = "CREATE TABLE chaos_effects (\
-     event_id UUID NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()); \
+     n BIGSERIAL, event_id UUID NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()); \
      CREATE TABLE chaos_failed_once (event_id UUID PRIMARY KEY)";
 
 /// Most attempts at one transaction before the producer gives up on it
@@ -142,7 +144,10 @@ struct Planned {
 
 /// Transaction `next.tx`, drawn from its own stream (so the plan does not
 /// depend on which writer takes it).
-fn plan_tx(seed: u64, next: &mut Next, total: u64) -> Option<Planned> {
+/// With `keys` > 0, every order event carries one of `keys` ordering keys
+/// (poison and unpublishable events none: a key behind a dead-lettered or
+/// parked event waits for an operator).
+fn plan_tx(seed: u64, next: &mut Next, total: u64, keys: u64) -> Option<Planned> {
     if next.events >= total {
         return None;
     }
@@ -162,7 +167,13 @@ fn plan_tx(seed: u64, next: &mut Next, total: u64) -> Option<Planned> {
                 ROUTING_ORDER
             };
             let payload = serde_json::json!({ "n": next.events + i, "kind": kind.name() });
-            (EventEnvelope::new(key, payload), kind)
+            let envelope = EventEnvelope::new(key, payload);
+            let envelope = if keys > 0 && kind == Kind::Order {
+                envelope.with_ordering_key(super::ordering_key(rng.below(keys)))
+            } else {
+                envelope
+            };
+            (envelope, kind)
         })
         .collect();
     let planned = Planned {
@@ -176,13 +187,14 @@ fn plan_tx(seed: u64, next: &mut Next, total: u64) -> Option<Planned> {
 }
 
 /// `chaos producer`: `CHAOS_DB`, `CHAOS_EVENTS`, `CHAOS_RATE` (events/s),
-/// `CHAOS_SEED`, `CHAOS_OUT`. Open loop: event k is due at k / rate, however
+/// `CHAOS_SEED`, `CHAOS_ORDERING_KEYS`, `CHAOS_OUT`. Open loop: event k is due at k / rate, however
 /// long earlier transactions took, written by [`WRITERS`] writers at once.
 pub async fn producer() -> Result<(), BoxError> {
     let url = var("CHAOS_DB")?;
     let events: u64 = number("CHAOS_EVENTS")?;
     let rate: f64 = number("CHAOS_RATE")?;
     let seed: u64 = number("CHAOS_SEED")?;
+    let keys: u64 = number("CHAOS_ORDERING_KEYS")?;
     let out = var("CHAOS_OUT")?;
     let pool = pool(&url, WRITERS as u32);
     let publisher = Publisher::new(pool.clone());
@@ -197,7 +209,8 @@ pub async fn producer() -> Result<(), BoxError> {
                 (next.clone(), rolled_back.clone(), abandoned.clone());
             tokio::spawn(async move {
                 loop {
-                    let Some(tx) = plan_tx(seed, &mut next.lock().expect("next"), events) else {
+                    let Some(tx) = plan_tx(seed, &mut next.lock().expect("next"), events, keys)
+                    else {
                         return;
                     };
                     let due = started + Duration::from_secs_f64(tx.first as f64 / rate);
@@ -373,7 +386,9 @@ impl Handler<PgTx> for Effects {
 }
 
 /// `chaos subscriber`: `CHAOS_DB`, `CHAOS_AMQP`, `CHAOS_SUBSCRIPTION`,
-/// `CHAOS_NAME`, `CHAOS_OUT` (where it writes its counters every second).
+/// `CHAOS_NAME`, `CHAOS_ORDERING_KEYS` (above 0: an ordered subscription
+/// of [`PARTITIONS`](super::PARTITIONS)), `CHAOS_OUT` (where it writes its
+/// counters every second).
 pub async fn subscriber() -> Result<(), BoxError> {
     let (url, amqp) = (var("CHAOS_DB")?, var("CHAOS_AMQP")?);
     let name = var("CHAOS_NAME")?;
@@ -382,7 +397,11 @@ pub async fn subscriber() -> Result<(), BoxError> {
     let sub =
         super::subscription(&sub_name).ok_or_else(|| format!("no subscription {sub_name}"))?;
     let pool = pool(&url, 8);
+    let keys: u64 = number("CHAOS_ORDERING_KEYS")?;
     let mut settings = SubscriberSettings::new(sub.queue, &["#"]);
+    if keys > 0 {
+        settings = settings.ordered(super::PARTITIONS);
+    }
     settings.spec.exchange = EXCHANGE.into();
     settings.max_attempts = SUBSCRIBER_MAX_ATTEMPTS;
     settings.handler_timeout = Duration::from_secs(5);
@@ -407,6 +426,7 @@ pub async fn subscriber() -> Result<(), BoxError> {
             let line = serde_json::json!({
                 "processed": s.processed, "duplicates": s.duplicates, "retried": s.retried,
                 "dead_lettered": s.dead_lettered, "undecodable": s.undecodable,
+                "deferred": s.deferred, "held": s.held,
             });
             let _ = std::fs::write(&stats, line.to_string());
         }

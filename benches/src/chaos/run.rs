@@ -50,6 +50,10 @@ pub struct Args {
     pub cluster: bool,
     /// Keep the databases and queues after the run.
     pub keep: bool,
+    /// Ordering keys the order events spread over (`--ordering-keys`; 0:
+    /// none): the subscriptions are then ordered, and the report judges
+    /// each key's order at the broker and in each subscription.
+    pub ordering_keys: u64,
 }
 
 impl Args {
@@ -517,12 +521,32 @@ fn databases() -> Vec<String> {
         .collect()
 }
 
-/// The run's queues (each subscription's and its DLQ, the observer's).
+/// The run's queues (each subscription's, its partitions' and its DLQ,
+/// the observer's).
 fn queues() -> Vec<String> {
     SUBSCRIPTIONS
         .iter()
-        .flat_map(|s| [s.queue.to_owned(), format!("{}.dlq", s.queue)])
+        .flat_map(|s| {
+            let mut q = vec![s.queue.to_owned(), format!("{}.dlq", s.queue)];
+            q.extend(s.consumed_queues(true));
+            q
+        })
         .chain([OBSERVER_QUEUE.to_owned()])
+        .collect()
+}
+
+/// The run's exchanges: its own and each subscription's routing ones (on
+/// an ordered subscription).
+fn exchanges() -> Vec<String> {
+    SUBSCRIPTIONS
+        .iter()
+        .flat_map(|s| {
+            [
+                format!("{}.route", s.queue),
+                format!("{}.route.rest", s.queue),
+            ]
+        })
+        .chain([EXCHANGE.to_owned()])
         .collect()
 }
 
@@ -536,10 +560,12 @@ async fn clean_broker(amqp: &str) -> Result<(), BoxError> {
             .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
             .await;
     }
-    let ch = conn.create_channel().await?;
-    let _ = ch
-        .exchange_delete(EXCHANGE.into(), ExchangeDeleteOptions::default())
-        .await;
+    for x in exchanges() {
+        let ch = conn.create_channel().await?;
+        let _ = ch
+            .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+            .await;
+    }
     let _ = conn.close(200, "OK".into()).await;
     Ok(())
 }
@@ -688,6 +714,7 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
             ("CHAOS_EVENTS", args.events.to_string()),
             ("CHAOS_RATE", args.rate.to_string()),
             ("CHAOS_SEED", args.seed.to_string()),
+            ("CHAOS_ORDERING_KEYS", args.ordering_keys.to_string()),
         ],
     )];
     let drainers: Vec<String> = (1..=DRAINERS).map(|i| format!("drainer-{i}")).collect();
@@ -708,7 +735,11 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
                 name.clone(),
                 "subscriber",
                 s.db,
-                vec![("CHAOS_SUBSCRIPTION", s.name.into()), ("CHAOS_NAME", name)],
+                vec![
+                    ("CHAOS_SUBSCRIPTION", s.name.into()),
+                    ("CHAOS_NAME", name),
+                    ("CHAOS_ORDERING_KEYS", args.ordering_keys.to_string()),
+                ],
             ));
         }
     }
@@ -777,11 +808,14 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
             s.get_mut(name).expect("slot").start()?;
         }
     }
-    for sub in SUBSCRIPTIONS {
+    for queue in SUBSCRIPTIONS
+        .iter()
+        .flat_map(|s| s.consumed_queues(args.ordering_keys > 0))
+    {
         let until = Instant::now() + Duration::from_secs(30);
-        while !queue_consumed(&args.amqp, sub.queue).await {
+        while !queue_consumed(&args.amqp, &queue).await {
             if Instant::now() > until {
-                return Err(format!("{} was not consumed within 30 s", sub.queue).into());
+                return Err(format!("{queue} was not consumed within 30 s").into());
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
