@@ -111,16 +111,24 @@ pub const SUBSCRIPTIONS: [Subscription; 2] = [
 ];
 
 impl Subscription {
-    /// The queues its consumers read: its own, or with ordering keys
-    /// (`keyed`) its [`PARTITIONS`] partition queues.
-    pub fn consumed_queues(&self, keyed: bool) -> Vec<String> {
-        let settings = outbox::SubscriberSettings::new(self.queue, &["#"]);
-        let settings = if keyed {
+    /// Its subscriber's settings as the run declares it: bound to
+    /// everything on [`EXCHANGE`], and with ordering keys (`keyed`) ordered
+    /// over [`PARTITIONS`].
+    pub fn settings(&self, keyed: bool) -> outbox::SubscriberSettings {
+        let mut settings = outbox::SubscriberSettings::new(self.queue, &["#"]);
+        settings.spec.exchange = EXCHANGE.into();
+        if keyed {
             settings.ordered(PARTITIONS)
         } else {
             settings
-        };
-        let mut queues: Vec<String> = settings
+        }
+    }
+
+    /// The queues its consumers read: its own, or with ordering keys
+    /// (`keyed`) its [`PARTITIONS`] partition queues.
+    pub fn consumed_queues(&self, keyed: bool) -> Vec<String> {
+        let mut queues: Vec<String> = self
+            .settings(keyed)
             .worker_specs()
             .iter()
             .map(outbox::SubscriptionSpec::consumed_queue)

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use outbox::{
     DrainerConfig, DrainerHandle, EnvelopeLimits, EventEnvelope, Handler, HandlerError,
-    LapinBroker, PgInboxStore, PgTx, Publisher, Subscriber, SubscriberSettings, TokioClock,
+    LapinBroker, PgInboxStore, PgTx, Publisher, Subscriber, TokioClock,
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -398,11 +398,7 @@ pub async fn subscriber() -> Result<(), BoxError> {
         super::subscription(&sub_name).ok_or_else(|| format!("no subscription {sub_name}"))?;
     let pool = pool(&url, 8);
     let keys: u64 = number("CHAOS_ORDERING_KEYS")?;
-    let mut settings = SubscriberSettings::new(sub.queue, &["#"]);
-    if keys > 0 {
-        settings = settings.ordered(super::PARTITIONS);
-    }
-    settings.spec.exchange = EXCHANGE.into();
+    let mut settings = sub.settings(keys > 0);
     settings.max_attempts = SUBSCRIBER_MAX_ATTEMPTS;
     settings.handler_timeout = Duration::from_secs(5);
     settings.validate()?;

@@ -527,7 +527,7 @@ fn queues() -> Vec<String> {
     SUBSCRIPTIONS
         .iter()
         .flat_map(|s| {
-            let mut q = vec![s.queue.to_owned(), format!("{}.dlq", s.queue)];
+            let mut q = vec![s.queue.to_owned(), s.settings(true).spec.dlq_name()];
             q.extend(s.consumed_queues(true));
             q
         })
@@ -541,10 +541,8 @@ fn exchanges() -> Vec<String> {
     SUBSCRIPTIONS
         .iter()
         .flat_map(|s| {
-            [
-                format!("{}.route", s.queue),
-                format!("{}.route.rest", s.queue),
-            ]
+            let spec = s.settings(true).spec;
+            [spec.route_exchange(), spec.rest_exchange()]
         })
         .chain([EXCHANGE.to_owned()])
         .collect()

@@ -108,8 +108,6 @@ impl PgInboxStore {
         }
     }
 
-    /// One statement of no rows (a savepoint, a check, a rollback to one)
-    /// in the transaction, bounded as [`Self::in_tx`].
     /// Inbox rows a listing statement selects, on the pool, bounded.
     async fn rows(
         &self,
@@ -122,6 +120,8 @@ impl PgInboxStore {
         .await
     }
 
+    /// One statement of no rows (a savepoint, a check, a rollback to one)
+    /// in the transaction, bounded as [`Self::in_tx`].
     async fn raw_in_tx(tx: &mut PgInboxTx, statement: &'static str) -> Result<(), StoreError> {
         let (tx, abandoned) = tx.parts();
         Self::in_tx(abandoned, async {
@@ -205,6 +205,22 @@ async fn insert_row(
         .map_err(map_err)?;
     let written: i64 = row.get("written");
     Ok((written == 1, row.get("blocked")))
+}
+
+/// A statement of no rows about `entry`'s row ($1 event id, $2
+/// subscription), in its transaction.
+async fn of_event(
+    tx: &mut PgTx,
+    statement: &'static str,
+    entry: &InboxEntry<'_>,
+) -> Result<(), StoreError> {
+    sqlx::query(statement)
+        .bind(entry.event_id)
+        .bind(entry.subscription)
+        .execute(&mut **tx)
+        .await
+        .map_err(map_err)
+        .map(drop)
 }
 
 /// An inbox row as the listing statements select it.
@@ -306,12 +322,7 @@ impl InboxStore for PgInboxStore {
                 Some(true) => {
                     // A redelivery of a row that exists: held too, unless
                     // it took effect (the lock below says which).
-                    sqlx::query(sql::INBOX_HOLD)
-                        .bind(entry.event_id)
-                        .bind(entry.subscription)
-                        .execute(&mut **tx)
-                        .await
-                        .map_err(map_err)?;
+                    of_event(tx, sql::INBOX_HOLD, entry).await?;
                     true
                 }
                 None => false,
@@ -367,16 +378,7 @@ impl InboxStore for PgInboxStore {
         entry: &InboxEntry<'_>,
     ) -> Result<(), StoreError> {
         let (tx, abandoned) = tx.parts();
-        Self::in_tx(abandoned, async {
-            sqlx::query(sql::INBOX_MARK_PROCESSED)
-                .bind(entry.event_id)
-                .bind(entry.subscription)
-                .execute(&mut **tx)
-                .await
-                .map_err(map_err)?;
-            Ok(())
-        })
-        .await
+        Self::in_tx(abandoned, of_event(tx, sql::INBOX_MARK_PROCESSED, entry)).await
     }
 
     async fn inbox_commit(&self, tx: PgInboxTx) -> Result<(), StoreError> {
