@@ -153,7 +153,7 @@ pub async fn drain_queue(amqp: &str, queue: &str) -> Result<BTreeMap<String, u32
             .unwrap_or_default();
         *ids.entry(id).or_insert(0) += 1;
     }
-    let _ = conn.close(200, "OK".into()).await;
+    super::close(conn).await;
     Ok(ids)
 }
 

@@ -153,6 +153,33 @@ pub async fn connect_any(list: &str) -> Result<lapin::Connection, String> {
     Err(format!("no broker node answered ({})", errors.join("; ")))
 }
 
+/// How long closing a connection of the runner's own may take: lapin's
+/// `close` can wait forever on a connection the broker already dropped.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Closes `conn`, bounded by [`CLOSE_TIMEOUT`].
+pub async fn close(conn: lapin::Connection) {
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, "OK".into())).await;
+}
+
+/// `queue` as a passive declaration on `ch` sees it (its ready messages
+/// and its consumers), or `None` if the broker does not answer within
+/// [`observer::STEP_TIMEOUT`] or refuses.
+pub async fn peek_queue(ch: &lapin::Channel, queue: &str) -> Option<lapin::Queue> {
+    let declare = ch.queue_declare(
+        queue.into(),
+        lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        lapin::types::FieldTable::default(),
+    );
+    tokio::time::timeout(observer::STEP_TIMEOUT, declare)
+        .await
+        .ok()?
+        .ok()
+}
+
 /// The nodes `list` names (AMQP URLs separated by commas).
 pub fn nodes(list: &str) -> Vec<String> {
     list.split(',')

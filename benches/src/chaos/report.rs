@@ -108,6 +108,8 @@ impl Report<'_> {
                 "observer redeliveries (its own lost acks)",
                 o.observed.redelivered,
             ),
+            ("observer sessions (1 + reconnects)", o.observed.sessions),
+            ("observer sessions found wedged", o.observed.wedged),
             (
                 "keyed events (they spread over the run's ordering keys)",
                 o.keyed.len() as u64,
@@ -185,6 +187,8 @@ impl Report<'_> {
                 "observed_distinct": o.observed.stored.len(),
                 "duplicates_published": self.duplicates(),
                 "observer_redeliveries": o.observed.redelivered,
+                "observer_sessions": o.observed.sessions,
+                "observer_wedged": o.observed.wedged,
                 "parked": o.parked.len(),
                 "marks_audited": o.marks.len(),
                 "subscriptions": o.subscriptions.iter().map(|(name, s)| (name.clone(), serde_json::json!({

@@ -9,8 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use sqlx::{Executor, PgPool, Row};
 use tokio::sync::watch;
 
@@ -564,7 +563,7 @@ async fn clean_broker(amqp: &str) -> Result<(), BoxError> {
             .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
             .await;
     }
-    let _ = conn.close(200, "OK".into()).await;
+    super::close(conn).await;
     Ok(())
 }
 
@@ -576,20 +575,12 @@ async fn queue_consumed(amqp: &str, queue: &str) -> bool {
         return false;
     };
     let ok = match conn.create_channel().await {
-        Ok(ch) => ch
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
+        Ok(ch) => super::peek_queue(&ch, queue)
             .await
-            .is_ok_and(|q| q.consumer_count() > 0),
+            .is_some_and(|q| q.consumer_count() > 0),
         Err(_) => false,
     };
-    let _ = conn.close(200, "OK".into()).await;
+    super::close(conn).await;
     ok
 }
 
@@ -963,6 +954,10 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
     tokio::task::spawn_blocking(move || stop_all(&all)).await?;
     let _ = stop_observer.send(true);
     let _ = observer.await;
+    let rest = observer::read_rest(&args.amqp, OBSERVER_QUEUE, &seen, start).await?;
+    if rest > 0 {
+        println!("chaos: {rest} messages were left in the observer's queue; counted");
+    }
 
     // The final state, judged.
     let mut outcome = Outcome {
