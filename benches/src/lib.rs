@@ -3,6 +3,7 @@
 //! the harness and the database benches share.
 
 pub mod chaos;
+pub mod dbcost;
 
 /// The error of the set-up helpers (sendable, for the chaos runner's tasks).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -21,7 +21,11 @@ fn stderr(out: &Output) -> String {
 fn chaos_without_a_role_prints_its_usage_and_exits_2() {
     let out = chaos(&[]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(stderr(&out).contains("usage: chaos run"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("usage: chaos run"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]
@@ -38,7 +42,11 @@ fn chaos_run_refuses_zero_events_and_a_value_that_is_no_number() {
     assert!(stderr(&zero).contains("--events"), "{}", stderr(&zero));
     let word = chaos(&["run", "--seed", "seven"]);
     assert_eq!(word.status.code(), Some(2));
-    assert!(stderr(&word).contains("--seed \"seven\""), "{}", stderr(&word));
+    assert!(
+        stderr(&word).contains("--seed \"seven\""),
+        "{}",
+        stderr(&word)
+    );
 }
 
 #[test]
@@ -52,5 +60,8 @@ fn chaos_run_hides_the_password_of_a_bad_node_list() {
     assert_eq!(out.status.code(), Some(2));
     let err = stderr(&out);
     assert!(err.contains("--cluster needs"), "{err}");
-    assert!(!err.contains("hunter2"), "a password reached the output: {err}");
+    assert!(
+        !err.contains("hunter2"),
+        "a password reached the output: {err}"
+    );
 }

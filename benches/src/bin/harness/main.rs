@@ -12,6 +12,9 @@
 //!   (32), persistent, same exchange setup and payloads;
 //! - **P1 drain rate**: the production drainer (`DrainerHandle`, default
 //!   configuration) draining a pre-filled backlog, 1 and 2 replicas;
+//! - **P3 database cost** (`p3.rs`): CPU of the drainer's backends, WAL
+//!   bytes and WAL flushes per event drained, against the pre-#478
+//!   antipattern; a steady foreground's latency as information;
 //! - **P4 publish cost**: a domain transaction alone, with `publish_tx` of 1
 //!   envelope, with `publish_many_tx` of 100 (p50 / p99 latency);
 //! - **P5 end-to-end latency**: commit → marked published (which follows
@@ -25,6 +28,8 @@
 //! recreated) and an exchange and queue of its own (`harness.*`, purged and
 //! deleted at the end).
 
+mod p3;
+
 use std::time::{Duration, Instant};
 
 use benches::{claim_and_mark, envelope, fresh_database, prefill};
@@ -34,7 +39,6 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
 use outbox::{DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, Publisher, QueueType};
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgPool};
 
 const EXCHANGE: &str = "harness.events";
@@ -51,8 +55,6 @@ struct Args {
     /// Backlog of the large P2 measurement (0 skips P2).
     p2_rows: usize,
     json: String,
-    /// Drain-rate bounds (rows/s) P3 also measures the drainer at.
-    p3_bounds: Vec<u32>,
     /// Sections to run (`p1,p7,phases,antipattern,p2,p3,p4,p5`); all if empty.
     /// The ceiling always runs: every ratio needs it.
     only: Vec<String>,
@@ -66,7 +68,6 @@ fn parse_args() -> Result<Args, String> {
         p2_rows: 1_000_000,
         json: "target/harness.json".into(),
         only: Vec::new(),
-        p3_bounds: vec![500, 1000, 2000, 4000],
         database_url: std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
         amqp_url: std::env::var("AMQP_URL")
@@ -89,20 +90,11 @@ fn parse_args() -> Result<Args, String> {
                     .map_err(|_| format!("--p2-rows must be a whole number, got {v:?}"))?;
             }
             "--json" => a.json = value()?,
-            "--p3-bounds" => {
-                let v = value()?;
-                a.p3_bounds = v
-                    .split(',')
-                    .filter(|s| !s.trim().is_empty())
-                    .map(|s| s.trim().parse())
-                    .collect::<Result<_, _>>()
-                    .map_err(|_| format!("--p3-bounds takes rows/s like 2000,4000, got {v:?}"))?;
-            }
             "--only" => a.only = value()?.split(',').map(|s| s.trim().to_owned()).collect(),
             "--database-url" => a.database_url = value()?,
             "--amqp-url" => a.amqp_url = value()?,
             "-h" | "--help" => {
-                return Err("usage: harness [--rows N] [--p2-rows N] [--p3-bounds R,R] \
+                return Err("usage: harness [--rows N] [--p2-rows N] \
                      [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5,p9] \
                      [--json FILE] [--database-url URL] [--amqp-url URL[,URL...]]"
                     .into());
@@ -576,145 +568,6 @@ async fn claim_scaling(
     let behind_published = claim_mark_rate(pool, 50).await?;
     pool.execute("TRUNCATE event_outbox").await?;
     Ok([at_small, at_large, behind_published])
-}
-
-/// A foreground workload committing single-row transactions at `rate` per
-/// second for `secs`: sorted latencies.
-async fn foreground(
-    pool: &PgPool,
-    rate: u64,
-    secs: u64,
-) -> Result<Vec<Duration>, Box<dyn std::error::Error>> {
-    let every = Duration::from_micros(1_000_000 / rate);
-    let mut next = tokio::time::Instant::now();
-    let mut lat = Vec::with_capacity((rate * secs) as usize);
-    for i in 0..(rate * secs) as i64 {
-        tokio::time::sleep_until(next).await;
-        next += every;
-        let t = Instant::now();
-        let mut tx = pool.begin().await?;
-        sqlx::query("INSERT INTO orders (id, note) VALUES ($1, 'foreground')")
-            .bind(i)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        lat.push(t.elapsed());
-    }
-    lat.sort();
-    Ok(lat)
-}
-
-/// [`foreground`] on a thread and runtime of its own with a connection of
-/// its own, as another service (or a service's request path on its own
-/// threads) would commit against the shared database: what it measures is
-/// the drainer's effect through PostgreSQL and the machine, not queueing
-/// behind the drainer's tasks on a shared tokio runtime.
-async fn foreground_apart(
-    pool: &PgPool,
-    rate: u64,
-    secs: u64,
-) -> Result<Vec<Duration>, Box<dyn std::error::Error>> {
-    let options = pool.connect_options();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        let result = rt.block_on(async move {
-            let own = PgPoolOptions::new()
-                .max_connections(1)
-                .connect_with((*options).clone())
-                .await
-                .map_err(|e| e.to_string())?;
-            let lat = foreground(&own, rate, secs)
-                .await
-                .map_err(|e| e.to_string());
-            own.close().await;
-            lat
-        });
-        let _ = tx.send(result);
-    });
-    Ok(rx.await??)
-}
-
-/// Foreground latency at 200 single-row transactions/s for 10 s (sorted),
-/// and the rows per second the drainer running meanwhile published.
-struct Foreground {
-    latencies: Vec<Duration>,
-    drain_rate: f64,
-}
-
-/// P3: foreground latency idle, while the production drainer drains a
-/// backlog flat out (defaults, then bounded to each of `bounds` rows/s), and
-/// while the antipattern does.
-async fn foreground_impact(
-    pool: &PgPool,
-    amqp_url: &str,
-    backlog: usize,
-    bounds: &[u32],
-    with_antipattern: bool,
-) -> Result<Vec<(String, Foreground)>, Box<dyn std::error::Error>> {
-    let publisher = Publisher::new(pool.clone());
-    let idle = foreground_apart(pool, 200, 10).await?;
-    let mut out = vec![(
-        "idle".to_owned(),
-        Foreground {
-            latencies: idle,
-            drain_rate: 0.0,
-        },
-    )];
-    // Pending rows drained while the foreground ran.
-    async fn measured(
-        pool: &PgPool,
-        publisher: &Publisher,
-    ) -> Result<Foreground, Box<dyn std::error::Error>> {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let before = publisher.outbox_pending_count().await?;
-        let t = Instant::now();
-        let latencies = foreground_apart(pool, 200, 10).await?;
-        let after = publisher.outbox_pending_count().await?;
-        let drain_rate = before.saturating_sub(after) as f64 / t.elapsed().as_secs_f64();
-        Ok(Foreground {
-            latencies,
-            drain_rate,
-        })
-    }
-
-    for bound in std::iter::once(0).chain(bounds.iter().copied()) {
-        prefill(pool, backlog).await?;
-        let config = DrainerConfig::builder()
-            .exchange(EXCHANGE)
-            .replica_id("harness-p3")
-            .max_rows_per_sec(bound)
-            .build()
-            .expect("defaults are valid");
-        let drainer = DrainerHandle::spawn(
-            pool.clone(),
-            LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start"),
-            config,
-        );
-        let draining = measured(pool, &publisher).await?;
-        drainer.shutdown().await;
-        let name = match bound {
-            0 => "while the drainer drains (defaults)".to_owned(),
-            b => format!("while the drainer drains, max_rows_per_sec {b}"),
-        };
-        out.push((name, draining));
-        pool.execute("TRUNCATE event_outbox, orders").await?;
-    }
-
-    if with_antipattern {
-        prefill(pool, backlog).await?;
-        let (stop_tx, stop) = tokio::sync::watch::channel(false);
-        let naive = tokio::spawn(antipattern_drain(pool.clone(), amqp_url.to_owned(), stop));
-        let draining = measured(pool, &publisher).await?;
-        let _ = stop_tx.send(true);
-        naive.await?.map_err(|e| e.to_string())?;
-        out.push(("while the antipattern drains".to_owned(), draining));
-        pool.execute("TRUNCATE event_outbox, orders").await?;
-    }
-    Ok(out)
 }
 
 /// p50 / p99 of one domain transaction in three variants.
@@ -1281,48 +1134,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     if want("p3") {
-        eprintln!("P3: foreground latency idle and while draining ...");
-        let runs = foreground_impact(
-            &pool,
-            &args.amqp_url,
-            n,
-            &args.p3_bounds,
-            want("antipattern"),
-        )
-        .await?;
+        p3::run(&pool, &args.amqp_url, n, &mut table, &mut json).await?;
         purge(&conn).await?;
-        let idle_p99 = percentile(&runs[0].1.latencies, 0.99);
-        let mut p3 = serde_json::Map::new();
-        for (name, f) in &runs {
-            let l = &f.latencies;
-            let (p50, p99) = (percentile(l, 0.5), percentile(l, 0.99));
-            let drained = if f.drain_rate > 0.0 {
-                format!("; drain {:.0} rows/s", f.drain_rate)
-            } else {
-                String::new()
-            };
-            table.push(format!(
-                "| P3 foreground 1-row tx at 200/s, {name} | p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms{drained} | {:.2}× idle p99 | ≤ 2× (drainer) |",
-                ms(p50),
-                ms(p99),
-                ms(l.last().copied().unwrap_or_default()),
-                p99.as_secs_f64() / idle_p99.as_secs_f64()
-            ));
-            p3.insert(
-                name.clone(),
-                serde_json::json!({
-                    "p50_ms": ms(p50), "p99_ms": ms(p99), "drain_rows_per_sec": f.drain_rate
-                }),
-            );
-        }
-        json.insert("p3".into(), p3.into());
-        if let Some((_, f)) = runs.iter().find(|(name, _)| name.ends_with("(defaults)")) {
-            let p99 = percentile(&f.latencies, 0.99);
-            json.insert(
-                "p3_ratio".into(),
-                (p99.as_secs_f64() / idle_p99.as_secs_f64()).into(),
-            );
-        }
     }
 
     if want("p4") {

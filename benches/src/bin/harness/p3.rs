@@ -1,0 +1,275 @@
+//! P3, restated (issue 28): what draining costs the database server per
+//! event, where another service's commits would feel it: the CPU time of
+//! the drainer's own PostgreSQL backends, the WAL bytes and the WAL flushes
+//! (`benches::dbcost`), for the production drainer at defaults and, as a
+//! contrast, the pre-#478 antipattern, each draining the same backlog in
+//! the same run. Then, as information, a foreground at a steady 1 000
+//! transactions/s for 60 s, each writing an order and its event with
+//! `publish_tx`, without a drainer and with one draining the events as they
+//! come: its commit latency, and what the drain added to the server's work
+//! per event.
+//!
+//! (On a two-core machine that runs the database, the broker and the
+//! harness, the foreground's tail moves with the machine's load more than
+//! with anything the drainer does through the database, and idle p99 alone
+//! moves 0.8–2.3 ms between runs: the latency rows are no target.)
+
+use std::time::{Duration, Instant};
+
+use benches::dbcost::{Cost, Meter};
+use outbox::{DrainerConfig, DrainerHandle, LapinBroker, Publisher};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Executor, PgPool};
+
+use super::{DRAIN_LIMIT, EXCHANGE, antipattern_drain, ms, percentile};
+
+type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// The `application_name` of the drained-by pool, by which the meter
+/// finds its backends.
+const DRAINER_APP: &str = "harness-p3-drainer";
+
+/// The steady foreground's rate (transactions/s) and length.
+const STEADY_RATE: u64 = 1_000;
+const STEADY_SECS: u64 = 60;
+
+/// Who drains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    /// The production drainer, defaults.
+    Drainer,
+    /// The pre-#478 drainer (one transaction across the batch).
+    Antipattern,
+}
+
+/// A pool like `pool` whose sessions are named `application_name`.
+async fn named_pool(pool: &PgPool, application_name: &str) -> BoxResult<PgPool> {
+    let options = pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .application_name(application_name);
+    Ok(PgPoolOptions::new().connect_with(options).await?)
+}
+
+/// The production drainer at defaults on `pool`.
+fn drainer(pool: &PgPool, amqp_url: &str) -> DrainerHandle {
+    let config = DrainerConfig::builder()
+        .exchange(EXCHANGE)
+        .replica_id("harness-p3")
+        .build()
+        .expect("defaults are valid");
+    DrainerHandle::spawn(
+        pool.clone(),
+        LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start"),
+        config,
+    )
+}
+
+/// Samples `meter` until nothing is pending (bounded by
+/// [`DRAIN_LIMIT`]).
+async fn until_drained(pool: &PgPool, meter: &mut Meter) -> BoxResult<()> {
+    let publisher = Publisher::new(pool.clone());
+    let started = Instant::now();
+    while publisher.outbox_pending_count().await? > 0 {
+        if started.elapsed() > DRAIN_LIMIT {
+            return Err(format!("not drained within {DRAIN_LIMIT:?}").into());
+        }
+        meter.sample().await?;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+/// The cost of draining `n` pre-filled rows flat out, and the rate.
+async fn backlog_cost(
+    pool: &PgPool,
+    amqp_url: &str,
+    n: usize,
+    who: Drain,
+) -> BoxResult<(Cost, f64)> {
+    benches::prefill(pool, n).await?;
+    let own = named_pool(pool, DRAINER_APP).await?;
+    let mut meter = Meter::start(pool, DRAINER_APP).await?;
+    let started = Instant::now();
+    let cost = match who {
+        Drain::Drainer => {
+            let handle = drainer(&own, amqp_url);
+            until_drained(pool, &mut meter).await?;
+            let cost = meter.finish().await?;
+            handle.shutdown().await;
+            cost
+        }
+        Drain::Antipattern => {
+            let (_stop_tx, stop) = tokio::sync::watch::channel(false);
+            let task = tokio::spawn(antipattern_drain(own.clone(), amqp_url.to_owned(), stop));
+            until_drained(pool, &mut meter).await?;
+            let cost = meter.finish().await?;
+            task.await?.map_err(|e| e.to_string())?;
+            cost
+        }
+    };
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    own.close().await;
+    pool.execute("TRUNCATE event_outbox").await?;
+    Ok((cost, rate))
+}
+
+/// `rate` transactions/s for `secs`, each an order and its event through
+/// `publish_tx`, on a connection of `pool`'s; their commit latencies,
+/// sorted.
+async fn foreground(pool: &PgPool, rate: u64, secs: u64) -> BoxResult<Vec<Duration>> {
+    let publisher = Publisher::new(pool.clone());
+    let every = Duration::from_micros(1_000_000 / rate);
+    let mut next = tokio::time::Instant::now();
+    let mut lat = Vec::with_capacity((rate * secs) as usize);
+    for i in 0..(rate * secs) as usize {
+        tokio::time::sleep_until(next).await;
+        next += every;
+        let t = Instant::now();
+        let mut tx = pool.begin().await?;
+        sqlx::query("INSERT INTO orders (id, note) VALUES ($1, 'foreground')")
+            .bind(i as i64)
+            .execute(&mut *tx)
+            .await?;
+        publisher.publish_tx(&mut tx, &benches::envelope(i)).await?;
+        tx.commit().await?;
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    Ok(lat)
+}
+
+/// [`foreground`] on a thread, runtime and connection of its own, as
+/// another service would commit against the shared database.
+async fn foreground_apart(pool: &PgPool, rate: u64, secs: u64) -> BoxResult<Vec<Duration>> {
+    let options = pool.connect_options();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let result = rt.block_on(async move {
+            let own = PgPoolOptions::new()
+                .max_connections(1)
+                .connect_with((*options).clone())
+                .await
+                .map_err(|e| e.to_string())?;
+            let lat = foreground(&own, rate, secs)
+                .await
+                .map_err(|e| e.to_string());
+            own.close().await;
+            lat
+        });
+        let _ = tx.send(result);
+    });
+    Ok(rx.await??)
+}
+
+/// One steady run: the foreground's latencies and what the run cost the
+/// server (with `drain`, a drainer at defaults drains the events as they
+/// come, and the meter also covers its catching up at the end).
+async fn steady(pool: &PgPool, amqp_url: &str, drain: bool) -> BoxResult<(Vec<Duration>, Cost)> {
+    let own = named_pool(pool, DRAINER_APP).await?;
+    let mut meter = Meter::start(pool, DRAINER_APP).await?;
+    let handle = drain.then(|| drainer(&own, amqp_url));
+    let foreground = foreground_apart(pool, STEADY_RATE, STEADY_SECS);
+    tokio::pin!(foreground);
+    let latencies = loop {
+        tokio::select! {
+            lat = &mut foreground => break lat?,
+            () = tokio::time::sleep(Duration::from_millis(500)) => meter.sample().await?,
+        }
+    };
+    if handle.is_some() {
+        until_drained(pool, &mut meter).await?;
+    }
+    let cost = meter.finish().await?;
+    if let Some(h) = handle {
+        h.shutdown().await;
+    }
+    own.close().await;
+    pool.execute("TRUNCATE event_outbox, orders").await?;
+    Ok((latencies, cost))
+}
+
+/// Runs P3 over a backlog of `n` rows and the steady foreground, adding
+/// its rows to `table` and its keys to `json`.
+pub async fn run(
+    pool: &PgPool,
+    amqp_url: &str,
+    n: usize,
+    table: &mut Vec<String>,
+    json: &mut serde_json::Map<String, serde_json::Value>,
+) -> BoxResult<()> {
+    for (who, key, name) in [
+        (Drain::Drainer, "p3", "the drainer, defaults"),
+        (
+            Drain::Antipattern,
+            "p3_antipattern",
+            "the pre-#478 antipattern (contrast)",
+        ),
+    ] {
+        eprintln!("P3: the database's cost of draining {n} rows, {name} ...");
+        let (cost, rate) = backlog_cost(pool, amqp_url, n, who).await?;
+        let (cpu_us, wal_bytes, flushes) = cost.per(n as u64);
+        table.push(format!(
+            "| P3 database cost per event drained, {name}, {n} rows ({rate:.0} rows/s, {} backends) | \
+             CPU {cpu_us:.1} µs, WAL {wal_bytes:.0} bytes, {flushes:.4} WAL flushes | — | ≤ ½ of the first measurement (drainer) |",
+            cost.backends
+        ));
+        json.insert(format!("{key}_cpu_us_per_event"), cpu_us.into());
+        json.insert(format!("{key}_wal_bytes_per_event"), wal_bytes.into());
+        json.insert(format!("{key}_wal_flushes_per_event"), flushes.into());
+        json.insert(format!("{key}_drain_rows_per_sec"), rate.into());
+    }
+
+    eprintln!(
+        "P3: a foreground at {STEADY_RATE} tx/s for {STEADY_SECS} s, without a drainer, then with one ..."
+    );
+    let (idle, idle_cost) = steady(pool, amqp_url, false).await?;
+    let (draining, drain_cost) = steady(pool, amqp_url, true).await?;
+    let events = STEADY_RATE * STEADY_SECS;
+    let added = Cost {
+        cpu: drain_cost.cpu,
+        wal_bytes: drain_cost.wal_bytes.saturating_sub(idle_cost.wal_bytes),
+        wal_flushes: drain_cost.wal_flushes.saturating_sub(idle_cost.wal_flushes),
+        backends: drain_cost.backends,
+    };
+    let (cpu_us, wal_bytes, flushes) = added.per(events);
+    table.push(format!(
+        "| P3 database cost the drain adds per event, steady {STEADY_RATE} events/s | \
+         CPU {cpu_us:.1} µs, WAL {wal_bytes:.0} bytes, {flushes:.4} WAL flushes | — | information |"
+    ));
+    json.insert("p3_steady_cpu_us_per_event".into(), cpu_us.into());
+    json.insert("p3_steady_wal_bytes_per_event".into(), wal_bytes.into());
+    json.insert("p3_steady_wal_flushes_per_event".into(), flushes.into());
+    let idle_p99 = percentile(&idle, 0.99);
+    for (name, l) in [
+        ("no drainer", &idle),
+        ("a drainer draining them", &draining),
+    ] {
+        let (p50, p99) = (percentile(l, 0.5), percentile(l, 0.99));
+        table.push(format!(
+            "| P3 foreground tx + `publish_tx` at {STEADY_RATE}/s for {STEADY_SECS} s, {name} | \
+             p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms | {:.2}× no-drainer p99 | information |",
+            ms(p50),
+            ms(p99),
+            ms(l.last().copied().unwrap_or_default()),
+            p99.as_secs_f64() / idle_p99.as_secs_f64()
+        ));
+    }
+    json.insert(
+        "p3_foreground_ms".into(),
+        serde_json::json!({
+            "no_drainer": { "p50": ms(percentile(&idle, 0.5)), "p99": ms(idle_p99) },
+            "draining": { "p50": ms(percentile(&draining, 0.5)), "p99": ms(percentile(&draining, 0.99)) },
+        }),
+    );
+    json.insert(
+        "p3_ratio".into(),
+        (percentile(&draining, 0.99).as_secs_f64() / idle_p99.as_secs_f64()).into(),
+    );
+    Ok(())
+}
