@@ -122,7 +122,16 @@ async fn run(
         tokio::pin!(unlocked);
         unlocked.as_mut().enable();
         let (holders, on) = match session.handle(req, engine::now()) {
-            Handled::Lost => return None,
+            // Applied either way: a wait ends with its lock even when the
+            // reply is lost (found on madsim: the wait stayed in the
+            // wait-for graph and the trace, `ordering_keys_consumer_swarm`
+            // seed 51).
+            Handled::Lost => {
+                if waiting_since.is_some() {
+                    session.wait_ended(WaitEnd::Acquired);
+                }
+                return None;
+            }
             Handled::Reply(reply) => {
                 if waiting_since.is_some() {
                     session.wait_ended(WaitEnd::Acquired);
