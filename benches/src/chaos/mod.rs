@@ -14,7 +14,7 @@
 //! ([`plan`]): SIGKILL of drainers and subscribers (restarted after),
 //! SIGSTOP of a drainer past its lease then SIGCONT, `rabbitmqctl
 //! close_all_connections`, a RabbitMQ restart (`stop_app`/`start_app`), a
-//! PostgreSQL restart, `pg_terminate_backend` of the library's sessions,
+//! PostgreSQL crash (immediate stop) and restart, `pg_terminate_backend` of the library's sessions,
 //! and proxy black-holes and cuts. An observer ([`observer`]) reads a
 //! catch-all queue bound to the exchange on its own connection; at the end
 //! SQL on each database and the dead-letter queues give the final state,

@@ -57,7 +57,9 @@ pub enum Fault {
     CloseAllConnections,
     /// `rabbitmqctl stop_app`, `down` later `start_app`.
     RestartBroker { down: Duration },
-    /// A PostgreSQL restart (`pg_ctlcluster ... restart -m fast`).
+    /// A PostgreSQL crash and restart (`pg_ctlcluster -m immediate ...
+    /// restart`: no checkpoint, crash recovery at start, so the drainers'
+    /// asynchronous commits the WAL writer had not flushed are lost).
     RestartPostgres,
     /// `pg_terminate_backend` of every session of the run's databases.
     TerminateBackends,
@@ -146,7 +148,7 @@ impl std::fmt::Display for Fault {
             Fault::RestartBroker { down } => {
                 write!(f, "rabbitmqctl stop_app, start_app {} later", s(down))
             }
-            Fault::RestartPostgres => f.write_str("PostgreSQL restart"),
+            Fault::RestartPostgres => f.write_str("PostgreSQL crash (immediate stop) and restart"),
             Fault::TerminateBackends => f.write_str("pg_terminate_backend of the run's sessions"),
             Fault::Blackhole {
                 target,

@@ -450,7 +450,14 @@ impl World {
                 let version = pg_version();
                 command(
                     "pg_ctlcluster",
-                    &["--skip-systemctl-redirect", &version, "main", "restart"],
+                    &[
+                        "--skip-systemctl-redirect",
+                        "-m",
+                        "immediate",
+                        &version,
+                        "main",
+                        "restart",
+                    ],
                 )
                 .await?;
                 postgres_up(&self.args.pg_admin, Duration::from_secs(60)).await
