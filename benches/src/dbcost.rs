@@ -1,6 +1,7 @@
 //! What a workload costs the database server, as another service's commits
 //! would feel it: the CPU time of the workload's own PostgreSQL backends
-//! (found by `application_name` in `pg_stat_activity`, their time read
+//! (found by `application_name` in `pg_stat_activity`, the sessions whose
+//! name begins with the workload's, their time read
 //! from `/proc/<pid>/stat`, so the harness must run on the database's
 //! machine), and the WAL the server wrote and flushed meanwhile
 //! (`pg_stat_wal`: bytes, and `wal_sync`, the flushes a commit or the WAL
@@ -94,7 +95,9 @@ impl Cost {
 }
 
 impl Meter {
-    /// Starts measuring the backends named `application_name`, through
+    /// Starts measuring the backends whose name begins with
+    /// `application_name` (the library's drainer names its own sessions
+    /// after the pool's, with a suffix), through
     /// `pool` (a connection not of the workload).
     pub async fn start(pool: &PgPool, application_name: &str) -> Result<Self, sqlx::Error> {
         let mut meter = Self {
@@ -113,11 +116,12 @@ impl Meter {
     /// that a backend that ends is read shortly before (a pool keeps its
     /// connections, so they rarely do).
     pub async fn sample(&mut self) -> Result<(), sqlx::Error> {
-        let pids: Vec<i32> =
-            sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
-                .bind(&self.application_name)
-                .fetch_all(&self.pool)
-                .await?;
+        let pids: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE starts_with(application_name, $1)",
+        )
+        .bind(&self.application_name)
+        .fetch_all(&self.pool)
+        .await?;
         for pid in pids {
             if let Some(now) = cpu_of(pid) {
                 let base = if self.started { Duration::ZERO } else { now };

@@ -54,6 +54,7 @@ fn defaults_are_the_adrs() {
     assert_eq!(c.oldest_warn, Duration::from_secs(900));
     assert_eq!(c.exchange, "canopy.events");
     assert_eq!(c.max_rows_per_sec, None, "no drain-rate bound by default");
+    assert_eq!(c.wakeup_linger, Duration::from_millis(10));
 }
 
 #[test]
@@ -71,6 +72,7 @@ fn every_variable_is_read() {
         (vars::PENDING_WARN, "50"),
         (vars::OLDEST_WARN_SECS, "60"),
         (vars::MAX_ROWS_PER_SEC, "2500"),
+        (vars::WAKEUP_LINGER_MS, "25"),
     ])
     .unwrap();
     assert_eq!(c.tick, Duration::from_millis(100));
@@ -85,6 +87,7 @@ fn every_variable_is_read() {
     assert_eq!(c.pending_warn, 50);
     assert_eq!(c.oldest_warn, Duration::from_secs(60));
     assert_eq!(c.max_rows_per_sec.map(|r| r.get()), Some(2500));
+    assert_eq!(c.wakeup_linger, Duration::from_millis(25));
     let unbounded = from(&[(vars::MAX_ROWS_PER_SEC, "0")]).unwrap();
     assert_eq!(unbounded.max_rows_per_sec, None, "0 means no bound");
 }
@@ -114,6 +117,7 @@ fn non_numbers_are_refused_naming_the_variable() {
         vars::PENDING_WARN,
         vars::OLDEST_WARN_SECS,
         vars::MAX_ROWS_PER_SEC,
+        vars::WAKEUP_LINGER_MS,
     ] {
         assert_invalid(&[(var, "ten")], var, "ten", "whole number");
         assert_invalid(&[(var, "-1")], var, "-1", "whole number");
@@ -138,6 +142,24 @@ fn pipeline_depth_must_be_positive() {
         vars::PIPELINE_DEPTH,
         "0",
         "> 0",
+    );
+}
+
+#[test]
+fn the_wakeup_linger_stays_below_the_tick() {
+    let none = from(&[(vars::WAKEUP_LINGER_MS, "0")]).unwrap();
+    assert!(none.wakeup_linger.is_zero(), "0 claims at once");
+    assert_invalid(
+        &[(vars::WAKEUP_LINGER_MS, "250")],
+        vars::WAKEUP_LINGER_MS,
+        "250",
+        "< CANOPY_MQ_DRAINER_TICK_MS",
+    );
+    assert_invalid(
+        &[(vars::TICK_MS, "50"), (vars::WAKEUP_LINGER_MS, "60")],
+        vars::WAKEUP_LINGER_MS,
+        "60",
+        "(50)",
     );
 }
 

@@ -400,6 +400,64 @@ async fn a_drainer_stopped_between_publish_and_mark_is_covered_by_another_after_
     );
 }
 
+/// Issue 28: the drainer's claims, marks and releases run on sessions of
+/// its own, named after the pool's application with a suffix, at most
+/// `DRAIN_SESSIONS` of them, opened with the settings that spare each
+/// commit a WAL flush; statements of the caller's sessions keep theirs.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn the_drainer_claims_and_marks_on_sessions_of_its_own(pool: PgPool) {
+    let options = pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .application_name("orders-svc");
+    let named = sqlx::postgres::PgPoolOptions::new()
+        .connect_with(options)
+        .await
+        .unwrap();
+    let exchange = unique("ex");
+    let consumer = PlainConsumer::start(&exchange, "#").await;
+    let events = write_events(&named, "own.event", 120).await;
+    let d = drainer(
+        &named,
+        &common::amqp_url(),
+        config(&exchange, "own").build().unwrap(),
+    );
+    assert_eq!(drain_all(&d).await, events.len() as u64);
+    consumer
+        .wait_for(events.len(), Duration::from_secs(10))
+        .await;
+    let drain_sessions: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND application_name = $1",
+    )
+    .bind(format!(
+        "orders-svc {}",
+        outbox::pg::DRAIN_APPLICATION_SUFFIX
+    ))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        (1..=i64::from(outbox::pg::DRAIN_SESSIONS)).contains(&drain_sessions),
+        "{drain_sessions} drainer sessions"
+    );
+    let sync: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&named)
+        .await
+        .unwrap();
+    assert_eq!(sync, "on", "the caller's own sessions keep their settings");
+    let unpublished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM event_outbox WHERE published_at IS NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        unpublished, 0,
+        "every mark is visible at once, flushed or not"
+    );
+}
+
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn two_drainers_on_one_table_publish_each_envelope_once(pool: PgPool) {
     let exchange = unique("ex");
@@ -880,13 +938,19 @@ async fn key_heads(pool: &PgPool) -> Vec<uuid::Uuid> {
     window.heads.iter().map(|h| h.id).collect()
 }
 
-/// A transaction of the test's own with the claim's planner settings.
+/// A transaction of the test's own with the settings of the drainer's own
+/// sessions (`outbox::pg::DRAIN_SESSION_SETTINGS`, the claim's planner
+/// settings among them).
 async fn claim_tx(pool: &PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let mut tx = pool.begin().await.unwrap();
-    sqlx::raw_sql(include_str!("../src/pg/sql/outbox_claim_plan.sql"))
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    for (name, value) in outbox::pg::DRAIN_SESSION_SETTINGS {
+        sqlx::query("SELECT set_config($1, $2, true)")
+            .bind(name)
+            .bind(value)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
     tx
 }
 

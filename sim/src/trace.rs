@@ -304,6 +304,13 @@ pub enum Event {
     /// A claim's transaction rolled back: these leases went back to their
     /// previous holders.
     LeasesRestored { owners: Vec<(Uuid, Option<String>)> },
+    /// The server crashed before the WAL writer flushed some asynchronous
+    /// commits (the drainer's claims, marks and releases): these leases are
+    /// back with their previous holders, these rows unpublished again.
+    CommitsLost {
+        leases: Vec<(Uuid, Option<String>)>,
+        unmarked: Vec<Uuid>,
+    },
     /// The store released leases.
     Released { replica: String, ids: Vec<Uuid> },
     /// The outbox janitor deleted rows.

@@ -119,9 +119,13 @@ impl PgError {
 /// A request to the fake PostgreSQL.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum PgRequest {
-    /// Names the client (replica or workload) for the trace.
+    /// Names the client (replica or workload) for the trace, and says how
+    /// the session commits: `synchronous_commit` off for the drainer's own
+    /// sessions (`outbox::pg::DRAIN_SESSION_SETTINGS`), whose commits a
+    /// crash of the server may take back (`fakes::pg::wal`).
     Hello {
         client: String,
+        synchronous_commit: bool,
     },
     Begin,
     /// `SET LOCAL …` in the open transaction (each setting given; they

@@ -89,6 +89,8 @@ fn every_scenario_file_has_a_test_here() {
         "consumer_crash_before_ack",
         "crash_at_every_phase",
         "crash_between_publish_and_mark",
+        "db_crash_amid_parking",
+        "db_crash_loses_async_commits",
         "db_outage",
         "deferred_constraint",
         "handler_blocked_on_a_lock",
@@ -144,6 +146,14 @@ fn crash_between_publish_and_mark() {
 #[test]
 fn db_outage() {
     check("db_outage");
+}
+#[test]
+fn db_crash_loses_async_commits() {
+    check("db_crash_loses_async_commits");
+}
+#[test]
+fn db_crash_amid_parking() {
+    check("db_crash_amid_parking");
 }
 #[test]
 fn lease_expiry_mid_confirm() {

@@ -1003,7 +1003,11 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                         () = wakeup.notified() => {
                             self.marks.hit(Mark::WokenByCommit);
                             woken = true;
-                            false
+                            // Let the commits that follow this one join its
+                            // claim (`wakeup_linger`); their notifications
+                            // meanwhile leave one wakeup for the next round.
+                            !cfg.wakeup_linger.is_zero()
+                                && sleep_or_shutdown(&*self.clock, cfg.wakeup_linger, &mut shutdown).await
                         }
                     }
                 }

@@ -360,7 +360,7 @@ impl SimInboxStore {
         let conn = match idle {
             Some(conn) => conn,
             None => {
-                let (stream, session) = connect_pg_session(&self.pool.client).await?;
+                let (stream, session) = connect_pg_session(&self.pool.client, true).await?;
                 Conn {
                     stream,
                     session,

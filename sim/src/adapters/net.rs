@@ -36,6 +36,8 @@ pub struct PgClient {
     client: String,
     conn: tokio::sync::Mutex<Option<crate::engine::net::TcpStream>>,
     trace: Trace,
+    /// How its sessions commit (`synchronous_commit`).
+    synchronous_commit: bool,
 }
 
 impl PgClient {
@@ -45,6 +47,16 @@ impl PgClient {
             client: client.into(),
             conn: tokio::sync::Mutex::new(None),
             trace,
+            synchronous_commit: true,
+        }
+    }
+
+    /// [`PgClient::new`] for the drainer's own sessions, which commit
+    /// asynchronously (`outbox::pg::DRAIN_SESSION_SETTINGS`).
+    pub fn drainer(client: impl Into<String>, trace: Trace) -> Self {
+        Self {
+            synchronous_commit: false,
+            ..Self::new(client, trace)
         }
     }
 
@@ -61,7 +73,8 @@ impl PgClient {
         req: PgRequest,
     ) -> Result<PgReply, StoreError> {
         if guard.is_none() {
-            *guard = Some(connect_pg(&self.client).await?);
+            let (stream, _) = connect_pg_session(&self.client, self.synchronous_commit).await?;
+            *guard = Some(stream);
         }
         request(guard, &req).await
     }
@@ -114,18 +127,21 @@ impl PgClient {
 
 /// Opens a connection to the fake PostgreSQL and names `client` on it.
 pub(crate) async fn connect_pg(client: &str) -> Result<crate::engine::net::TcpStream, StoreError> {
-    connect_pg_session(client).await.map(|(s, _)| s)
+    connect_pg_session(client, true).await.map(|(s, _)| s)
 }
 
-/// [`connect_pg`], with the number of the session it opened.
+/// [`connect_pg`], with the number of the session it opened, committing
+/// synchronously or not.
 pub(crate) async fn connect_pg_session(
     client: &str,
+    synchronous_commit: bool,
 ) -> Result<(crate::engine::net::TcpStream, u64), StoreError> {
     let mut s = connect("pg", PG_PORT)
         .await
         .map_err(StoreError::Unavailable)?;
     let hello = PgRequest::Hello {
         client: client.to_owned(),
+        synchronous_commit,
     };
     match exchange(&mut s, &hello).await {
         Ok(PgReply::Session { id }) => Ok((s, id)),

@@ -1,7 +1,9 @@
 //! The `OutboxStore` port over the fake PostgreSQL, for the production
 //! drainer and janitor. Besides doing what the sqlx adapter does (the same
-//! statements, the claim in one short transaction with the same
-//! idle-in-transaction bound), it records the replica's view of its calls:
+//! statements; the key window, the claim, the mark of published rows and
+//! the release alone on sessions of the drainer's own that commit
+//! asynchronously, the rest on ordinary sessions), it records the replica's
+//! view of its calls:
 //! when it asked for a claim, what the claim returned, when it asked to mark
 //! or release which rows, and which calls failed. The checker's timing rules
 //! (#1061's deadline, backoff after failures) read these.
@@ -21,12 +23,15 @@ use super::net::{PgClient, unexpected};
 use crate::trace::{Call, Event, Trace};
 use crate::wire::{PgReply, PgRequest};
 
-/// The claim transaction's idle timeout, as in `pg/sql/outbox_claim_plan.sql`.
-pub const CLAIM_IDLE_IN_TX_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// The `OutboxStore` port over the fake PostgreSQL.
 pub struct SimStore {
+    /// An ordinary session: what must survive a crash (attempts, parking,
+    /// the operator's unpark and skip, the janitor, the stats).
     pg: PgClient,
+    /// The drainer's own session (`outbox::pg::PgOutboxStore`): the key
+    /// window, the claim, the mark of published rows, the release, each
+    /// committed asynchronously.
+    drain: PgClient,
     replica: String,
     hooks: Hooks,
     trace: Trace,
@@ -42,6 +47,7 @@ impl SimStore {
         let replica = replica.into();
         Self {
             pg: PgClient::new(replica.clone(), trace.clone()),
+            drain: PgClient::drainer(replica.clone(), trace.clone()),
             replica,
             hooks,
             trace,
@@ -82,27 +88,20 @@ impl SimStore {
     }
 
     async fn claim(&self, p: ClaimParams<'_>) -> Result<Vec<ClaimedRow>, StoreError> {
-        // Like the PostgreSQL adapter: one short transaction around the
-        // claim, with the same idle-in-transaction timeout.
-        let mut replies = self
-            .pg
-            .in_tx(vec![
-                PgRequest::SetLocal(crate::wire::TxSettings {
-                    idle_in_tx_ms: Some(CLAIM_IDLE_IN_TX_TIMEOUT.as_millis() as u64),
-                    ..Default::default()
-                }),
-                PgRequest::Claim {
-                    replica: p.replica_id.to_owned(),
-                    batch_size: p.batch_size,
-                    lease_ttl_ms: p.lease_ttl.as_millis() as u64,
-                    key_heads: p.key_heads.to_vec(),
-                },
-            ])
+        // Like the PostgreSQL adapter: one statement on the drainer's own
+        // session, no transaction around it.
+        let reply = self
+            .drain
+            .call(PgRequest::Claim {
+                replica: p.replica_id.to_owned(),
+                batch_size: p.batch_size,
+                lease_ttl_ms: p.lease_ttl.as_millis() as u64,
+                key_heads: p.key_heads.to_vec(),
+            })
             .await?;
-        let rows = match replies.pop() {
-            Some(PgReply::Rows(rows)) => rows,
-            Some(other) => return Err(unexpected(other)),
-            None => return Err(StoreError::Statement("no reply".into())),
+        let rows = match reply {
+            PgReply::Rows(rows) => rows,
+            other => return Err(unexpected(other)),
         };
         if !rows.is_empty() {
             self.hooks
@@ -128,7 +127,7 @@ impl SimStore {
             .at(Point::BeforeMark, &self.replica, &self.trace)
             .await;
         let reply = self
-            .pg
+            .drain
             .call(PgRequest::MarkPublished {
                 replica: replica_id.to_owned(),
                 ids: ids.to_vec(),
@@ -165,7 +164,7 @@ impl SimStore {
 
     async fn release(&self, replica_id: &str, ids: &[Uuid]) -> Result<u64, StoreError> {
         match self
-            .pg
+            .drain
             .call(PgRequest::Release {
                 replica: replica_id.to_owned(),
                 ids: ids.to_vec(),
@@ -194,7 +193,7 @@ impl OutboxStore for SimStore {
             });
         }
         let reply = self
-            .pg
+            .drain
             .call(PgRequest::KeyWindow {
                 after: after.to_owned(),
                 limit,

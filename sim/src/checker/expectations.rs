@@ -9,6 +9,7 @@ use crate::trace::Event;
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     let expect = ctx.expect;
     let (mut releases, mut parks, mut absorbed, mut dead_letters) = (0, 0, 0, 0);
+    let mut lost = 0;
     for (_, e) in ctx.events {
         match e {
             Event::Released { ids, .. } => releases += ids.len(),
@@ -18,6 +19,7 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                 dead_lettered: true,
                 ..
             } => dead_letters += 1,
+            Event::CommitsLost { leases, unmarked } => lost += leases.len() + unmarked.len(),
             _ => {}
         }
     }
@@ -39,6 +41,11 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
             expect.dead_letters,
             dead_letters,
             "nothing was dead-lettered",
+        ),
+        (
+            expect.commits_lost,
+            lost,
+            "no crash of the database took back a drainer's commit",
         ),
     ] {
         if wanted && seen == 0 {

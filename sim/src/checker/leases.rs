@@ -100,7 +100,7 @@ fn guard(ctx: &Context<'_>, out: &mut Findings) {
                     owner.remove(id);
                 }
             }
-            Event::LeasesRestored { owners } => {
+            Event::LeasesRestored { owners } | Event::CommitsLost { leases: owners, .. } => {
                 for (id, o) in owners {
                     match o {
                         Some(r) => owner.insert(*id, r.clone()),

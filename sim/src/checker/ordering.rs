@@ -32,6 +32,11 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
             Event::MarkedPublished { ids, .. } | Event::Skipped { ids } => {
                 done.extend(ids.iter().copied());
             }
+            Event::CommitsLost { unmarked, .. } => {
+                for id in unmarked {
+                    done.remove(id);
+                }
+            }
             Event::MarkedFailed { parked: p, .. } => parked.extend(p.iter().copied()),
             Event::Unparked { ids } => {
                 for id in ids {

@@ -23,6 +23,11 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                     published.insert(*id, *at);
                 }
             }
+            Event::CommitsLost { unmarked, .. } => {
+                for id in unmarked {
+                    published.remove(id);
+                }
+            }
             Event::InboxCommitted {
                 processed: ids,
                 began,

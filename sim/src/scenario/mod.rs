@@ -69,6 +69,11 @@ pub struct Expect {
     /// At least one delivery was dead-lettered after the budget.
     #[serde(default)]
     pub dead_letters: bool,
+    /// At least one crash of the database took back an asynchronous
+    /// commit of a drainer (a claim, a mark or a release the WAL writer
+    /// had not flushed).
+    #[serde(default)]
+    pub commits_lost: bool,
     /// Coverage marks (`outbox::core::marks::Mark` names) the core must hit
     /// at least once across a sweep of this scenario: the paths the scenario
     /// exists to exercise. Checked by `sim sweep`, not per seed.

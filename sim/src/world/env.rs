@@ -91,6 +91,9 @@ impl Env {
         if !self.crashed.insert(host.to_owned()) {
             return false;
         }
+        if host == "pg" {
+            self.pg.crashing();
+        }
         sim.crash(host);
         self.trace.now(Event::Host {
             host: host.to_owned(),
@@ -99,6 +102,10 @@ impl Env {
         if let Some(node) = self.broker_node(host) {
             // Its connections die with it; the others see it gone.
             self.mq.set_node_up(node, false, crate::sim_now());
+        }
+        if host == "pg" {
+            // What the WAL writer had not flushed is gone with it.
+            self.pg.crashed(crate::fakes::pg::now_ms());
         }
         true
     }

@@ -15,7 +15,8 @@
 //! read); a transaction rolls back when its connection ends or the host
 //! crashes; errors as SQLSTATE and message, which the adapters map with the
 //! production mapping. The tables are the "disk": they survive a crash of
-//! the host; open transactions do not.
+//! the host; open transactions do not, and neither do the asynchronous
+//! commits the WAL writer had not flushed ([`wal`]).
 //!
 //! The unkind parts, each shown against PostgreSQL by the inbox
 //! conformance suite:
@@ -36,6 +37,9 @@
 //!   pass the check and still fail the COMMIT.
 //!
 //! Faults (each survivable, and why):
+//! - **crash** (a `crash` fault on `pg`): sessions end, open transactions
+//!   roll back, and the drainer's asynchronous commits of the last 600 ms
+//!   are taken back ([`wal`] says why that is survivable).
 //! - **reply lost after apply** (`lose_reply_prob`): the request takes
 //!   effect and the connection is closed before the reply. A lost claim reply
 //!   leaves leases that expire; a lost mark reply leaves rows published with
@@ -65,6 +69,7 @@ pub mod inbox;
 pub mod jsonb;
 pub mod outbox;
 pub mod serve;
+pub mod wal;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -106,6 +111,8 @@ pub struct Database {
     pub outbox: OutboxTable,
     /// `event_inbox` and the handler's domain table.
     pub inbox: Inbox,
+    /// What a crash of the server takes back.
+    pub wal: wal::Wal,
 }
 
 /// Fault settings, changed by the world while the simulation runs.
@@ -137,8 +144,18 @@ pub struct PgState {
     /// The wait-for graph: sessions waiting on a lock, and the sessions
     /// holding it (deadlock detection).
     waits: Arc<Mutex<BTreeMap<u64, Vec<u64>>>>,
+    /// While the server crashes: the open transactions of the sessions
+    /// dying with it, by session number. The engine drops a host's tasks
+    /// in an order of its own (tokio's task ids are process-wide), so they
+    /// are rolled back here afterwards, in session order, for a trace that
+    /// is the same on every run.
+    dying: Arc<Mutex<Option<Dying>>>,
     trace: Trace,
 }
+
+/// The open transactions of the sessions a crash ends, by session number,
+/// with their clients.
+type Dying = BTreeMap<u64, (String, Tx)>;
 
 /// The session number of the outside session that holds the domain table
 /// locked during a `DomainLock` fault (it never waits, so it is in no
@@ -210,6 +227,7 @@ impl PgState {
             notify: Arc::default(),
             controls: Arc::default(),
             waits: Arc::default(),
+            dying: Arc::default(),
             trace,
         }
     }
@@ -304,6 +322,30 @@ impl PgState {
         self.db.lock().expect("database")
     }
 
+    /// The server is about to crash: the sessions that end with it leave
+    /// their open transactions to [`PgState::crashed`].
+    pub fn crashing(&self) {
+        *self.dying.lock().expect("dying") = Some(BTreeMap::new());
+    }
+
+    /// The server crashed at `now_ms`: the open transactions of its
+    /// sessions are rolled back, in session order, and the asynchronous
+    /// commits the WAL writer had not flushed are taken back ([`wal`]).
+    pub fn crashed(&self, now_ms: u64) {
+        let dying = self.dying.lock().expect("dying").take().unwrap_or_default();
+        for (session, (client, tx)) in dying {
+            roll_back(self, session, &client, tx);
+        }
+        let mut db = self.lock();
+        let before = db.wal.crash(now_ms);
+        if before.is_empty() {
+            return;
+        }
+        let (leases, unmarked) = db.outbox.restore_rows(before);
+        drop(db);
+        self.trace.now(Event::CommitsLost { leases, unmarked });
+    }
+
     /// An operator unparks every parked row that a fix can make publishable
     /// (the liveness phase).
     pub fn operator_unpark_all(&self) {
@@ -355,6 +397,9 @@ pub struct Session {
     /// lock: it is not rolled again.
     admitted: bool,
     control: Arc<Control>,
+    /// `synchronous_commit`: off for the drainer's own sessions, whose
+    /// commits a crash may take back ([`wal`]).
+    synchronous_commit: bool,
 }
 
 impl Session {
@@ -367,6 +412,7 @@ impl Session {
             local: TxSettings::default(),
             admitted: false,
             control,
+            synchronous_commit: true,
         }
     }
 
@@ -541,8 +587,12 @@ impl Session {
             ));
         }
         let reply = match req {
-            PgRequest::Hello { client } => {
+            PgRequest::Hello {
+                client,
+                synchronous_commit,
+            } => {
                 self.client = client.clone();
+                self.synchronous_commit = *synchronous_commit;
                 PgReply::Session { id: self.id }
             }
             PgRequest::Begin => self.begin(now),
@@ -616,9 +666,13 @@ impl Session {
         *self.control.tag.lock().expect("tag") = None;
     }
 
-    /// One statement: an inbox request, or an outbox one.
+    /// One statement: an inbox request, or an outbox one. Outside a
+    /// transaction a statement that writes commits at once: through the
+    /// WAL ([`wal`]), flushed if the session commits synchronously, kept
+    /// for a crash to take back if not.
     fn statement(&mut self, req: &PgRequest, now: u64) -> PgReply {
         // `now()` is the transaction's start, as in PostgreSQL.
+        let autocommit = self.tx.is_none();
         let now = self.tx.as_ref().map_or(now, |t| t.began_ms);
         let trace = &self.state.trace;
         let mut db = self.state.db.lock().expect("database");
@@ -628,16 +682,51 @@ impl Session {
             trace,
         };
         let tx = self.tx.as_mut().map(|t| &mut t.inbox);
-        if let Some(reply) = db.inbox.apply(req, &caller, tx, now) {
-            return reply;
-        }
-        let at = At {
-            session: self.id,
-            trace,
-            now,
+        let mut before = Vec::new();
+        let reply = match db.inbox.apply(req, &caller, tx, now) {
+            Some(reply) => reply,
+            None => {
+                let at = At {
+                    session: self.id,
+                    trace,
+                    now,
+                };
+                outbox_statement(&at, &mut self.tx, &mut db.outbox, req, &mut before)
+            }
         };
-        outbox_statement(&at, &mut self.tx, &mut db.outbox, req)
+        if autocommit && writes(req) && !matches!(reply, PgReply::Error(_)) {
+            if self.synchronous_commit {
+                db.wal.flush();
+            } else {
+                db.wal.async_commit(now, before);
+            }
+        }
+        reply
     }
+}
+
+/// Whether `req` writes (a statement that commits, outside a transaction).
+fn writes(req: &PgRequest) -> bool {
+    !matches!(
+        req,
+        PgRequest::Hello { .. }
+            | PgRequest::Begin
+            | PgRequest::SetLocal(_)
+            | PgRequest::Rollback
+            | PgRequest::KeyWindow { .. }
+            | PgRequest::Stats
+            | PgRequest::ListParked { .. }
+            | PgRequest::InboxCheck
+            | PgRequest::Terminate { .. }
+            | PgRequest::Cancel { .. }
+            | PgRequest::InboxSavepoint
+            | PgRequest::Listen
+            | PgRequest::Raise { .. }
+            | PgRequest::InboxList { .. }
+            | PgRequest::InboxHeld { .. }
+            | PgRequest::InboxReleasable { .. }
+            | PgRequest::Ping
+    )
 }
 
 /// Where and when a statement runs.
@@ -648,13 +737,28 @@ struct At<'a> {
 }
 
 /// The outbox's statements (`outbox/src/pg/sql/outbox_*.sql`).
+///
+/// Outside a transaction, the rows a statement changes go into `before` as
+/// they were (for [`wal`]: a crash may take the statement back if its
+/// session commits asynchronously). Not the janitor's deletes: they never
+/// run on such a session.
 fn outbox_statement(
     at: &At<'_>,
     tx: &mut Option<Tx>,
     table: &mut OutboxTable,
     req: &PgRequest,
+    before: &mut Vec<Row>,
 ) -> PgReply {
     let (trace, session, now) = (at.trace, at.session, at.now);
+    if tx.is_none() {
+        let ids: Vec<Uuid> = match req {
+            PgRequest::MarkPublished { ids, .. } | PgRequest::Release { ids, .. } => ids.clone(),
+            PgRequest::MarkFailed { failures, .. } => failures.iter().map(|(id, _)| *id).collect(),
+            PgRequest::Unpark { ids } | PgRequest::Skip { ids } => table.parked_ids(ids.as_deref()),
+            _ => Vec::new(),
+        };
+        before.extend(ids.iter().filter_map(|id| table.row(id).cloned()));
+    }
     match req {
         PgRequest::Insert { rows } => insert(tx, table, rows, session, now),
         PgRequest::KeyWindow {
@@ -668,11 +772,12 @@ fn outbox_statement(
             lease_ttl_ms,
             key_heads,
         } => {
-            let Some(tx) = tx.as_mut() else {
-                return PgReply::Error(PgError::new("25P01", "claim outside a transaction"));
-            };
+            // In a transaction its row locks last until the transaction
+            // ends; alone (the drainer's own sessions), until it returns.
+            let mut alone = Vec::new();
+            let claimed = tx.as_mut().map_or(&mut alone, |tx| &mut tx.claimed);
             let rows = table.claim(
-                &mut tx.claimed,
+                claimed,
                 session,
                 replica,
                 *batch_size,
@@ -680,6 +785,13 @@ fn outbox_statement(
                 key_heads,
                 now,
             );
+            table.unlock(&alone);
+            for (id, claimed_ms, claimed_by) in alone {
+                if let Some(mut row) = table.row(&id).cloned() {
+                    (row.claimed_ms, row.claimed_by) = (claimed_ms, claimed_by);
+                    before.push(row);
+                }
+            }
             trace.now(Event::Claimed {
                 replica: replica.clone(),
                 ids: rows.iter().map(|r| r.id).collect(),
@@ -840,10 +952,15 @@ impl Session {
             return PgReply::Error(error);
         }
         self.end_local();
-        self.batch_ended(&tx.inbox, true);
+        batch_ended(&self.state, self.id, &self.client, &tx.inbox, true);
         let now = tx.began_ms;
         let trace = &self.state.trace;
         let mut db = self.state.lock();
+        // A transaction that wrote flushes the WAL at COMMIT (the sessions
+        // that commit asynchronously never open one).
+        if !tx.inserts.is_empty() || !tx.claimed.is_empty() || !tx.inbox.is_empty() {
+            db.wal.flush();
+        }
         let ids: Vec<Uuid> = tx.inserts.iter().map(|r| r.id).collect();
         let numbered: Vec<(Uuid, String, i64)> = tx
             .inserts
@@ -902,18 +1019,6 @@ impl Session {
         PgReply::Ok
     }
 
-    /// Records how many deliveries a handler transaction held.
-    fn batch_ended(&self, inbox: &InboxTx, committed: bool) {
-        if inbox.deliveries() > 0 {
-            self.state.trace.now(Event::InboxBatch {
-                client: self.client.clone(),
-                session: self.id,
-                deliveries: inbox.deliveries(),
-                committed,
-            });
-        }
-    }
-
     /// Undoes the open transaction: inserts vanish, claimed leases return to
     /// what they were, locks are released.
     fn rollback(&mut self) {
@@ -921,23 +1026,40 @@ impl Session {
             return;
         };
         self.end_local();
-        self.batch_ended(&tx.inbox, false);
-        let mut db = self.state.lock();
-        db.inbox.rollback(tx.inbox, self.id);
-        db.outbox.end_key_locks(self.id, false);
-        self.state.unlocked.notify_waiters();
-        let owners = db.outbox.restore(tx.claimed);
-        drop(db);
-        if !owners.is_empty() {
-            self.state.trace.now(Event::LeasesRestored { owners });
-        }
-        let ids: Vec<Uuid> = tx.inserts.iter().map(|r| r.id).collect();
-        if !ids.is_empty() {
-            self.state.trace.now(Event::RolledBack {
-                client: self.client.clone(),
-                ids,
-            });
-        }
+        roll_back(&self.state, self.id, &self.client, tx);
+    }
+}
+
+/// Records how many deliveries a handler transaction held.
+fn batch_ended(state: &PgState, session: u64, client: &str, inbox: &InboxTx, committed: bool) {
+    if inbox.deliveries() > 0 {
+        state.trace.now(Event::InboxBatch {
+            client: client.to_owned(),
+            session,
+            deliveries: inbox.deliveries(),
+            committed,
+        });
+    }
+}
+
+/// Undoes session `session`'s transaction `tx`.
+fn roll_back(state: &PgState, session: u64, client: &str, tx: Tx) {
+    batch_ended(state, session, client, &tx.inbox, false);
+    let mut db = state.lock();
+    db.inbox.rollback(tx.inbox, session);
+    db.outbox.end_key_locks(session, false);
+    state.unlocked.notify_waiters();
+    let owners = db.outbox.restore(tx.claimed);
+    drop(db);
+    if !owners.is_empty() {
+        state.trace.now(Event::LeasesRestored { owners });
+    }
+    let ids: Vec<Uuid> = tx.inserts.iter().map(|r| r.id).collect();
+    if !ids.is_empty() {
+        state.trace.now(Event::RolledBack {
+            client: client.to_owned(),
+            ids,
+        });
     }
 }
 
@@ -945,7 +1067,16 @@ impl Drop for Session {
     /// The connection ended (closed, broken, or the host crashed): an open
     /// transaction is rolled back, as PostgreSQL does.
     fn drop(&mut self) {
-        self.rollback();
+        let dying = Arc::clone(&self.state.dying);
+        match dying.lock().expect("dying").as_mut() {
+            Some(dying) => {
+                if let Some(tx) = self.tx.take() {
+                    self.end_local();
+                    dying.insert(self.id, (self.client.clone(), tx));
+                }
+            }
+            None => self.rollback(),
+        }
         self.state.wait_over(self.id);
         self.state
             .controls

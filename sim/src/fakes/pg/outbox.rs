@@ -225,11 +225,39 @@ impl OutboxTable {
         owners
     }
 
+    /// A crash took back asynchronous commits: each row as it was before
+    /// them (`before`, newest commit first). Returns the leases restored
+    /// (with their holders) and the rows unpublished again, for the trace.
+    pub fn restore_rows(&mut self, before: Vec<Row>) -> (Vec<(Uuid, Option<String>)>, Vec<Uuid>) {
+        let (mut leases, mut unmarked) = (BTreeMap::new(), BTreeSet::new());
+        for old in before {
+            let id = old.id;
+            let Some(row) = self.rows.get_mut(&id) else {
+                continue;
+            };
+            if row.published_ms.is_some() && old.published_ms.is_none() {
+                unmarked.insert(id);
+            }
+            if (row.claimed_ms, &row.claimed_by) != (old.claimed_ms, &old.claimed_by) {
+                leases.insert(id, old.claimed_by.clone());
+            }
+            *row = old;
+            self.refresh_pending(id);
+        }
+        (leases.into_iter().collect(), unmarked.into_iter().collect())
+    }
+
     /// Moves a row's publication `by_ms` into the past (conformance tests).
     pub fn backdate_published(&mut self, id: Uuid, by_ms: u64) {
         if let Some(p) = self.rows.get_mut(&id).and_then(|r| r.published_ms.as_mut()) {
             *p = p.saturating_sub(by_ms);
         }
+    }
+
+    /// The parked rows among `ids` (all parked rows for `None`): what an
+    /// unpark or a skip would change.
+    pub fn parked_ids(&self, ids: Option<&[Uuid]>) -> Vec<Uuid> {
+        self.parked_among(ids)
     }
 
     /// The parked rows among `ids` (all parked rows for `None`).

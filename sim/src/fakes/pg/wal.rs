@@ -1,0 +1,97 @@
+//! The write-ahead log as a crash sees it: which commits a crash of the
+//! server takes back. A synchronous commit (PostgreSQL's default) returns
+//! only once its WAL is flushed, and its flush covers every commit before
+//! it; an asynchronous one (`synchronous_commit = off`, as the drainer's
+//! own sessions run, `outbox::pg::DRAIN_SESSION_SETTINGS`) returns at once,
+//! and the WAL writer flushes it within `3 × wal_writer_delay` (600 ms by
+//! default). A crash before that loses it: the rows it changed are back
+//! as they were, though its client was told it committed.
+//!
+//! Survivable because of what the drainer commits asynchronously: a claim
+//! lost is a lease that never was (the rows are claimed again), a mark of
+//! published rows lost means they are published again (the consumer's
+//! inbox absorbs the duplicate), a release lost is a lease that expires.
+//! Whatever must survive (an insert of `publish_tx`, an attempt, a park,
+//! an operator's unpark or skip, every inbox commit) commits synchronously.
+
+use super::outbox::Row;
+
+/// How long after an asynchronous commit the WAL writer has surely
+/// flushed it (`3 × wal_writer_delay`, PostgreSQL's bound).
+pub const WAL_WRITER_FLUSH_MS: u64 = 600;
+
+/// The asynchronous commits a crash would still lose.
+#[derive(Debug, Default)]
+pub struct Wal {
+    /// Oldest first: when each committed (the fake's milliseconds), and
+    /// the outbox rows it changed as they were before it.
+    unflushed: Vec<(u64, Vec<Row>)>,
+}
+
+impl Wal {
+    /// An asynchronous commit at `now` that changed the rows `before`
+    /// shows as they were.
+    pub fn async_commit(&mut self, now: u64, before: Vec<Row>) {
+        if !before.is_empty() {
+            self.unflushed.push((now, before));
+        }
+    }
+
+    /// A synchronous commit: its flush covers every commit before it.
+    pub fn flush(&mut self) {
+        self.unflushed.clear();
+    }
+
+    /// The server crashed at `now`: the rows of every asynchronous commit
+    /// the WAL writer had not surely flushed, as they were before it,
+    /// newest commit first (so restoring them in order undoes them).
+    pub fn crash(&mut self, now: u64) -> Vec<Row> {
+        let lost = std::mem::take(&mut self.unflushed);
+        lost.into_iter()
+            .filter(|(at, _)| at + WAL_WRITER_FLUSH_MS > now)
+            .rev()
+            .flat_map(|(_, before)| before.into_iter().rev())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(n: u128, claimed_ms: Option<u64>) -> Row {
+        let mut r = Row::new(uuid::Uuid::from_u128(n), "k".into(), "{}".into(), 0);
+        r.claimed_ms = claimed_ms;
+        r
+    }
+
+    #[test]
+    fn a_crash_loses_only_the_unflushed_asynchronous_commits_newest_first() {
+        let mut wal = Wal::default();
+        wal.async_commit(1_000, vec![row(1, None)]);
+        wal.async_commit(2_000, vec![row(2, None), row(3, Some(5))]);
+        wal.async_commit(2_100, vec![row(2, Some(2_000))]);
+        // The first is older than the WAL writer's bound at 2 200 ms.
+        let lost = wal.crash(2_200);
+        let ids: Vec<u128> = lost.iter().map(|r| r.id.as_u128()).collect();
+        assert_eq!(
+            ids,
+            vec![2, 3, 2],
+            "newest commit first, each undone in reverse"
+        );
+        assert_eq!(lost[0].claimed_ms, Some(2_000));
+        assert_eq!(
+            lost[2].claimed_ms, None,
+            "row 2 ends as before its first lost commit"
+        );
+        assert!(wal.crash(2_300).is_empty(), "a crash empties the log");
+    }
+
+    #[test]
+    fn a_synchronous_commit_flushes_every_earlier_one() {
+        let mut wal = Wal::default();
+        wal.async_commit(1_000, vec![row(1, None)]);
+        wal.flush();
+        assert!(wal.crash(1_001).is_empty());
+    }
+}
