@@ -28,6 +28,7 @@
 //! recreated) and an exchange and queue of its own (`harness.*`, purged and
 //! deleted at the end).
 
+mod p10;
 mod p3;
 
 use std::time::{Duration, Instant};
@@ -54,6 +55,8 @@ struct Args {
     rows: usize,
     /// Backlog of the large P2 measurement (0 skips P2).
     p2_rows: usize,
+    /// Rows per table P10 loads (it runs only when `--only` names it).
+    p10_rows: u64,
     json: String,
     /// Sections to run (`p1,p7,phases,antipattern,p2,p3,p4,p5`); all if empty.
     /// The ceiling always runs: every ratio needs it.
@@ -66,6 +69,7 @@ fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         rows: 100_000,
         p2_rows: 1_000_000,
+        p10_rows: 20_000_000,
         json: "target/harness.json".into(),
         only: Vec::new(),
         database_url: std::env::var("DATABASE_URL")
@@ -89,13 +93,19 @@ fn parse_args() -> Result<Args, String> {
                     .parse()
                     .map_err(|_| format!("--p2-rows must be a whole number, got {v:?}"))?;
             }
+            "--p10-rows" => {
+                let v = value()?;
+                a.p10_rows = v
+                    .parse()
+                    .map_err(|_| format!("--p10-rows must be a whole number, got {v:?}"))?;
+            }
             "--json" => a.json = value()?,
             "--only" => a.only = value()?.split(',').map(|s| s.trim().to_owned()).collect(),
             "--database-url" => a.database_url = value()?,
             "--amqp-url" => a.amqp_url = value()?,
             "-h" | "--help" => {
-                return Err("usage: harness [--rows N] [--p2-rows N] \
-                     [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5,p9] \
+                return Err("usage: harness [--rows N] [--p2-rows N] [--p10-rows N] \
+                     [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5,p9,p10] \
                      [--json FILE] [--database-url URL] [--amqp-url URL[,URL...]]"
                     .into());
             }
@@ -1191,9 +1201,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
 
+    // P10 loads tens of millions of rows: only when asked for by name.
+    if args.only.iter().any(|s| s == "p10") {
+        p10::run(&pool, &args.amqp_url, args.p10_rows, &mut table, &mut json).await?;
+        purge(&conn).await?;
+    }
+
     let ch = conn.create_channel().await?;
-    ch.queue_delete(QUEUE.into(), QueueDeleteOptions::default())
-        .await?;
+    for q in [QUEUE, p10::QUEUE, p10::DLQ] {
+        ch.queue_delete(q.into(), QueueDeleteOptions::default())
+            .await?;
+    }
     ch.exchange_delete(EXCHANGE.into(), Default::default())
         .await?;
     for line in &table {
