@@ -490,6 +490,34 @@ async fn the_retention_sweep_deletes_only_old_published_rows<A: StoreArm>(arm: A
     assert!(arm.row(ids[3]).await.is_some(), "unpublished stays");
 }
 
+/// Rows expire as fast as they were published a retention period ago: a
+/// sweep bounded to a number of statements falls behind for good above
+/// that rate (issue 28). One sweep deletes every row past retention.
+async fn one_sweep_deletes_every_expired_row_however_many_statements<A: StoreArm>(arm: A) {
+    let n = janitor::SWEEP_PROGRESS_EVERY as usize + 5;
+    let ids = arm.insert(n, "k").await;
+    let claimed = arm
+        .store()
+        .outbox_claim(params("a", n as u32, 60_000))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), n);
+    arm.store().outbox_mark_published("a", &ids).await.unwrap();
+    for id in &ids {
+        arm.backdate_published(*id, 100).await;
+    }
+    let cfg = DrainerConfig::builder()
+        .retention(Duration::from_secs(50))
+        .janitor_batch(1)
+        .build()
+        .unwrap();
+    assert_eq!(janitor::sweep(arm.store(), &cfg).await.unwrap(), n as u64);
+    assert!(
+        arm.row(ids[n - 1]).await.is_none(),
+        "the last expired row is gone too"
+    );
+}
+
 async fn two_concurrent_claimers_never_share_a_row<A: StoreArm>(arm: A) {
     arm.insert(40, "k").await;
     let s = arm.store();
@@ -710,6 +738,7 @@ conformance!(postgres: with_real, fake: with_fake_store;
     marks_and_releases_are_guarded_by_claimed_by,
     failures_bump_attempts_park_at_the_budget_and_unpark_resets,
     the_retention_sweep_deletes_only_old_published_rows,
+    one_sweep_deletes_every_expired_row_however_many_statements,
     two_concurrent_claimers_never_share_a_row,
     a_claim_takes_only_each_keys_head,
     a_parked_head_holds_its_key_until_skipped,
