@@ -89,28 +89,41 @@ impl Kind {
 
 /// The producer's domain table; the audit of every mark: for each row a
 /// statement sets `published_at` on, who held its claim then and who marked
-/// it (the marking session's `application_name`, which each drainer sets
-/// to its replica id; the `claimed_by` guard means the two are the same,
-/// even for a mark that arrives late); and the mark stall the
-/// `stall_marks` fault arms (a mark statement of a stalled replica waits,
-/// before it reads a row, until the stall's end).
-pub const ORDERS_DDL: &str = "CREATE TABLE chaos_orders (\
-     id BIGSERIAL PRIMARY KEY, event_id UUID NOT NULL UNIQUE, kind TEXT NOT NULL, \
-     at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()); \
-     CREATE TABLE chaos_marks (id UUID NOT NULL, claimed_by TEXT, marked_by TEXT NOT NULL); \
-     CREATE FUNCTION chaos_audit_mark() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-       INSERT INTO chaos_marks VALUES (NEW.id, OLD.claimed_by, current_setting('application_name')); \
-       RETURN NEW; END $$; \
-     CREATE TRIGGER chaos_audit_mark AFTER UPDATE OF published_at ON event_outbox \
-       FOR EACH ROW EXECUTE FUNCTION chaos_audit_mark(); \
-     CREATE TABLE chaos_stall (replica TEXT PRIMARY KEY, until TIMESTAMPTZ NOT NULL); \
-     CREATE FUNCTION chaos_stall_mark() RETURNS trigger LANGUAGE plpgsql AS $$ \
-       DECLARE u TIMESTAMPTZ; BEGIN \
-         SELECT until INTO u FROM chaos_stall WHERE replica = current_setting('application_name'); \
-         IF u > clock_timestamp() THEN PERFORM pg_sleep(extract(epoch FROM u - clock_timestamp())); END IF; \
-         RETURN NULL; END $$; \
-     CREATE TRIGGER chaos_stall_mark BEFORE UPDATE OF published_at ON event_outbox \
-       FOR EACH STATEMENT EXECUTE FUNCTION chaos_stall_mark()";
+/// it (`chaos_replica()`: the marking session's `application_name`, which
+/// each drainer sets to its replica id, less the suffix the library gives
+/// the drainer's own sessions, `outbox::pg::DRAIN_APPLICATION_SUFFIX`; the
+/// `claimed_by` guard means the two are the same, even for a mark that
+/// arrives late); and the mark stall the `stall_marks` fault arms (a mark
+/// statement of a stalled replica waits, before it reads a row, until the
+/// stall's end, and counts itself in `chaos_stall.stalled`).
+pub fn orders_ddl() -> String {
+    let suffix = outbox::pg::DRAIN_APPLICATION_SUFFIX;
+    format!(
+        "CREATE TABLE chaos_orders (\
+         id BIGSERIAL PRIMARY KEY, event_id UUID NOT NULL UNIQUE, kind TEXT NOT NULL, \
+         at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()); \
+         CREATE FUNCTION chaos_replica() RETURNS text LANGUAGE sql STABLE AS $$ \
+           SELECT regexp_replace(current_setting('application_name'), ' {suffix}$', '') $$; \
+         CREATE TABLE chaos_marks (id UUID NOT NULL, claimed_by TEXT, marked_by TEXT NOT NULL); \
+         CREATE FUNCTION chaos_audit_mark() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           INSERT INTO chaos_marks VALUES (NEW.id, OLD.claimed_by, chaos_replica()); \
+           RETURN NEW; END $$; \
+         CREATE TRIGGER chaos_audit_mark AFTER UPDATE OF published_at ON event_outbox \
+           FOR EACH ROW EXECUTE FUNCTION chaos_audit_mark(); \
+         CREATE TABLE chaos_stall (replica TEXT PRIMARY KEY, until TIMESTAMPTZ NOT NULL, \
+           stalled BIGINT NOT NULL DEFAULT 0); \
+         CREATE FUNCTION chaos_stall_mark() RETURNS trigger LANGUAGE plpgsql AS $$ \
+           DECLARE u TIMESTAMPTZ; BEGIN \
+             SELECT until INTO u FROM chaos_stall WHERE replica = chaos_replica(); \
+             IF u > clock_timestamp() THEN \
+               UPDATE chaos_stall SET stalled = stalled + 1 WHERE replica = chaos_replica(); \
+               PERFORM pg_sleep(extract(epoch FROM u - clock_timestamp())); \
+             END IF; \
+             RETURN NULL; END $$; \
+         CREATE TRIGGER chaos_stall_mark BEFORE UPDATE OF published_at ON event_outbox \
+           FOR EACH STATEMENT EXECUTE FUNCTION chaos_stall_mark()"
+    )
+}
 
 /// A subscription's domain table: one row per effect, no key, so a double
 /// effect shows; `n` numbers the effects in the order they were written

@@ -19,7 +19,7 @@ use super::observer::{self, Observed};
 use super::plan::{self, Fault, Service};
 use super::proxy::Proxy;
 use super::report::{Injected, Report};
-use super::roles::{EFFECTS_DDL, ORDERS_DDL};
+use super::roles::{EFFECTS_DDL, orders_ddl};
 use super::{DRAINERS, EXCHANGE, OBSERVER_QUEUE, ORDERS_DB, REPLICAS, SUBSCRIPTIONS};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -505,7 +505,7 @@ impl World {
                 sqlx::query(
                     "INSERT INTO chaos_stall (replica, until) \
                      VALUES ($1, clock_timestamp() + make_interval(secs => $2)) \
-                     ON CONFLICT (replica) DO UPDATE SET until = excluded.until",
+                     ON CONFLICT (replica) DO UPDATE SET until = excluded.until, stalled = 0",
                 )
                 .bind(&replica)
                 .bind(stalled.as_secs_f64())
@@ -513,6 +513,15 @@ impl World {
                 .await
                 .map_err(|e| e.to_string())?;
                 tokio::time::sleep(*stalled).await;
+                // What it did: a stall that held no mark statement (say, its
+                // name no longer matched the drainer's sessions) is no fault.
+                let held: i64 =
+                    sqlx::query_scalar("SELECT stalled FROM chaos_stall WHERE replica = $1")
+                        .bind(&replica)
+                        .fetch_one(&self.orders)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                eprintln!("chaos: {target}'s stall held {held} mark statements");
                 Ok(())
             }
         }
@@ -683,7 +692,7 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
     // The services, fresh.
     clean_broker(&args.amqp).await?;
     let orders = crate::recreate_database(&args.pg_admin, ORDERS_DB, 4).await?;
-    orders.execute(ORDERS_DDL).await?;
+    orders.execute(sqlx::AssertSqlSafe(orders_ddl())).await?;
     let mut subs: BTreeMap<String, PgPool> = BTreeMap::new();
     for s in SUBSCRIPTIONS {
         let pool = crate::recreate_database(&args.pg_admin, s.db, 4).await?;
