@@ -13,6 +13,18 @@ use outbox::core::marks::Mark;
 use sim::scenario::Scenario;
 use sim::trace::Event;
 
+/// One run at a time in this process: each run numbers tokio's tasks from
+/// an aligned start (`sim::engine`, turmoil), which runs on parallel test
+/// threads would interleave, so the same seed run twice could drop a
+/// crashed host's tasks in two orders.
+fn run(s: &Scenario, seed: u64) -> sim::world::RunOutcome {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _alone = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    sim::world::run(s, seed)
+}
+
 fn scenarios_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../scenarios")
 }
@@ -29,7 +41,7 @@ fn check(name: &str) {
     let mut reached: BTreeSet<Mark> = BTreeSet::new();
     for s in all {
         for &seed in s.pinned() {
-            let a = sim::world::run(&s, seed);
+            let a = run(&s, seed);
             if s.name == base.name {
                 reached.extend(a.coverage.marks.keys().copied());
             }
@@ -48,7 +60,7 @@ fn check(name: &str) {
             );
             #[cfg(not(madsim))]
             let b = {
-                let b = sim::world::run(&s, seed);
+                let b = run(&s, seed);
                 (b.trace_hash, b.trace.events().len())
             };
             #[cfg(madsim)]
@@ -179,8 +191,8 @@ fn swarm() {
 #[test]
 fn different_seeds_give_different_traces() {
     let s = Scenario::find(&scenarios_dir(), "swarm").unwrap();
-    let a = sim::world::run(&s, 11);
-    let b = sim::world::run(&s, 12);
+    let a = run(&s, 11);
+    let b = run(&s, 12);
     assert_ne!(a.trace_hash, b.trace_hash);
 }
 #[test]
@@ -272,7 +284,7 @@ fn ordering_keys_swarm() {
 fn the_ordering_scenarios_wait_on_key_locks_and_skip_parked_heads() {
     let s = Scenario::find(&scenarios_dir(), "ordering_keys_hot").expect("scenario loads");
     for &seed in s.pinned() {
-        let events = sim::world::run(&s, seed).trace.events();
+        let events = run(&s, seed).trace.events();
         let waits = events
             .iter()
             .filter(|(_, e)| matches!(e, Event::LockWait { on, .. } if on == "event_outbox_key"))
@@ -287,7 +299,7 @@ fn the_ordering_scenarios_wait_on_key_locks_and_skip_parked_heads() {
     }
     let s = Scenario::find(&scenarios_dir(), "ordering_keys_consumers").expect("scenario loads");
     for &seed in s.pinned() {
-        let events = sim::world::run(&s, seed).trace.events();
+        let events = run(&s, seed).trace.events();
         let held = events
             .iter()
             .filter(|(_, e)| matches!(e, Event::InboxHeld { .. }))
@@ -311,7 +323,7 @@ fn the_ordering_scenarios_wait_on_key_locks_and_skip_parked_heads() {
     }
     let s = Scenario::find(&scenarios_dir(), "ordering_keys_many").expect("scenario loads");
     for &seed in s.pinned() {
-        let events = sim::world::run(&s, seed).trace.events();
+        let events = run(&s, seed).trace.events();
         let keys: BTreeSet<&str> = events
             .iter()
             .filter_map(|(_, e)| match e {
@@ -334,7 +346,7 @@ fn a_classic_subscription_loses_events_in_the_cluster_scenarios() {
         let mut s = Scenario::find(&scenarios_dir(), name).expect("scenario loads");
         s.config.queue_type = Some("classic".into());
         for &seed in s.pinned() {
-            let run = sim::world::run(&s, seed);
+            let run = run(&s, seed);
             assert!(
                 run.verdict
                     .violations

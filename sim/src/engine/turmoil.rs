@@ -47,6 +47,7 @@ where
     Fut: Future<Output = T>,
 {
     WORLD_NOW.with(|c| c.set(Duration::ZERO));
+    align_task_ids();
     let mut b = turmoil::Builder::new();
     b.rng_seed(settings.seed)
         .simulation_duration(settings.limit)
@@ -63,6 +64,38 @@ where
         inner: b.build(),
         links: BTreeMap::new(),
     }))
+}
+
+/// Starts tokio's process-wide task numbering at a multiple of 64.
+///
+/// A host's runtime keeps its tasks in lists sharded by task id (four
+/// shards on one thread), and a crash drops them shard by shard: the order
+/// in which a crashed host's connections close, and so the order in which
+/// the fakes see them end, follows each task's id modulo the shard count.
+/// The ids come from one counter for the whole process, so the same seed
+/// run twice in one process (or after other runs) would drop them in
+/// another order. Aligned here, a run started while no other run spawns
+/// tasks numbers its tasks the same way every time. Runs on parallel
+/// threads (`sim sweep --jobs`) still interleave their numbers: a sweep's
+/// failure is reproduced by `sim run`, which runs alone. (The lasting fix
+/// is a host whose tasks all live in a `LocalSet`, dropped in spawn
+/// order.)
+fn align_task_ids() {
+    const SHARDS: u64 = 64;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("a runtime");
+    for _ in 0..SHARDS {
+        let id: u64 = rt
+            .spawn(async {})
+            .id()
+            .to_string()
+            .parse()
+            .expect("a task id is a number");
+        if id % SHARDS == SHARDS - 1 {
+            break;
+        }
+    }
 }
 
 /// The world's handle on the simulation.
