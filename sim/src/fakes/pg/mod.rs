@@ -754,7 +754,9 @@ fn outbox_statement(
         let ids: Vec<Uuid> = match req {
             PgRequest::MarkPublished { ids, .. } | PgRequest::Release { ids, .. } => ids.clone(),
             PgRequest::MarkFailed { failures, .. } => failures.iter().map(|(id, _)| *id).collect(),
-            PgRequest::Unpark { ids } | PgRequest::Skip { ids } => table.parked_ids(ids.as_deref()),
+            PgRequest::Unpark { ids } | PgRequest::Skip { ids } => {
+                table.parked_among(ids.as_deref())
+            }
             _ => Vec::new(),
         };
         before.extend(ids.iter().filter_map(|id| table.row(id).cloned()));

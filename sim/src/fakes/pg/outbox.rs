@@ -256,12 +256,7 @@ impl OutboxTable {
 
     /// The parked rows among `ids` (all parked rows for `None`): what an
     /// unpark or a skip would change.
-    pub fn parked_ids(&self, ids: Option<&[Uuid]>) -> Vec<Uuid> {
-        self.parked_among(ids)
-    }
-
-    /// The parked rows among `ids` (all parked rows for `None`).
-    fn parked_among(&self, ids: Option<&[Uuid]>) -> Vec<Uuid> {
+    pub fn parked_among(&self, ids: Option<&[Uuid]>) -> Vec<Uuid> {
         self.rows
             .values()
             .filter(|r| r.published_ms.is_none() && r.parked_ms.is_some())
