@@ -28,6 +28,7 @@
 //! recreated) and an exchange and queue of its own (`harness.*`, purged and
 //! deleted at the end).
 
+mod foreground;
 mod p10;
 mod p3;
 

@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use outbox::core::janitor::{InboxJanitorSettings, sweep, sweep_inbox};
 use outbox::core::ports::{ClaimParams, OutboxStore};
-use outbox::{DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, PgOutboxStore, Publisher};
-use sqlx::postgres::PgPoolOptions;
+use outbox::{DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, PgOutboxStore};
 use sqlx::{Executor, PgPool};
 
+use super::foreground::{self, Samples};
 use super::{EXCHANGE, ms, percentile};
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -120,24 +120,6 @@ async fn shape(pool: &PgPool, table: &str) -> BoxResult<Shape> {
     })
 }
 
-/// Latencies observed at offsets from the steady load's start.
-#[derive(Debug, Default)]
-struct Samples(Vec<(Duration, Duration)>);
-
-impl Samples {
-    /// The latencies observed in `[from, to)`, sorted.
-    fn window(&self, from: Duration, to: Duration) -> Vec<Duration> {
-        let mut w: Vec<Duration> = self
-            .0
-            .iter()
-            .filter(|(at, _)| *at >= from && *at < to)
-            .map(|(_, l)| *l)
-            .collect();
-        w.sort();
-        w
-    }
-}
-
 /// The steady load: a foreground writing [`RATE`] events/s through
 /// `publish_tx` on a thread and runtime of its own (as another service
 /// would), a probe timing a claim of one row (then released) every 100 ms,
@@ -145,7 +127,7 @@ impl Samples {
 struct Steady {
     started: Instant,
     stop: tokio::sync::watch::Sender<bool>,
-    foreground: std::thread::JoinHandle<Result<Samples, String>>,
+    foreground: tokio::task::JoinHandle<Result<Samples, String>>,
     probe: tokio::task::JoinHandle<Result<Samples, outbox::StoreError>>,
     drainer: DrainerHandle,
     subscriber: tokio::task::JoinHandle<Result<(), outbox::SubscribeError>>,
@@ -175,7 +157,13 @@ impl Steady {
     async fn start(pool: &PgPool, amqp_url: &str) -> BoxResult<Self> {
         let started = Instant::now();
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let foreground = foreground(pool, started, stopped.clone());
+        let foreground = tokio::spawn(foreground::apart(
+            pool,
+            RATE,
+            None,
+            started,
+            stopped.clone(),
+        ));
         let probe = tokio::spawn(claim_probe(pool.clone(), started, stopped.clone()));
         // The handle's own janitor sweeps at once: with the longest
         // retention it finds nothing, and P10 runs the sweeps it measures.
@@ -209,63 +197,11 @@ impl Steady {
     async fn stop(self) -> BoxResult<(Samples, Samples)> {
         let _ = self.stop.send(true);
         let probe = self.probe.await??;
-        let foreground = tokio::task::spawn_blocking(move || self.foreground.join())
-            .await?
-            .map_err(|_| "the foreground panicked")??;
+        let foreground = self.foreground.await??;
         self.drainer.shutdown().await;
         self.subscriber.await??;
         Ok((foreground, probe))
     }
-}
-
-/// [`RATE`] transactions/s, each an order and its event, until `stop`;
-/// each commit's latency at its offset from `started`.
-fn foreground(
-    pool: &PgPool,
-    started: Instant,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) -> std::thread::JoinHandle<Result<Samples, String>> {
-    let options = pool.connect_options();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        rt.block_on(async move {
-            let own = PgPoolOptions::new()
-                .max_connections(1)
-                .connect_with((*options).clone())
-                .await
-                .map_err(|e| e.to_string())?;
-            let publisher = Publisher::new(own.clone());
-            let every = Duration::from_micros(1_000_000 / RATE);
-            let mut next = tokio::time::Instant::now();
-            let mut samples = Samples::default();
-            for i in 0.. {
-                tokio::select! {
-                    () = tokio::time::sleep_until(next) => {}
-                    _ = stop.changed() => break,
-                }
-                next += every;
-                let t = Instant::now();
-                let mut tx = own.begin().await.map_err(|e| e.to_string())?;
-                sqlx::query("INSERT INTO orders (id, note) VALUES ($1, 'p10')")
-                    .bind(i as i64)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let e = benches::envelope(i);
-                publisher
-                    .publish_tx(&mut tx, &e)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                tx.commit().await.map_err(|e| e.to_string())?;
-                samples.0.push((t - started, t.elapsed()));
-            }
-            own.close().await;
-            Ok(samples)
-        })
-    })
 }
 
 /// Every 100 ms until `stop`: one claim of at most one row for a replica

@@ -115,58 +115,6 @@ async fn backlog_cost(
     Ok((cost, rate))
 }
 
-/// `rate` transactions/s for `secs`, each an order and its event through
-/// `publish_tx`, on a connection of `pool`'s; their commit latencies,
-/// sorted.
-async fn foreground(pool: &PgPool, rate: u64, secs: u64) -> BoxResult<Vec<Duration>> {
-    let publisher = Publisher::new(pool.clone());
-    let every = Duration::from_micros(1_000_000 / rate);
-    let mut next = tokio::time::Instant::now();
-    let mut lat = Vec::with_capacity((rate * secs) as usize);
-    for i in 0..(rate * secs) as usize {
-        tokio::time::sleep_until(next).await;
-        next += every;
-        let t = Instant::now();
-        let mut tx = pool.begin().await?;
-        sqlx::query("INSERT INTO orders (id, note) VALUES ($1, 'foreground')")
-            .bind(i as i64)
-            .execute(&mut *tx)
-            .await?;
-        publisher.publish_tx(&mut tx, &benches::envelope(i)).await?;
-        tx.commit().await?;
-        lat.push(t.elapsed());
-    }
-    lat.sort();
-    Ok(lat)
-}
-
-/// [`foreground`] on a thread, runtime and connection of its own, as
-/// another service would commit against the shared database.
-async fn foreground_apart(pool: &PgPool, rate: u64, secs: u64) -> BoxResult<Vec<Duration>> {
-    let options = pool.connect_options();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        let result = rt.block_on(async move {
-            let own = PgPoolOptions::new()
-                .max_connections(1)
-                .connect_with((*options).clone())
-                .await
-                .map_err(|e| e.to_string())?;
-            let lat = foreground(&own, rate, secs)
-                .await
-                .map_err(|e| e.to_string());
-            own.close().await;
-            lat
-        });
-        let _ = tx.send(result);
-    });
-    Ok(rx.await??)
-}
-
 /// One steady run: the foreground's latencies and what the run cost the
 /// server (with `drain`, a drainer at defaults drains the events as they
 /// come, and the meter also covers its catching up at the end).
@@ -174,11 +122,19 @@ async fn steady(pool: &PgPool, amqp_url: &str, drain: bool) -> BoxResult<(Vec<Du
     let own = named_pool(pool, DRAINER_APP).await?;
     let mut meter = Meter::start(pool, DRAINER_APP).await?;
     let handle = drain.then(|| drainer(&own, amqp_url));
-    let foreground = foreground_apart(pool, STEADY_RATE, STEADY_SECS);
+    // Never stopped: it runs its count.
+    let (_, never) = tokio::sync::watch::channel(false);
+    let foreground = super::foreground::apart(
+        pool,
+        STEADY_RATE,
+        Some(STEADY_RATE * STEADY_SECS),
+        Instant::now(),
+        never,
+    );
     tokio::pin!(foreground);
     let latencies = loop {
         tokio::select! {
-            lat = &mut foreground => break lat?,
+            samples = &mut foreground => break samples?.sorted(),
             () = tokio::time::sleep(Duration::from_millis(500)) => meter.sample().await?,
         }
     };
