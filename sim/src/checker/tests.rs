@@ -1335,6 +1335,52 @@ fn a_unique_key_loser_dead_lettered_and_a_wait_ended_in_time_pass() {
         "{:#?}",
         v.violations
     );
+    // A failure whose record the server's crash took: the failure after
+    // the restart is recorded, and the one before is excused.
+    let failed = || Event::HandlerRan {
+        client: s("c#1"),
+        event_id: id(1),
+        result: HandlerResult::Failed,
+    };
+    let crash = consumer()
+        .at(95, failed())
+        .at(
+            100,
+            Event::Host {
+                host: s("pg"),
+                up: false,
+            },
+        )
+        .at(
+            110,
+            Event::Host {
+                host: s("pg"),
+                up: true,
+            },
+        )
+        .at(112, failed())
+        .at(
+            113,
+            Event::InboxFailure {
+                client: s("c#1"),
+                event_id: id(1),
+                attempts: 1,
+                dead_lettered: false,
+            },
+        );
+    let v = crash.verdict();
+    assert!(
+        !v.counts.contains_key(&Invariant::EveryFailureCounted),
+        "{:#?}",
+        v.violations
+    );
+    // Without the crash the first failure owes a record.
+    let v = crash.without(|e| matches!(e, Event::Host { .. })).verdict();
+    assert!(
+        v.counts.contains_key(&Invariant::EveryFailureCounted),
+        "{:#?}",
+        v.violations
+    );
 }
 
 /// The events of `producer()`'s envelope for envelope `n`, `t0` ms later.
