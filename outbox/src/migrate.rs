@@ -70,6 +70,29 @@ pub const FILES: &[(&str, &str)] = &[
     ),
 ];
 
+/// The partitioned layout's migrations (issue 28; [`partition`]), run
+/// after [`FILES`]: file name and exact bytes, in order.
+pub const PARTITIONED_FILES: &[(&str, &str)] = &[
+    (
+        "20261207000000_plan_event_partitioning.sql",
+        include_str!("../migrations-partitioned/20261207000000_plan_event_partitioning.sql"),
+    ),
+    (
+        "20261207000001_validate_event_partitioning_cut.sql",
+        include_str!(
+            "../migrations-partitioned/20261207000001_validate_event_partitioning_cut.sql"
+        ),
+    ),
+    (
+        "20261207000002_partition_event_outbox.sql",
+        include_str!("../migrations-partitioned/20261207000002_partition_event_outbox.sql"),
+    ),
+    (
+        "20261207000003_partition_event_inbox.sql",
+        include_str!("../migrations-partitioned/20261207000003_partition_event_inbox.sql"),
+    ),
+];
+
 /// The embedded sqlx migrator over `migrations/`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 
@@ -79,6 +102,61 @@ pub fn migrator() -> sqlx::migrate::Migrator {
     let mut m = sqlx::migrate!();
     m.set_ignore_missing(true);
     m
+}
+
+/// The partitioned layout's migrations (issue 28), run after [`migrator`]'s:
+/// `event_outbox` and `event_inbox` become tables partitioned by time, and
+/// the janitors drop whole partitions instead of deleting rows. Opt-in: the
+/// plain layout of the ADR's files stays the default. See [`partition`].
+pub static PARTITIONED_MIGRATOR: sqlx::migrate::Migrator =
+    sqlx::migrate!("./migrations-partitioned");
+
+/// The partitioned layout's migrator, tolerant of the plain layout's
+/// versions (and a service's own) already applied in the database.
+pub fn partitioned_migrator() -> sqlx::migrate::Migrator {
+    let mut m = sqlx::migrate!("./migrations-partitioned");
+    m.set_ignore_missing(true);
+    m
+}
+
+/// Moves a database to the partitioned layout (issue 28): runs the plain
+/// layout's migrations ([`run`]), then the partitioned layout's, on a
+/// connection whose `lock_timeout` is [`MIGRATION_LOCK_TIMEOUT`].
+/// `width` is one partition's span (`None`: a day); it applies when the
+/// layout is first created (`event_partitioning.width_secs` holds it and
+/// may be updated later: partitions created from then on take the new
+/// width). Rows already in the tables stay where they are, in the first
+/// partition, and are dropped with it once every one is past retention.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+/// outbox::migrate::partition(&pool, None).await?;
+/// # Ok(()) }
+/// ```
+pub async fn partition(
+    pool: &sqlx::PgPool,
+    width: Option<std::time::Duration>,
+) -> Result<(), sqlx::migrate::MigrateError> {
+    run(pool).await?;
+    let mut conn = pool.acquire().await?;
+    let mut set = format!(
+        "SET lock_timeout = '{}ms';",
+        MIGRATION_LOCK_TIMEOUT.as_millis()
+    );
+    if let Some(width) = width {
+        set += &format!(
+            " SET canopy.partition_width_secs = '{}';",
+            width.as_secs().max(1)
+        );
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(set))
+        .execute(&mut *conn)
+        .await?;
+    let ran = partitioned_migrator().run(&mut *conn).await;
+    sqlx::raw_sql("RESET lock_timeout; RESET canopy.partition_width_secs")
+        .execute(&mut *conn)
+        .await?;
+    ran
 }
 
 /// SHA-384 of a file's bytes in hex (the digest sqlx records per migration).
@@ -146,13 +224,22 @@ pub enum MigrationCheckError {
 /// Checks that `dir` holds byte-identical copies of every library migration.
 /// Returns each file's result when all are identical.
 pub fn check_dir(dir: &Path) -> Result<Vec<FileCheck>, MigrationCheckError> {
+    check_files(dir, FILES)
+}
+
+/// As [`check_dir`], for the given files ([`FILES`] or
+/// [`PARTITIONED_FILES`]).
+pub fn check_files(
+    dir: &Path,
+    files: &'static [(&'static str, &'static str)],
+) -> Result<Vec<FileCheck>, MigrationCheckError> {
     if let Err(source) = std::fs::read_dir(dir) {
         return Err(MigrationCheckError::Folder {
             path: dir.to_owned(),
             source,
         });
     }
-    let files: Vec<FileCheck> = FILES
+    let files: Vec<FileCheck> = files
         .iter()
         .map(|(name, body)| {
             let status = match std::fs::read(dir.join(name)) {
@@ -194,13 +281,22 @@ pub fn check_dir(dir: &Path) -> Result<Vec<FileCheck>, MigrationCheckError> {
 /// first is written. Each is written to a temporary name and renamed, so a
 /// failure midway leaves no half-written migration.
 pub fn stamp_dir(dir: &Path) -> Result<Vec<&'static str>, MigrationCheckError> {
+    stamp_files(dir, FILES)
+}
+
+/// As [`stamp_dir`], for the given files ([`FILES`] or
+/// [`PARTITIONED_FILES`]).
+pub fn stamp_files(
+    dir: &Path,
+    files: &'static [(&'static str, &'static str)],
+) -> Result<Vec<&'static str>, MigrationCheckError> {
     std::fs::create_dir_all(dir).map_err(|source| MigrationCheckError::Folder {
         path: dir.to_owned(),
         source,
     })?;
     let mut missing = Vec::new();
     let mut conflicts = Vec::new();
-    for (name, body) in FILES {
+    for (name, body) in files {
         let conflict = |status| FileCheck {
             name,
             expected_sha384: checksum_hex(body.as_bytes()),

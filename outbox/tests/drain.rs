@@ -327,6 +327,12 @@ impl OutboxStore for StuckMark {
     ) -> Result<u64, outbox::StoreError> {
         self.0.outbox_delete_published(o, l).await
     }
+    async fn outbox_retire_partitions(
+        &self,
+        o: Duration,
+    ) -> Result<outbox::PartitionsRetired, outbox::StoreError> {
+        self.0.outbox_retire_partitions(o).await
+    }
     async fn outbox_list_parked(
         &self,
         l: u32,

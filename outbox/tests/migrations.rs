@@ -1,7 +1,9 @@
 //! The migrations are the ADR's, byte for byte, forward-only, and the
 //! byte-identity check catches a missing or edited copy.
 
-use outbox::migrate::{FILES, FileStatus, MigrationCheckError, check_dir, stamp_dir};
+use outbox::migrate::{
+    FILES, FileStatus, MigrationCheckError, PARTITIONED_FILES, check_dir, check_files, stamp_dir,
+};
 
 const ADR_CANONICAL_SCHEMA: &str = "CREATE TABLE event_outbox (
     id UUID PRIMARY KEY DEFAULT gen_random_uuid(),
@@ -147,4 +149,87 @@ async fn a_migration_that_cannot_have_its_lock_gives_up_instead_of_stalling_the_
         .await
         .unwrap();
     assert_eq!(lock_timeout, "0");
+}
+
+#[test]
+fn partitioned_files_list_every_partitioned_migration_in_order() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations-partitioned");
+    let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".sql"))
+        .collect();
+    on_disk.sort();
+    let listed: Vec<&str> = PARTITIONED_FILES.iter().map(|(n, _)| *n).collect();
+    assert_eq!(on_disk, listed);
+    assert_eq!(
+        outbox::migrate::PARTITIONED_MIGRATOR.iter().count(),
+        PARTITIONED_FILES.len()
+    );
+    // They come after every plain migration: a database that has both
+    // applies them in one order whichever migrator runs first.
+    assert!(PARTITIONED_FILES[0].0 > FILES[FILES.len() - 1].0);
+    check_files(&dir, PARTITIONED_FILES).unwrap();
+}
+
+/// Moving a live table to the partitioned layout loses no row (issue 28):
+/// rows written before stay (in the first partition) and can be claimed,
+/// marked and listed; rows written after land in the partitions of their
+/// time; the migrations are idempotent.
+#[sqlx::test(migrations = false)]
+async fn moving_a_table_to_the_partitioned_layout_keeps_every_row(pool: sqlx::PgPool) {
+    use outbox::core::ports::OutboxStore;
+    outbox::migrate::run(&pool).await.unwrap();
+    let store = outbox::PgOutboxStore::new(pool.clone());
+    let publisher = outbox::Publisher::new(pool.clone());
+    let mut before = Vec::new();
+    for i in 0..50 {
+        let e = outbox::EventEnvelope::new("k", serde_json::json!({ "i": i }));
+        let mut tx = pool.begin().await.unwrap();
+        publisher.publish_tx(&mut tx, &e).await.unwrap();
+        tx.commit().await.unwrap();
+        before.push(e.id);
+    }
+    sqlx::query(
+        "INSERT INTO event_inbox (event_id, subscription, routing_key, payload, processed_at) \
+         SELECT id, 's', routing_key, payload, now() FROM event_outbox",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    outbox::migrate::partition(&pool, None).await.unwrap();
+    outbox::migrate::partition(&pool, None).await.unwrap();
+    for table in ["event_outbox", "event_inbox"] {
+        let (kind, rows, first): (String, i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT (SELECT relkind::TEXT FROM pg_class WHERE oid = '{table}'::regclass), \
+                    (SELECT count(*) FROM {table}), (SELECT count(*) FROM {table}_p_first)"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!((kind.as_str(), rows, first), ("p", 50, 50), "{table}");
+    }
+    let after = outbox::EventEnvelope::new("k", serde_json::json!({ "after": true }));
+    let mut tx = pool.begin().await.unwrap();
+    publisher.publish_tx(&mut tx, &after).await.unwrap();
+    tx.commit().await.unwrap();
+    let claimed = store
+        .outbox_claim(outbox::core::ports::ClaimParams {
+            replica_id: "r",
+            batch_size: 100,
+            lease_ttl: std::time::Duration::from_secs(60),
+            key_heads: &[],
+        })
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 51);
+    assert_eq!(store.outbox_mark_published("r", &before).await.unwrap(), 50);
+    let retired = store
+        .outbox_retire_partitions(std::time::Duration::from_secs(7 * 86_400))
+        .await
+        .unwrap();
+    assert!(
+        retired.partitioned && retired.dropped.is_empty(),
+        "{retired:?}"
+    );
 }

@@ -214,7 +214,6 @@ impl Oracle<'_> {
     /// Reads the final state.
     pub fn read(&self) -> FinalState {
         let now = now_ms();
-        let older = |t: u64, bound: Duration| t + (bound.as_millis() as u64) < now;
         let db = self.pg.lock();
         let rows: Vec<_> = db.outbox.rows().collect();
         let mut fin = FinalState {
@@ -230,14 +229,15 @@ impl Oracle<'_> {
                 .filter(|r| r.published_ms.is_none())
                 .map(|r| r.id)
                 .collect(),
-            overdue_published: rows
-                .iter()
-                .filter(|r| {
-                    r.published_ms
-                        .is_some_and(|p| older(p, self.outbox_retention_bound))
-                })
-                .map(|r| r.id)
-                .collect(),
+            overdue_published: crate::fakes::pg::partitions::overdue(
+                db.outbox.partitions.as_ref(),
+                &rows
+                    .iter()
+                    .map(|r| (r.id, r.published_ms))
+                    .collect::<Vec<_>>(),
+                self.outbox_retention_bound.as_millis() as u64,
+                now,
+            ),
             consumer: None,
         };
         if let Some(queue) = self.queue {
@@ -260,15 +260,15 @@ impl Oracle<'_> {
                     .map(|((_, id), n)| (*id, *n))
                     .collect(),
                 rows: db.inbox.rows().map(|r| r.event_id).collect(),
-                overdue_processed: db
-                    .inbox
-                    .rows()
-                    .filter(|r| {
-                        r.processed_ms
-                            .is_some_and(|p| older(p, self.inbox_retention_bound))
-                    })
-                    .map(|r| r.event_id)
-                    .collect(),
+                overdue_processed: crate::fakes::pg::partitions::overdue(
+                    db.inbox.partitions.as_ref(),
+                    &db.inbox
+                        .rows()
+                        .map(|r| (r.event_id, r.processed_ms))
+                        .collect::<Vec<_>>(),
+                    self.inbox_retention_bound.as_millis() as u64,
+                    now,
+                ),
                 dead_letters,
                 dead_lettered: db
                     .inbox

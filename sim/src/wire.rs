@@ -172,6 +172,10 @@ pub enum PgRequest {
         older_than_ms: u64,
         limit: u32,
     },
+    /// `outbox_retire_partitions`.
+    RetirePartitions {
+        older_than_ms: u64,
+    },
     ListParked {
         limit: u32,
     },
@@ -280,6 +284,10 @@ pub enum PgRequest {
     InboxDeleteProcessed {
         older_than_ms: u64,
         limit: u32,
+    },
+    /// `inbox_retire_partitions`.
+    InboxRetirePartitions {
+        older_than_ms: u64,
     },
     /// `inbox_ping` (`SELECT 1`): answers `Ok`.
     Ping,
@@ -416,11 +424,21 @@ pub enum PgReply {
         dead_lettered: bool,
     },
     InboxRows(Vec<WireInboxRow>),
+    /// What a pass over the partitions did.
+    Retired(WireRetired),
     /// A commit wrote outbox rows (to a listening connection).
     Notification,
     /// The statement failed (duplicate key, no transaction, refused data,
     /// injected failure).
     Error(PgError),
+}
+
+/// `PartitionsRetired` on the wire.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireRetired {
+    pub partitioned: bool,
+    pub created: Vec<String>,
+    pub dropped: Vec<String>,
 }
 
 /// A request to the fake RabbitMQ.

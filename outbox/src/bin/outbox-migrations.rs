@@ -5,16 +5,22 @@
 //! outbox-migrations check services/orders/migrations
 //! outbox-migrations stamp services/orders/migrations
 //! outbox-migrations list
+//! outbox-migrations stamp --partitioned services/orders/migrations
 //! ```
+//! `--partitioned` works on the partitioned layout's files (issue 28)
+//! instead of the ADR's.
 //! Exit status: 0 when identical (or stamped), 1 on a mismatch, 2 on misuse.
 
 use std::path::Path;
 use std::process::ExitCode;
 
-use outbox::migrate::{FILES, FileStatus, MigrationCheckError, check_dir, checksum_hex, stamp_dir};
+use outbox::migrate::{
+    FILES, FileStatus, MigrationCheckError, PARTITIONED_FILES, check_files, checksum_hex,
+    stamp_files,
+};
 
 fn usage() -> ExitCode {
-    eprintln!("usage: outbox-migrations check DIR | stamp DIR | list");
+    eprintln!("usage: outbox-migrations [--partitioned] check DIR | stamp DIR | list");
     ExitCode::from(2)
 }
 
@@ -36,7 +42,14 @@ fn report(err: &MigrationCheckError) {
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let files = match args.iter().position(|a| a == "--partitioned") {
+        Some(at) => {
+            args.remove(at);
+            PARTITIONED_FILES
+        }
+        None => FILES,
+    };
     match args
         .iter()
         .map(String::as_str)
@@ -44,12 +57,12 @@ fn main() -> ExitCode {
         .as_slice()
     {
         ["list"] => {
-            for (name, body) in FILES {
+            for (name, body) in files {
                 println!("{name}  sha384:{}", checksum_hex(body.as_bytes()));
             }
             ExitCode::SUCCESS
         }
-        ["check", dir] => match check_dir(Path::new(dir)) {
+        ["check", dir] => match check_files(Path::new(dir), files) {
             Ok(files) => {
                 for f in files {
                     println!("identical  {}  sha384:{}", f.name, f.expected_sha384);
@@ -61,7 +74,7 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        ["stamp", dir] => match stamp_dir(Path::new(dir)) {
+        ["stamp", dir] => match stamp_files(Path::new(dir), files) {
             Ok(written) => {
                 for name in &written {
                     println!("wrote      {name}");
@@ -69,7 +82,7 @@ fn main() -> ExitCode {
                 println!(
                     "{} written, {} already identical",
                     written.len(),
-                    FILES.len() - written.len()
+                    files.len() - written.len()
                 );
                 ExitCode::SUCCESS
             }

@@ -1,8 +1,12 @@
 //! The retention janitors: the outbox's deletes published rows older than
 //! the retention period, the inbox's deletes processed rows, both in bounded
-//! batches once per interval. Neither touches an unpublished or unprocessed
-//! row (parked, dead-lettered or not): lease recovery is the claim's job,
-//! and replay needs every unprocessed inbox row.
+//! batches once per interval. On the partitioned layout (issue 28) each
+//! sweep first creates the partitions ahead and drops whole the partitions
+//! whose every row expired ([`OutboxStore::outbox_retire_partitions`]);
+//! the row deletes then take only what no drop will. Neither touches an
+//! unpublished or unprocessed row (parked, dead-lettered or not): lease
+//! recovery is the claim's job, and replay needs every unprocessed inbox
+//! row.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -12,7 +16,7 @@ use tokio::sync::watch;
 use tracing::Instrument;
 
 use super::marks::{Mark, Marks};
-use super::ports::{Clock, InboxStore, OutboxStore};
+use super::ports::{Clock, InboxStore, OutboxStore, PartitionsRetired};
 use super::sleep_or_shutdown;
 use crate::config::DrainerConfig;
 use crate::error::StoreError;
@@ -45,10 +49,30 @@ async fn sweep_outbox<S: OutboxStore>(
     marks: &Marks,
     shutdown: watch::Receiver<bool>,
 ) -> Result<u64, StoreError> {
+    let retired = store.outbox_retire_partitions(config.retention).await?;
+    note_partitions(Table::Outbox, &retired, marks);
     sweep_batches(config.janitor_batch, marks, &shutdown, || {
         store.outbox_delete_published(config.retention, config.janitor_batch)
     })
     .await
+}
+
+/// Logs and marks what a pass over the partitions did.
+fn note_partitions(table: Table, retired: &PartitionsRetired, marks: &Marks) {
+    if !retired.created.is_empty() {
+        marks.hit(Mark::PartitionCreated);
+    }
+    if !retired.dropped.is_empty() {
+        marks.hit(Mark::PartitionDropped);
+    }
+    if !retired.created.is_empty() || !retired.dropped.is_empty() {
+        tracing::info!(
+            table = table.name(),
+            created = ?retired.created,
+            dropped = ?retired.dropped,
+            "partitions retired"
+        );
+    }
 }
 
 /// Sweeps every `janitor_interval` (the first sweep right away) until
@@ -110,6 +134,8 @@ async fn sweep_inbox_marked<S: InboxStore>(
     marks: &Marks,
     shutdown: watch::Receiver<bool>,
 ) -> Result<u64, StoreError> {
+    let retired = store.inbox_retire_partitions(settings.retention).await?;
+    note_partitions(Table::Inbox, &retired, marks);
     sweep_batches(settings.batch, marks, &shutdown, || {
         store.inbox_delete_processed(settings.retention, settings.batch)
     })
@@ -170,6 +196,15 @@ enum Table {
     Inbox,
 }
 
+impl Table {
+    fn name(self) -> &'static str {
+        match self {
+            Table::Outbox => "outbox",
+            Table::Inbox => "inbox",
+        }
+    }
+}
+
 async fn run_every<C, F, Fut>(
     clock: &C,
     interval: Duration,
@@ -182,9 +217,10 @@ async fn run_every<C, F, Fut>(
     F: FnMut(watch::Receiver<bool>) -> Fut,
     Fut: Future<Output = Result<u64, StoreError>>,
 {
-    let (name, deleted_mark) = match table {
-        Table::Outbox => ("outbox", Mark::OutboxSweepDeleted),
-        Table::Inbox => ("inbox", Mark::InboxSweepDeleted),
+    let name = table.name();
+    let deleted_mark = match table {
+        Table::Outbox => Mark::OutboxSweepDeleted,
+        Table::Inbox => Mark::InboxSweepDeleted,
     };
     loop {
         let span = tracing::info_span!(

@@ -123,6 +123,10 @@ marks! {
     SweepFailed = "sweep_failed",
     /// The inbox janitor deleted expired processed rows.
     InboxSweepDeleted = "inbox_sweep_deleted",
+    /// A janitor dropped a whole partition (the partitioned layout).
+    PartitionDropped = "partition_dropped",
+    /// A janitor created a partition ahead (the partitioned layout).
+    PartitionCreated = "partition_created",
     // --- the subscriber
     /// First sight of an event: its inbox row is new.
     InboxInserted = "inbox_inserted",

@@ -16,6 +16,19 @@ use uuid::Uuid;
 use crate::error::{BrokerError, StoreError};
 pub use crate::trace_context::TraceContext;
 
+/// What one pass of [`OutboxStore::outbox_retire_partitions`] (or the
+/// inbox's) did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PartitionsRetired {
+    /// The table is partitioned by time; `false`: the plain layout, where
+    /// retention deletes rows and the pass does nothing.
+    pub partitioned: bool,
+    /// Partitions created for the time ahead, by name.
+    pub created: Vec<String>,
+    /// Partitions dropped whole, by name.
+    pub dropped: Vec<String>,
+}
+
 /// Time as the core sees it.
 pub trait Clock: Send + Sync + 'static {
     /// Monotonic time since an arbitrary origin.
@@ -285,12 +298,26 @@ pub trait OutboxStore: Send + Sync + 'static {
     fn outbox_stats(&self) -> impl Future<Output = Result<OutboxStats, StoreError>> + Send;
 
     /// Deletes at most `limit` rows published more than `older_than` ago;
-    /// never an unpublished row. Returns how many it deleted.
+    /// never an unpublished row. Returns how many it deleted. On the
+    /// partitioned layout it leaves alone the rows of a closed partition
+    /// (one whose id range has passed) that holds no unpublished row:
+    /// [`outbox_retire_partitions`](Self::outbox_retire_partitions) drops
+    /// that partition whole once its newest row is past retention.
     fn outbox_delete_published(
         &self,
         older_than: Duration,
         limit: u32,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The partitioned layout's retention (issue 28): creates the
+    /// partitions of the time ahead, and drops every closed partition in
+    /// which each row is published, and was longer ago than `older_than`
+    /// (a partition holding an unpublished row is never dropped). On the
+    /// plain layout it does nothing and says so.
+    fn outbox_retire_partitions(
+        &self,
+        older_than: Duration,
+    ) -> impl Future<Output = Result<PartitionsRetired, StoreError>> + Send;
 
     /// Lists up to `limit` parked rows, oldest first.
     fn outbox_list_parked(
@@ -719,12 +746,25 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<InboxRow>, StoreError>> + Send;
 
     /// Deletes at most `limit` rows processed more than `older_than` ago;
-    /// never an unprocessed row. Returns how many it deleted.
+    /// never an unprocessed row. Returns how many it deleted. On the
+    /// partitioned layout it leaves alone the rows of a closed partition
+    /// that holds no unprocessed row (as
+    /// [`OutboxStore::outbox_delete_published`]).
     fn inbox_delete_processed(
         &self,
         older_than: Duration,
         limit: u32,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The partitioned layout's inbox retention: as
+    /// [`OutboxStore::outbox_retire_partitions`], a partition is dropped
+    /// once each of its rows was processed longer ago than `older_than`;
+    /// never one holding an unprocessed (failing, dead-lettered or held)
+    /// row.
+    fn inbox_retire_partitions(
+        &self,
+        older_than: Duration,
+    ) -> impl Future<Output = Result<PartitionsRetired, StoreError>> + Send;
 
     /// One round trip to the database outside any handler transaction
     /// (`SELECT 1`): the subscriber asks it when a handler overruns its

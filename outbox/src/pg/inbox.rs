@@ -528,7 +528,26 @@ impl InboxStore for PgInboxStore {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64, StoreError> {
-        delete_expired(&self.pool, sql::INBOX_DELETE_PROCESSED, older_than, limit).await
+        match super::partitions::delete_expired(
+            &self.pool,
+            super::partitions::INBOX,
+            older_than,
+            limit,
+        )
+        .await?
+        {
+            Some(deleted) => Ok(deleted),
+            None => {
+                delete_expired(&self.pool, sql::INBOX_DELETE_PROCESSED, older_than, limit).await
+            }
+        }
+    }
+
+    async fn inbox_retire_partitions(
+        &self,
+        older_than: Duration,
+    ) -> Result<crate::core::ports::PartitionsRetired, StoreError> {
+        super::partitions::retire(&self.pool, super::partitions::INBOX, older_than).await
     }
 
     async fn inbox_ping(&self) -> Result<(), StoreError> {

@@ -11,12 +11,13 @@ use uuid::Uuid;
 
 use crate::core::ports::{
     ClaimParams, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats, OutboxStore,
-    ParkedRow, RowFailure, UnparkSelector,
+    ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
 };
 use crate::error::StoreError;
 use crate::trace_context::TraceContext;
 
 pub mod inbox;
+pub mod partitions;
 pub mod publisher;
 
 pub(crate) mod sql {
@@ -381,7 +382,17 @@ impl OutboxStore for PgOutboxStore {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64, StoreError> {
-        delete_expired(&self.pool, sql::DELETE_PUBLISHED, older_than, limit).await
+        match partitions::delete_expired(&self.pool, partitions::OUTBOX, older_than, limit).await? {
+            Some(deleted) => Ok(deleted),
+            None => delete_expired(&self.pool, sql::DELETE_PUBLISHED, older_than, limit).await,
+        }
+    }
+
+    async fn outbox_retire_partitions(
+        &self,
+        older_than: Duration,
+    ) -> Result<PartitionsRetired, StoreError> {
+        partitions::retire(&self.pool, partitions::OUTBOX, older_than).await
     }
 
     async fn outbox_list_parked(&self, limit: u32) -> Result<Vec<ParkedRow>, StoreError> {

@@ -684,6 +684,21 @@ impl InboxStore for SimInboxStore {
         }
     }
 
+    async fn inbox_retire_partitions(
+        &self,
+        older_than: Duration,
+    ) -> Result<outbox::PartitionsRetired, StoreError> {
+        match self
+            .side_call(PgRequest::InboxRetirePartitions {
+                older_than_ms: older_than.as_millis() as u64,
+            })
+            .await?
+        {
+            PgReply::Retired(r) => Ok(super::store::retired(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
     async fn inbox_ping(&self) -> Result<(), StoreError> {
         // What the subscriber learns of the database here is evidence the
         // checker weighs too: the ping and how long it took.

@@ -13,7 +13,7 @@ use std::time::Duration;
 use outbox::StoreError;
 use outbox::core::ports::{
     ClaimParams, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats, OutboxStore,
-    ParkedRow, RowFailure, UnparkSelector,
+    ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
 };
 use outbox::trace_context::TraceContext;
 use uuid::Uuid;
@@ -306,6 +306,22 @@ impl OutboxStore for SimStore {
         }
     }
 
+    async fn outbox_retire_partitions(
+        &self,
+        older_than: Duration,
+    ) -> Result<PartitionsRetired, StoreError> {
+        match self
+            .pg
+            .call(PgRequest::RetirePartitions {
+                older_than_ms: older_than.as_millis() as u64,
+            })
+            .await?
+        {
+            PgReply::Retired(r) => Ok(retired(r)),
+            other => Err(unexpected(other)),
+        }
+    }
+
     async fn outbox_list_parked(&self, limit: u32) -> Result<Vec<ParkedRow>, StoreError> {
         let epoch = time::OffsetDateTime::UNIX_EPOCH;
         match self.pg.call(PgRequest::ListParked { limit }).await? {
@@ -373,4 +389,13 @@ fn trace_of(body: &str) -> Option<TraceContext> {
     }
     let h: Headers = serde_json::from_str(body).ok()?;
     TraceContext::from_headers(&h.headers)
+}
+
+/// `PartitionsRetired` from the wire.
+pub(crate) fn retired(r: crate::wire::WireRetired) -> PartitionsRetired {
+    PartitionsRetired {
+        partitioned: r.partitioned,
+        created: r.created,
+        dropped: r.dropped,
+    }
 }

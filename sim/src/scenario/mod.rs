@@ -222,6 +222,9 @@ pub struct ConfigOverrides {
     pub inbox_retention_secs: Option<u64>,
     /// Inbox janitor interval in seconds (default 3).
     pub inbox_janitor_interval_secs: Option<u64>,
+    /// The partitioned layout (issue 28), partitions this many ms wide
+    /// (default: the plain layout, the ADR's).
+    pub partition_width_ms: Option<u64>,
 }
 
 /// Phases of a run.

@@ -256,7 +256,13 @@ pub async fn run_on(mut sim: Sim, scenario: Scenario, seed: u64, trace: Trace) -
     let _gauges = crate::gauges::record_into(&trace);
     let faults = faults_of(scenario, seed);
     let fakes = (
-        PgState::new(stream(seed, "pg"), trace.clone()),
+        {
+            let pg = PgState::new(stream(seed, "pg"), trace.clone());
+            match scenario.config.partition_width_ms {
+                Some(width) => pg.partition(width),
+                None => pg,
+            }
+        },
         MqState::cluster(
             stream(seed, "mq"),
             trace.clone(),

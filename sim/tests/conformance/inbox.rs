@@ -66,6 +66,10 @@ trait InboxArm {
     async fn cancel(&self, tag: &str);
     /// Moves a row's `processed_at` `secs` into the past.
     async fn backdate_processed(&self, id: Uuid, secs: u64);
+    /// The milliseconds a UUID v7 written now carries (the partitions'
+    /// axis): the wall clock on the real server, simulated time on the
+    /// fake.
+    fn id_now_ms(&self) -> u64;
 }
 
 struct Real {
@@ -172,6 +176,12 @@ impl InboxArm for Real {
         .await
         .unwrap();
     }
+    fn id_now_ms(&self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    }
 }
 
 struct Fake {
@@ -213,6 +223,9 @@ impl InboxArm for Fake {
     async fn backdate_processed(&self, id: Uuid, secs: u64) {
         self.state.lock().inbox.backdate_processed(id, secs * 1000);
     }
+    fn id_now_ms(&self) -> u64 {
+        pg::id_ms(pg::now_ms())
+    }
     async fn try_effect(&self, tx: &mut SimTx, id: Uuid) -> Result<(), HandlerError> {
         Ok(tx.effect("q", id, None).await?)
     }
@@ -250,8 +263,24 @@ where
     F: FnOnce(Fake) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + 'static,
 {
-    let trace = Trace::default();
-    let state = PgState::new(11, trace.clone());
+    fake(PgState::new(11, Trace::default()), body);
+}
+
+/// As [`with_fake`], on the partitioned layout (a partition a second).
+fn with_fake_partitioned<F, Fut>(body: F)
+where
+    F: FnOnce(Fake) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + 'static,
+{
+    fake(PgState::new(11, Trace::default()).partition(1000), body);
+}
+
+fn fake<F, Fut>(state: PgState, body: F)
+where
+    F: FnOnce(Fake) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + 'static,
+{
+    let trace = state.trace().clone();
     let server = state.clone();
     in_sim(
         "pg",
@@ -1471,7 +1500,71 @@ async fn key_locks_of_overlapping_sets_wait_for_each_other_and_never_deadlock<A:
         .expect("the second took its keys once the first ended");
 }
 
-conformance!(postgres: with_real, fake: with_fake;
+/// As [`with_real`], on the partitioned layout (a partition a second).
+async fn with_real_partitioned<F, Fut>(pool: PgPool, body: F)
+where
+    F: FnOnce(Real) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    outbox::migrate::partition(&pool, Some(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    with_real(pool, body).await;
+}
+
+/// The partitioned layout's inbox retention (issue 28): a closed partition
+/// whose rows are all processed and past retention goes whole; one holding
+/// an unprocessed (failing) row stays, and the row sweep takes its expired
+/// rows. On the plain layout the pass does nothing and says so.
+async fn inbox_partitions_go_once_every_row_expired<A: InboxArm>(arm: A) {
+    let s = arm.store();
+    let older = Duration::from_secs(50);
+    let first = s.inbox_retire_partitions(older).await.unwrap();
+    if !first.partitioned {
+        assert_eq!(first, outbox::PartitionsRetired::default());
+        return;
+    }
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let ahead = s.inbox_retire_partitions(older).await.unwrap();
+    assert!(!ahead.created.is_empty(), "{ahead:?}");
+    let t = arm.id_now_ms();
+    let at = |ms: u64, n: u8| {
+        let mut e = EventEnvelope::new("k", serde_json::json!({ "n": n }));
+        e.id = uuid::Builder::from_unix_timestamp_millis(ms, &[n; 10]).into_uuid();
+        Event {
+            id: e.id,
+            payload: e.encode(&Default::default()).unwrap(),
+        }
+    };
+    let (a1, a2, c, d) = (at(t, 1), at(t, 2), at(t + 1_000, 3), at(t + 1_000, 4));
+    for e in [&a1, &a2, &c] {
+        apply(&arm, s, e).await;
+    }
+    fail(&arm, s, &d, "k", 5).await;
+    for e in [&a1, &a2, &c] {
+        arm.backdate_processed(e.id, 100).await;
+    }
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let retired = s.inbox_retire_partitions(older).await.unwrap();
+    assert!(!retired.dropped.is_empty(), "{retired:?}");
+    assert_eq!(
+        s.inbox_delete_processed(older, 10).await.unwrap(),
+        1,
+        "c, from the held partition"
+    );
+    let left = s
+        .inbox_list_unprocessed(&InboxFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(left.iter().map(|r| r.event_id).collect::<Vec<_>>(), [d.id]);
+    // The dropped and deleted rows are gone: a redelivery is new again.
+    assert_eq!(apply(&arm, s, &a1).await, InsertOutcome::Inserted);
+    assert_eq!(apply(&arm, s, &c).await, InsertOutcome::Inserted);
+}
+
+conformance!(postgres: with_real, fake: with_fake,
+    partitioned: with_real_partitioned, with_fake_partitioned;
+    inbox_partitions_go_once_every_row_expired,
 
     key_locks_of_overlapping_sets_wait_for_each_other_and_never_deadlock,
     an_ordered_delivery_behind_a_retrying_event_of_its_key_waits_behind_it,

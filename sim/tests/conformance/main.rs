@@ -31,7 +31,11 @@ mod common;
 /// service through the suite's `real` wrapper, and `fake` through its
 /// `fake` wrapper.
 macro_rules! conformance {
-    (postgres: $real:ident, fake: $fake:ident; $($name:ident),* $(,)?) => {
+    // The PostgreSQL suites run on both layouts (issue 28): the plain one
+    // of the ADR's migrations and the partitioned one, on the real server
+    // and on the fake.
+    (postgres: $real:ident, fake: $fake:ident,
+     partitioned: $realp:ident, $fakep:ident; $($name:ident),* $(,)?) => {
         $(
             mod $name {
                 #[cfg(not(madsim))]
@@ -39,9 +43,18 @@ macro_rules! conformance {
                 async fn postgres(pool: sqlx::PgPool) {
                     super::$real(pool, super::$name).await;
                 }
+                #[cfg(not(madsim))]
+                #[sqlx::test(migrator = "outbox::MIGRATOR")]
+                async fn postgres_partitioned(pool: sqlx::PgPool) {
+                    super::$realp(pool, super::$name).await;
+                }
                 #[test]
                 fn fake() {
                     super::$fake(super::$name);
+                }
+                #[test]
+                fn fake_partitioned() {
+                    super::$fakep(super::$name);
                 }
             }
         )*

@@ -32,11 +32,12 @@
 //! with the trigger's `RAISE` (P0001).
 //! The server sessions live in `mod.rs`; this module is their inbox logic.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use uuid::Uuid;
 
 use super::jsonb::{Refusal, jsonb_refusal, text_refusal};
+use super::partitions::Home;
 use crate::trace::{Event, Trace};
 use crate::wire::{PgError, PgReply, PgRequest, WireInboxEntry, WireInboxRow, WireInsertOutcome};
 
@@ -183,6 +184,8 @@ pub struct Inbox {
     /// Every event ever marked processed (the janitor deletes rows; the
     /// world's quiescence needs to know what took effect).
     processed_ever: std::collections::BTreeSet<Uuid>,
+    /// The partitioned layout, when the table has it (issue 28).
+    pub partitions: Option<super::partitions::Partitions>,
 }
 
 /// One effect row an open transaction wrote to the domain table.
@@ -522,7 +525,10 @@ impl Inbox {
             PgRequest::InboxDeleteProcessed {
                 older_than_ms,
                 limit,
-            } => self.delete_processed(now.saturating_sub(*older_than_ms), *limit, caller),
+            } => self.delete_processed(now, *older_than_ms, *limit, caller),
+            PgRequest::InboxRetirePartitions { older_than_ms } => {
+                self.retire_partitions(*older_than_ms, now, caller)
+            }
             PgRequest::InboxHeld {
                 subscription,
                 key: k,
@@ -908,25 +914,102 @@ impl Inbox {
         found
     }
 
-    /// `inbox_delete_processed.sql`: at most `limit` rows processed before
-    /// `cutoff`, oldest first.
-    fn delete_processed(&mut self, cutoff: u64, limit: u32, caller: &Caller<'_>) -> PgReply {
-        let mut expired: Vec<(u64, Key)> = self
+    /// `inbox_delete_processed.sql`: at most `limit` rows processed more
+    /// than `older_than_ms` before `now`, oldest first; on the partitioned
+    /// layout partition by partition, leaving out the closed partitions no
+    /// unprocessed row holds (as the outbox's).
+    fn delete_processed(
+        &mut self,
+        now: u64,
+        older_than_ms: u64,
+        limit: u32,
+        caller: &Caller<'_>,
+    ) -> PgReply {
+        let cutoff = now.saturating_sub(older_than_ms);
+        let spared = self.spared(now);
+        let home = |id: Uuid| self.partitions.as_ref().map(|p| p.home(id));
+        let mut expired: Vec<(Option<Home>, u64, Key)> = self
             .rows
             .values()
-            .filter_map(|r| r.processed_ms.filter(|p| *p < cutoff).map(|p| (p, r.key())))
+            .filter_map(|r| {
+                r.processed_ms
+                    .filter(|p| *p < cutoff)
+                    .map(|p| (home(r.event_id), p, r.key()))
+            })
+            .filter(|(h, _, _)| !h.is_some_and(|h| spared.contains(&h)))
             .collect();
         expired.sort();
         expired.truncate(limit as usize);
-        for (_, k) in &expired {
+        for (_, _, k) in &expired {
             self.rows.remove(k);
         }
         if !expired.is_empty() {
             caller.trace.now(Event::InboxDeleted {
-                ids: expired.iter().map(|(_, (_, id))| *id).collect(),
+                ids: expired.iter().map(|(_, _, (_, id))| *id).collect(),
             });
         }
         PgReply::Count(expired.len() as u64)
+    }
+
+    /// The closed partitions no unprocessed row holds.
+    fn spared(&self, now: u64) -> BTreeSet<Home> {
+        let Some(parts) = &self.partitions else {
+            return BTreeSet::new();
+        };
+        let held: BTreeSet<Home> = self
+            .rows
+            .values()
+            .filter(|r| r.processed_ms.is_none())
+            .map(|r| parts.home(r.event_id))
+            .collect();
+        parts
+            .closed_homes(super::id_ms(now))
+            .into_iter()
+            .filter(|h| !held.contains(h))
+            .collect()
+    }
+
+    /// `outbox::pg::partitions::retire` on this table (as the outbox's): a
+    /// closed partition goes once every row in it was processed more than
+    /// `older_than_ms` ago and no open transaction holds one.
+    fn retire_partitions(&mut self, older_than_ms: u64, now: u64, caller: &Caller<'_>) -> PgReply {
+        let Some(mut parts) = self.partitions.take() else {
+            return PgReply::Retired(Default::default());
+        };
+        let ids: Vec<Uuid> = self.rows.keys().map(|(_, id)| *id).collect();
+        let created = parts.create_ahead(super::id_ms(now), &ids);
+        let mut dropped = Vec::new();
+        let mut gone: Vec<Key> = Vec::new();
+        for home in parts.closed_homes(super::id_ms(now)) {
+            let rows: Vec<&InboxRow> = self
+                .rows
+                .values()
+                .filter(|r| parts.home(r.event_id) == home)
+                .collect();
+            let due = rows.iter().all(|r| {
+                r.processed_ms.is_some_and(|p| p + older_than_ms < now)
+                    && !self.locks.contains_key(&r.key())
+            });
+            if due {
+                gone.extend(rows.iter().map(|r| r.key()));
+                dropped.push(parts.name(home));
+                parts.drop_home(home);
+            }
+        }
+        for k in &gone {
+            self.rows.remove(k);
+        }
+        self.partitions = Some(parts);
+        if !gone.is_empty() {
+            caller.trace.now(Event::InboxDeleted {
+                ids: gone.iter().map(|(_, id)| *id).collect(),
+            });
+        }
+        PgReply::Retired(crate::wire::WireRetired {
+            partitioned: true,
+            created,
+            dropped,
+        })
     }
 
     /// Counts a failed attempt on a row the transaction holds.

@@ -68,6 +68,7 @@
 pub mod inbox;
 pub mod jsonb;
 pub mod outbox;
+pub mod partitions;
 pub mod serve;
 pub mod wal;
 
@@ -99,6 +100,18 @@ pub fn clock_ms(t: Duration) -> u64 {
 /// The fake's clock (`now()`) in milliseconds, now.
 pub fn now_ms() -> u64 {
     clock_ms(crate::sim_now())
+}
+
+/// A UUID v7's milliseconds at the fake's clock `now` (the simulation's
+/// ids count from `workload::EPOCH_MS` at simulated zero).
+pub fn id_ms(now: u64) -> u64 {
+    crate::workload::EPOCH_MS + now.saturating_sub(CLOCK_OFFSET_MS)
+}
+
+/// The fake's clock at which UUID v7 ids reach `id_ms` (inverse of
+/// [`id_ms`]).
+pub fn fake_ms(id_ms: u64) -> u64 {
+    (id_ms + CLOCK_OFFSET_MS).saturating_sub(crate::workload::EPOCH_MS)
 }
 
 /// The SQLSTATE of the injected statement failure (serialization failure).
@@ -230,6 +243,33 @@ impl PgState {
             dying: Arc::default(),
             trace,
         }
+    }
+
+    /// The trace the fake records into.
+    pub fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    /// Gives both tables the partitioned layout (issue 28) as
+    /// `migrations-partitioned/` does at the simulation's start: partitions
+    /// `width_ms` wide, three ahead of the cut.
+    pub fn partition(&self, width_ms: u64) -> Self {
+        let now_id = id_ms(clock_ms(Duration::ZERO));
+        let mut db = self.lock();
+        db.outbox.partitions = Some(partitions::Partitions::new(
+            "event_outbox",
+            width_ms,
+            3,
+            now_id,
+        ));
+        db.inbox.partitions = Some(partitions::Partitions::new(
+            "event_inbox",
+            width_ms,
+            3,
+            now_id,
+        ));
+        drop(db);
+        self.clone()
     }
 
     fn roll(&self, p: f64) -> bool {
@@ -848,6 +888,13 @@ fn outbox_statement(
             }
             PgReply::Count(n)
         }
+        PgRequest::RetirePartitions { older_than_ms } => {
+            let (reply, ids) = table.retire_partitions(*older_than_ms, now);
+            if !ids.is_empty() {
+                trace.now(Event::Deleted { ids });
+            }
+            reply
+        }
         PgRequest::ListParked { limit } => PgReply::Parked(table.list_parked(*limit)),
         PgRequest::Unpark { ids } => {
             let ids = table.unpark(ids.as_deref());
@@ -1105,6 +1152,7 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::Release { .. } => "release",
         PgRequest::Stats => "stats",
         PgRequest::DeletePublished { .. } => "delete_published",
+        PgRequest::RetirePartitions { .. } => "retire_partitions",
         PgRequest::ListParked { .. } => "list_parked",
         PgRequest::Unpark { .. } => "unpark",
         PgRequest::Skip { .. } => "skip",
@@ -1124,5 +1172,6 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::InboxSkip { .. } => "inbox_skip",
         PgRequest::InboxReleasable { .. } => "inbox_releasable",
         PgRequest::InboxDeleteProcessed { .. } => "inbox_delete_processed",
+        PgRequest::InboxRetirePartitions { .. } => "inbox_retire_partitions",
     }
 }

@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use uuid::Uuid;
 
+use super::partitions::{Home, Partitions};
 use crate::trace::{Event, Trace};
 use crate::wire::{PgReply, WireOrdering, WireParked, WireRow};
 
@@ -92,6 +93,8 @@ pub struct OutboxTable {
     /// Every envelope ever committed (the janitor deletes rows; this keeps
     /// what consumers must eventually apply, for the world's quiescence).
     committed: BTreeSet<Uuid>,
+    /// The partitioned layout, when the table has it (issue 28).
+    pub partitions: Option<Partitions>,
 }
 
 impl OutboxTable {
@@ -493,21 +496,84 @@ impl OutboxTable {
     }
 
     /// `outbox_delete_published.sql`: at most `limit` rows published more
-    /// than `older_than_ms` ago, oldest first.
+    /// than `older_than_ms` ago, oldest first. On the partitioned layout
+    /// (`outbox::pg::partitions`), partition by partition in the janitor's
+    /// order, leaving out the closed partitions no unpublished row holds.
     pub fn delete_published(&mut self, older_than_ms: u64, limit: u32, now: u64) -> Vec<Uuid> {
-        let mut victims: Vec<(u64, Uuid)> = self
+        let spared = self.spared(now);
+        let home = |id: Uuid| self.partitions.as_ref().map(|p| p.home(id));
+        let mut victims: Vec<(Option<Home>, u64, Uuid)> = self
             .rows
             .values()
-            .filter_map(|r| r.published_ms.map(|p| (p, r.id)))
-            .filter(|(p, _)| p + older_than_ms < now)
+            .filter_map(|r| r.published_ms.map(|p| (home(r.id), p, r.id)))
+            .filter(|(h, p, _)| p + older_than_ms < now && !h.is_some_and(|h| spared.contains(&h)))
             .collect();
         victims.sort();
         victims.truncate(limit as usize);
-        let ids: Vec<Uuid> = victims.into_iter().map(|(_, id)| id).collect();
+        let ids: Vec<Uuid> = victims.into_iter().map(|(_, _, id)| id).collect();
         for id in &ids {
             self.rows.remove(id);
         }
         ids
+    }
+
+    /// The closed partitions no unpublished row holds (the row sweep
+    /// leaves them to a drop).
+    fn spared(&self, now: u64) -> BTreeSet<Home> {
+        let Some(parts) = &self.partitions else {
+            return BTreeSet::new();
+        };
+        let held: BTreeSet<Home> = self
+            .rows
+            .values()
+            .filter(|r| r.published_ms.is_none())
+            .map(|r| parts.home(r.id))
+            .collect();
+        parts
+            .closed_homes(super::id_ms(now))
+            .into_iter()
+            .filter(|h| !held.contains(h))
+            .collect()
+    }
+
+    /// `outbox::pg::partitions::retire` on this table: creates the
+    /// partitions ahead and drops each closed one whose rows are all
+    /// published, the newest more than `older_than_ms` ago. Returns what it
+    /// did and the rows it dropped.
+    pub fn retire_partitions(&mut self, older_than_ms: u64, now: u64) -> (PgReply, Vec<Uuid>) {
+        let Some(mut parts) = self.partitions.take() else {
+            return (PgReply::Retired(Default::default()), Vec::new());
+        };
+        let ids: Vec<Uuid> = self.rows.keys().copied().collect();
+        let created = parts.create_ahead(super::id_ms(now), &ids);
+        let mut dropped = Vec::new();
+        let mut gone = Vec::new();
+        for home in parts.closed_homes(super::id_ms(now)) {
+            let rows: Vec<&Row> = self
+                .rows
+                .values()
+                .filter(|r| parts.home(r.id) == home)
+                .collect();
+            let due = rows.iter().all(|r| {
+                r.published_ms.is_some_and(|p| p + older_than_ms < now)
+                    && !self.locks.contains_key(&r.id)
+            });
+            if due {
+                gone.extend(rows.iter().map(|r| r.id));
+                dropped.push(parts.name(home));
+                parts.drop_home(home);
+            }
+        }
+        for id in &gone {
+            self.rows.remove(id);
+        }
+        self.partitions = Some(parts);
+        let retired = crate::wire::WireRetired {
+            partitioned: true,
+            created,
+            dropped,
+        };
+        (PgReply::Retired(retired), gone)
     }
 
     /// `outbox_list_parked.sql`.
