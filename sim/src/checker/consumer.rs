@@ -479,9 +479,9 @@ impl Trouble {
 /// run or between the failure and the settlement of a delivery of that
 /// event (the transaction holding the record did not commit, so the
 /// handler ran again: the failure is met again, not lost), or the server
-/// crashed before its record (madsim seeds 1 and 3 of
-/// `partitioned_retention`: a failure lost to the crash left its record to
-/// be taken by a later failure of the event). Failures and records are
+/// crashed before its record or was down when it failed (madsim seeds 1
+/// and 3 and turmoil seed 112 of `partitioned_retention`: a failure lost to
+/// the crash left its record to be taken by a later failure of the event). Failures and records are
 /// matched oldest first per consumer and event, so a duplicate in flight
 /// (two deliveries of one event at one consumer) is held to two records
 /// for two failures. Overruns are left to the scenarios that make them
@@ -494,18 +494,24 @@ fn every_failure_counted(ctx: &Context<'_>, out: &mut Findings) {
     // Per (consumer, event): failures not yet matched by a record, each
     // with when it happened and when its delivery was settled after it.
     let mut pending: BTreeMap<(String, Uuid), VecDeque<Unmatched>> = BTreeMap::new();
+    let mut pg_down = false;
     for (at, e) in ctx.events {
         match e {
             // The server crashed: every record not committed by now is
             // lost with its transaction, whoever's (the failures are met
             // again on redelivery). Matching oldest first, a failure from
             // before the crash would otherwise take a later one's record.
-            Event::Host { host, up: false } if host == "pg" => pending.clear(),
+            // A failure while it is down cannot be recorded until it is
+            // back (the handler's session died with it).
+            Event::Host { host, up } if host == "pg" => {
+                pg_down = !*up;
+                pending.clear();
+            }
             Event::HandlerRan {
                 client,
                 event_id,
                 result: HandlerResult::Failed,
-            } => pending
+            } if !pg_down => pending
                 .entry((client.clone(), *event_id))
                 .or_default()
                 .push_back((*at, None)),
