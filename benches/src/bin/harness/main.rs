@@ -58,6 +58,8 @@ struct Args {
     p2_rows: usize,
     /// Rows per table P10 loads (it runs only when `--only` names it).
     p10_rows: u64,
+    /// The layouts P10 measures: `plain`, `partitioned` or both.
+    p10_layouts: Vec<String>,
     json: String,
     /// Sections to run (`p1,p7,phases,antipattern,p2,p3,p4,p5`); all if empty.
     /// The ceiling always runs: every ratio needs it.
@@ -71,6 +73,7 @@ fn parse_args() -> Result<Args, String> {
         rows: 100_000,
         p2_rows: 1_000_000,
         p10_rows: 20_000_000,
+        p10_layouts: vec!["plain".into(), "partitioned".into()],
         json: "target/harness.json".into(),
         only: Vec::new(),
         database_url: std::env::var("DATABASE_URL")
@@ -100,15 +103,28 @@ fn parse_args() -> Result<Args, String> {
                     .parse()
                     .map_err(|_| format!("--p10-rows must be a whole number, got {v:?}"))?;
             }
+            "--p10-layout" => {
+                a.p10_layouts = match value()?.as_str() {
+                    "both" => vec!["plain".into(), "partitioned".into()],
+                    l @ ("plain" | "partitioned") => vec![l.to_owned()],
+                    other => {
+                        return Err(format!(
+                            "--p10-layout must be plain, partitioned or both, got {other:?}"
+                        ));
+                    }
+                };
+            }
             "--json" => a.json = value()?,
             "--only" => a.only = value()?.split(',').map(|s| s.trim().to_owned()).collect(),
             "--database-url" => a.database_url = value()?,
             "--amqp-url" => a.amqp_url = value()?,
             "-h" | "--help" => {
-                return Err("usage: harness [--rows N] [--p2-rows N] [--p10-rows N] \
+                return Err(
+                    "usage: harness [--rows N] [--p2-rows N] [--p10-rows N] [--p10-layout L] \
                      [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5,p9,p10] \
                      [--json FILE] [--database-url URL] [--amqp-url URL[,URL...]]"
-                    .into());
+                        .into(),
+                );
             }
             other => return Err(format!("unknown argument {other:?} (try --help)")),
         }
@@ -1204,8 +1220,36 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // P10 loads tens of millions of rows: only when asked for by name.
     if args.only.iter().any(|s| s == "p10") {
-        p10::run(&pool, &args.amqp_url, args.p10_rows, &mut table, &mut json).await?;
-        purge(&conn).await?;
+        for layout in &args.p10_layouts {
+            let (rows_from, keys_before) = (table.len(), json.clone());
+            if layout == "partitioned" {
+                let name = "harness_p10_partitioned";
+                let p = benches::fresh_database(&args.database_url, name, 16).await?;
+                outbox::migrate::partition(&p, None).await?;
+                p10::partition_past_days(&p).await?;
+                p10::run(&p, &args.amqp_url, args.p10_rows, &mut table, &mut json).await?;
+                p.close().await;
+                benches::drop_database(&args.database_url, name)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            } else {
+                p10::run(&pool, &args.amqp_url, args.p10_rows, &mut table, &mut json).await?;
+            }
+            purge(&conn).await?;
+            // Each layout's rows and keys say which layout they measured.
+            for row in &mut table[rows_from..] {
+                *row = row.replacen("| P10 ", &format!("| P10 ({layout}) "), 1);
+            }
+            let added: Vec<String> = json
+                .keys()
+                .filter(|k| k.starts_with("p10_") && !keys_before.contains_key(*k))
+                .cloned()
+                .collect();
+            for k in added {
+                let v = json.remove(&k).expect("listed");
+                json.insert(k.replacen("p10_", &format!("p10_{layout}_"), 1), v);
+            }
+        }
     }
 
     let ch = conn.create_channel().await?;

@@ -953,63 +953,39 @@ impl Inbox {
 
     /// The closed partitions no unprocessed row holds.
     fn spared(&self, now: u64) -> BTreeSet<Home> {
-        let Some(parts) = &self.partitions else {
-            return BTreeSet::new();
-        };
-        let held: BTreeSet<Home> = self
-            .rows
+        match &self.partitions {
+            Some(parts) => super::partitions::spared(parts, &self.row_states(), now),
+            None => BTreeSet::new(),
+        }
+    }
+
+    fn row_states(&self) -> Vec<super::partitions::RowState> {
+        self.rows
             .values()
-            .filter(|r| r.processed_ms.is_none())
-            .map(|r| parts.home(r.event_id))
-            .collect();
-        parts
-            .closed_homes(super::id_ms(now))
-            .into_iter()
-            .filter(|h| !held.contains(h))
+            .map(|r| {
+                (
+                    r.event_id,
+                    r.processed_ms,
+                    self.locks.contains_key(&r.key()),
+                )
+            })
             .collect()
     }
 
-    /// `outbox::pg::partitions::retire` on this table (as the outbox's): a
-    /// closed partition goes once every row in it was processed more than
-    /// `older_than_ms` ago and no open transaction holds one.
+    /// `outbox::pg::partitions::retire` on this table (as the outbox's).
     fn retire_partitions(&mut self, older_than_ms: u64, now: u64, caller: &Caller<'_>) -> PgReply {
-        let Some(mut parts) = self.partitions.take() else {
+        let states = self.row_states();
+        let Some(parts) = &mut self.partitions else {
             return PgReply::Retired(Default::default());
         };
-        let ids: Vec<Uuid> = self.rows.keys().map(|(_, id)| *id).collect();
-        let created = parts.create_ahead(super::id_ms(now), &ids);
-        let mut dropped = Vec::new();
-        let mut gone: Vec<Key> = Vec::new();
-        for home in parts.closed_homes(super::id_ms(now)) {
-            let rows: Vec<&InboxRow> = self
-                .rows
-                .values()
-                .filter(|r| parts.home(r.event_id) == home)
-                .collect();
-            let due = rows.iter().all(|r| {
-                r.processed_ms.is_some_and(|p| p + older_than_ms < now)
-                    && !self.locks.contains_key(&r.key())
-            });
-            if due {
-                gone.extend(rows.iter().map(|r| r.key()));
-                dropped.push(parts.name(home));
-                parts.drop_home(home);
-            }
-        }
-        for k in &gone {
-            self.rows.remove(k);
-        }
-        self.partitions = Some(parts);
+        let (retired, gone) = super::partitions::retire(parts, &states, older_than_ms, now);
+        self.rows.retain(|(_, id), _| !gone.contains(id));
         if !gone.is_empty() {
             caller.trace.now(Event::InboxDeleted {
-                ids: gone.iter().map(|(_, id)| *id).collect(),
+                ids: gone.into_iter().collect(),
             });
         }
-        PgReply::Retired(crate::wire::WireRetired {
-            partitioned: true,
-            created,
-            dropped,
-        })
+        PgReply::Retired(retired)
     }
 
     /// Counts a failed attempt on a row the transaction holds.

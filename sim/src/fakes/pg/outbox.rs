@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use uuid::Uuid;
 
-use super::partitions::{Home, Partitions};
+use super::partitions::{self, Home, Partitions};
 use crate::trace::{Event, Trace};
 use crate::wire::{PgReply, WireOrdering, WireParked, WireRow};
 
@@ -520,60 +520,31 @@ impl OutboxTable {
     /// The closed partitions no unpublished row holds (the row sweep
     /// leaves them to a drop).
     fn spared(&self, now: u64) -> BTreeSet<Home> {
-        let Some(parts) = &self.partitions else {
-            return BTreeSet::new();
-        };
-        let held: BTreeSet<Home> = self
-            .rows
+        match &self.partitions {
+            Some(parts) => partitions::spared(parts, &self.row_states(), now),
+            None => BTreeSet::new(),
+        }
+    }
+
+    fn row_states(&self) -> Vec<partitions::RowState> {
+        self.rows
             .values()
-            .filter(|r| r.published_ms.is_none())
-            .map(|r| parts.home(r.id))
-            .collect();
-        parts
-            .closed_homes(super::id_ms(now))
-            .into_iter()
-            .filter(|h| !held.contains(h))
+            .map(|r| (r.id, r.published_ms, self.locks.contains_key(&r.id)))
             .collect()
     }
 
-    /// `outbox::pg::partitions::retire` on this table: creates the
-    /// partitions ahead and drops each closed one whose rows are all
-    /// published, the newest more than `older_than_ms` ago. Returns what it
-    /// did and the rows it dropped.
+    /// `outbox::pg::partitions::retire` on this table. Returns what it did
+    /// and the rows it dropped.
     pub fn retire_partitions(&mut self, older_than_ms: u64, now: u64) -> (PgReply, Vec<Uuid>) {
-        let Some(mut parts) = self.partitions.take() else {
+        let states = self.row_states();
+        let Some(parts) = &mut self.partitions else {
             return (PgReply::Retired(Default::default()), Vec::new());
         };
-        let ids: Vec<Uuid> = self.rows.keys().copied().collect();
-        let created = parts.create_ahead(super::id_ms(now), &ids);
-        let mut dropped = Vec::new();
-        let mut gone = Vec::new();
-        for home in parts.closed_homes(super::id_ms(now)) {
-            let rows: Vec<&Row> = self
-                .rows
-                .values()
-                .filter(|r| parts.home(r.id) == home)
-                .collect();
-            let due = rows.iter().all(|r| {
-                r.published_ms.is_some_and(|p| p + older_than_ms < now)
-                    && !self.locks.contains_key(&r.id)
-            });
-            if due {
-                gone.extend(rows.iter().map(|r| r.id));
-                dropped.push(parts.name(home));
-                parts.drop_home(home);
-            }
-        }
+        let (retired, gone) = partitions::retire(parts, &states, older_than_ms, now);
         for id in &gone {
             self.rows.remove(id);
         }
-        self.partitions = Some(parts);
-        let retired = crate::wire::WireRetired {
-            partitioned: true,
-            created,
-            dropped,
-        };
-        (PgReply::Retired(retired), gone)
+        (PgReply::Retired(retired), gone.into_iter().collect())
     }
 
     /// `outbox_list_parked.sql`.

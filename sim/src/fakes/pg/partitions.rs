@@ -10,6 +10,8 @@
 
 use std::collections::BTreeSet;
 
+use crate::wire::WireRetired;
+
 use outbox::pg::partitions::{ms_of, partition_name};
 use uuid::Uuid;
 
@@ -195,4 +197,57 @@ pub fn overdue(
         })
         .map(|(id, _)| *id)
         .collect()
+}
+
+/// One row as the janitor's partition work sees it: its id, when it was
+/// finished (published; processed), and whether an open transaction holds
+/// it locked.
+pub type RowState = (Uuid, Option<u64>, bool);
+
+/// The closed partitions no unfinished row holds: the row sweep leaves
+/// their rows to a drop.
+pub fn spared(parts: &Partitions, rows: &[RowState], now: u64) -> BTreeSet<Home> {
+    let held: BTreeSet<Home> = rows
+        .iter()
+        .filter(|(_, f, _)| f.is_none())
+        .map(|(id, _, _)| parts.home(*id))
+        .collect();
+    parts
+        .closed_homes(super::id_ms(now))
+        .into_iter()
+        .filter(|h| !held.contains(h))
+        .collect()
+}
+
+/// `outbox::pg::partitions::retire` on one table at the fake's `now`:
+/// creates the partitions ahead and drops each closed one in which every
+/// row was finished more than `older_than_ms` ago and no open transaction
+/// holds one. Returns what it did and the ids of the rows it dropped.
+pub fn retire(
+    parts: &mut Partitions,
+    rows: &[RowState],
+    older_than_ms: u64,
+    now: u64,
+) -> (WireRetired, BTreeSet<Uuid>) {
+    let ids: Vec<Uuid> = rows.iter().map(|(id, _, _)| *id).collect();
+    let created = parts.create_ahead(super::id_ms(now), &ids);
+    let mut dropped = Vec::new();
+    let mut gone = BTreeSet::new();
+    for home in parts.closed_homes(super::id_ms(now)) {
+        let inside: Vec<&RowState> = rows.iter().filter(|r| parts.home(r.0) == home).collect();
+        let due = inside
+            .iter()
+            .all(|(_, f, locked)| f.is_some_and(|f| f + older_than_ms < now) && !locked);
+        if due {
+            gone.extend(inside.iter().map(|r| r.0));
+            dropped.push(parts.name(home));
+            parts.drop_home(home);
+        }
+    }
+    let retired = WireRetired {
+        partitioned: true,
+        created,
+        dropped,
+    };
+    (retired, gone)
 }
