@@ -1223,7 +1223,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         for layout in &args.p10_layouts {
             let (rows_from, keys_before) = (table.len(), json.clone());
             if layout == "partitioned" {
-                let name = "harness_p10_partitioned";
+                let name = "harness_partitioned";
                 let p = benches::fresh_database(&args.database_url, name, 16).await?;
                 outbox::migrate::partition(&p, None).await?;
                 p10::partition_past_days(&p).await?;
