@@ -115,6 +115,7 @@ fn every_scenario_file_has_a_test_here() {
         "ordering_keys_many",
         "ordering_keys_swarm",
         "overlapping_batches",
+        "partitioned_retention",
         "poison_parking",
         "poison_to_dlq_and_replay",
         "producer_and_consumer_swarm",
@@ -170,6 +171,10 @@ fn db_crash_amid_parking() {
 #[test]
 fn lease_expiry_mid_confirm() {
     check("lease_expiry_mid_confirm");
+}
+#[test]
+fn partitioned_retention() {
+    check("partitioned_retention");
 }
 #[test]
 fn poison_parking() {
