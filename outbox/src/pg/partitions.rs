@@ -293,6 +293,12 @@ async fn try_drop(
     name: &str,
     older_than: Duration,
 ) -> Result<bool, StoreError> {
+    // Most closed partitions are not due (a row holds them, or their newest
+    // is within retention): asked first without the lock, so that only a
+    // partition about to go makes writers wait behind the parent's lock.
+    if !due(pool, table, name, older_than).await? {
+        return Ok(false);
+    }
     let mut tx = pool.begin().await.map_err(map_err)?;
     sqlx::query(safe(format!("SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")))
         .execute(&mut *tx)
@@ -303,17 +309,8 @@ async fn try_drop(
         tracing::info!(partition = name, error = %map_err(e), "partition drop put off: the table is busy");
         return Ok(false);
     }
-    let due: bool = sqlx::query_scalar(safe(format!(
-        "SELECT NOT EXISTS (SELECT 1 FROM ONLY {p} WHERE {done} IS NULL) \
-         AND coalesce((SELECT max({done}) FROM ONLY {p}) < now() - make_interval(secs => $1), true)",
-        p = ident(name),
-        done = table.done
-    )))
-    .bind(older_than.as_secs_f64())
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(map_err)?;
-    if !due {
+    // Again under the lock: a late row may have entered it meanwhile.
+    if !due(&mut *tx, table, name, older_than).await? {
         return Ok(false);
     }
     sqlx::query(safe(format!("DROP TABLE {}", ident(name))))
@@ -322,6 +319,26 @@ async fn try_drop(
         .map_err(map_err)?;
     tx.commit().await.map_err(map_err)?;
     Ok(true)
+}
+
+/// Whether partition `name` holds no unfinished row and its newest
+/// finished row was finished more than `older_than` ago (an empty one is).
+async fn due<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    table: Table,
+    name: &str,
+    older_than: Duration,
+) -> Result<bool, StoreError> {
+    sqlx::query_scalar(safe(format!(
+        "SELECT NOT EXISTS (SELECT 1 FROM ONLY {p} WHERE {done} IS NULL) \
+         AND coalesce((SELECT max({done}) FROM ONLY {p}) < now() - make_interval(secs => $1), true)",
+        p = ident(name),
+        done = table.done
+    )))
+    .bind(older_than.as_secs_f64())
+    .fetch_one(executor)
+    .await
+    .map_err(map_err)
 }
 
 /// The row sweep on the partitioned layout, or `None` on the plain one:
