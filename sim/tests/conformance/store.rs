@@ -601,8 +601,12 @@ async fn whole_partitions_go_once_every_row_expired<A: StoreArm>(arm: A) {
         "the row sweep takes a held partition's expired rows"
     );
     assert!(arm.row(d.id).await.is_some(), "never an unpublished row");
+    // The held partition stays (empty partitions that closed meanwhile
+    // may go: a slow run sees some).
+    let held = outbox::pg::partitions::partition_name("event_outbox", (t + 1_000) / 1_000 * 1_000);
     let again = s.outbox_retire_partitions(older).await.unwrap();
-    assert!(again.dropped.is_empty(), "{again:?}");
+    assert!(!again.dropped.contains(&held), "{again:?}");
+    assert!(arm.row(d.id).await.is_some(), "never an unpublished row");
 }
 
 async fn two_concurrent_claimers_never_share_a_row<A: StoreArm>(arm: A) {
