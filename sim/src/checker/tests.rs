@@ -1381,6 +1381,43 @@ fn a_unique_key_loser_dead_lettered_and_a_wait_ended_in_time_pass() {
         "{:#?}",
         v.violations
     );
+    // A duplicate in flight: event 1 delivered to c#1 twice (at 100 and
+    // 102), a failure at 105 with no record, and the duplicate's ack at 130.
+    // The failed delivery is not known settled until both are: a consumer
+    // that died holding it owes nothing (its transaction never committed).
+    let duplicate = consumer()
+        .at(
+            102,
+            Event::Delivered {
+                client: s("c#1"),
+                message_id: Some(id(1).to_string()),
+                redelivered: true,
+                trace: None,
+            },
+        )
+        .at(105, failed());
+    let v = duplicate.verdict();
+    assert!(
+        !v.counts.contains_key(&Invariant::EveryFailureCounted),
+        "{:#?}",
+        v.violations
+    );
+    // Once the other delivery settles too, the failure owes its record.
+    let v = duplicate
+        .at(
+            140,
+            Event::Settled {
+                client: s("c#1"),
+                message_id: Some(id(1).to_string()),
+                settle: Settle::Requeue,
+            },
+        )
+        .verdict();
+    assert!(
+        v.counts.contains_key(&Invariant::EveryFailureCounted),
+        "{:#?}",
+        v.violations
+    );
 }
 
 /// The events of `producer()`'s envelope for envelope `n`, `t0` ms later.
