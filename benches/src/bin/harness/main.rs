@@ -121,7 +121,7 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => {
                 return Err(
                     "usage: harness [--rows N] [--p2-rows N] [--p10-rows N] [--p10-layout L] \
-                     [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5,p9,p10] \
+                     [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5,p9,p9f,p10] \
                      [--json FILE] [--database-url URL] [--amqp-url URL[,URL...]]"
                         .into(),
                 );
@@ -288,8 +288,8 @@ async fn p9_subscriber(
         .await?;
     for (keys, rows) in [(1000_u32, n), (10, (n / 10).max(1000))] {
         eprintln!("P9: subscribing to {rows} unkeyed deliveries, then {rows} over {keys} keys ...");
-        let plain = p9_consume(conn, pool, amqp_url, rows, None).await?;
-        let keyed = p9_consume(conn, pool, amqp_url, rows, Some(keys)).await?;
+        let plain = p9_consume(conn, pool, amqp_url, rows, None, 0).await?;
+        let keyed = p9_consume(conn, pool, amqp_url, rows, Some(keys), 0).await?;
         let ratio = keyed / plain;
         table.push(format!(
             "| P9 ordered subscriber, {rows} deliveries over {keys} keys, 4 partitions (unordered, unkeyed: {plain:.0}/s) | {keyed:.0} deliveries/s | {ratio:.2}× unkeyed | {} |",
@@ -297,6 +297,34 @@ async fn p9_subscriber(
         ));
         json.insert(format!("p9_subscribe_{keys}_keys_vs_unkeyed"), ratio.into());
         json.insert(format!("p9_subscribe_{keys}_keys_per_sec"), keyed.into());
+    }
+    Ok(())
+}
+
+/// P9 with failures: the ordered subscriber (1 000 keys) and the unordered
+/// one (unkeyed) over `n` deliveries, each without failures and with one
+/// event in 20 failing its first attempt (the chaos run's `shipping`), in
+/// the same run. What a failure costs a batch shows in the ratio.
+async fn p9_failing(
+    conn: &Connection,
+    pool: &PgPool,
+    amqp_url: &str,
+    n: usize,
+    table: &mut Vec<String>,
+    json: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    pool.execute("CREATE TABLE IF NOT EXISTS p7_applied (event_id uuid PRIMARY KEY, routing_key text NOT NULL)")
+        .await?;
+    for (name, keys) in [("unkeyed", None), ("1000_keys", Some(1000))] {
+        eprintln!("P9: {name}, {n} deliveries without failures, then one in 20 failing once ...");
+        let clean = p9_consume(conn, pool, amqp_url, n, keys, 0).await?;
+        let failing = p9_consume(conn, pool, amqp_url, n, keys, 20).await?;
+        let ratio = failing / clean;
+        table.push(format!(
+            "| P9 subscriber, {n} deliveries, {name}, one in 20 failing its first attempt (none failing: {clean:.0}/s) | {failing:.0} deliveries/s | {ratio:.2}× none failing | — |"
+        ));
+        json.insert(format!("p9_failing_{name}_per_sec"), failing.into());
+        json.insert(format!("p9_failing_{name}_vs_clean"), ratio.into());
     }
     Ok(())
 }
@@ -310,6 +338,7 @@ async fn p9_consume(
     amqp_url: &str,
     n: usize,
     keys: Option<u32>,
+    fail_one_in: u64,
 ) -> Result<f64, Box<dyn std::error::Error>> {
     let mut settings = p7_settings(None, None);
     if keys.is_some() {
@@ -319,7 +348,7 @@ async fn p9_consume(
     LapinBroker::declare_subscription(&ch, &settings.spec).await?;
     let envelopes: Vec<EventEnvelope> = (0..n).map(envelope).collect();
     p7_fill(conn, &envelopes, keys).await?;
-    let (rate, _) = p7_subscribe(pool, amqp_url, n as u64, settings.clone()).await?;
+    let (rate, _) = p7_subscribe(pool, amqp_url, n as u64, settings.clone(), fail_one_in).await?;
     let spec = &settings.spec;
     let mut queues = vec![spec.queue.clone(), spec.dlq_name()];
     queues.extend((0..spec.partitions).map(|p| spec.partition_queue(p)));
@@ -709,8 +738,15 @@ async fn end_to_end(
 const P7_EXCHANGE: &str = "harness.p7.events";
 const P7_QUEUE: &str = "harness.p7";
 
-/// P7's handler: one domain row per event, in the subscriber's transaction.
-struct Applies;
+/// P7's handler: one domain row per event, in the subscriber's transaction;
+/// with `fail_one_in` above 0, the first attempt of one event in that many
+/// fails (as the chaos run's `shipping` does), remembered outside the
+/// transaction.
+#[derive(Default)]
+struct Applies {
+    fail_one_in: u64,
+    failed: std::sync::Mutex<std::collections::BTreeSet<uuid::Uuid>>,
+}
 
 impl outbox::core::subscriber::Handler<outbox::PgTx> for Applies {
     async fn handle(
@@ -718,6 +754,14 @@ impl outbox::core::subscriber::Handler<outbox::PgTx> for Applies {
         tx: &mut outbox::PgTx,
         event: &EventEnvelope,
     ) -> Result<(), outbox::HandlerError> {
+        if self.fail_one_in > 0
+            && event.id.as_u64_pair().1.is_multiple_of(self.fail_one_in)
+            && self.failed.lock().expect("not poisoned").insert(event.id)
+        {
+            return Err(outbox::HandlerError::msg(
+                "transient failure, first attempt",
+            ));
+        }
         sqlx::query("INSERT INTO p7_applied (event_id, routing_key) VALUES ($1, $2)")
             .bind(event.id)
             .bind(&event.routing_key)
@@ -851,12 +895,16 @@ async fn p7_subscribe(
     amqp_url: &str,
     n: u64,
     settings: outbox::SubscriberSettings,
+    fail_one_in: u64,
 ) -> Result<(f64, f64), Box<dyn std::error::Error>> {
     let subscriber = std::sync::Arc::new(outbox::Subscriber::new(
         std::sync::Arc::new(outbox::PgInboxStore::new(pool.clone())),
         std::sync::Arc::new(LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start")),
         std::sync::Arc::new(outbox::TokioClock::default()),
-        std::sync::Arc::new(Applies),
+        std::sync::Arc::new(Applies {
+            fail_one_in,
+            ..Applies::default()
+        }),
         settings,
     ));
     let counters = subscriber.counters();
@@ -933,7 +981,8 @@ async fn p7(
     eprintln!("  subscriber, defaults ...");
     let applied = fresh(n);
     p7_fill(conn, &applied, None).await?;
-    let (defaults, wal) = p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None)).await?;
+    let (defaults, wal) =
+        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None), 0).await?;
     // One delivery in four repeats an event the inbox holds as processed.
     let mixed: Vec<EventEnvelope> = (0..n)
         .map(|i| {
@@ -946,17 +995,18 @@ async fn p7(
         .collect();
     p7_fill(conn, &mixed, None).await?;
     eprintln!("  subscriber, 25 % duplicates ...");
-    let (duplicates, _) = p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None)).await?;
+    let (duplicates, _) =
+        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None), 0).await?;
     p7_fill(conn, &fresh(n), None).await?;
     eprintln!("  subscriber, batches of one ...");
-    let (single, _) = p7_subscribe(pool, amqp_url, n as u64, p7_settings(Some(1), None)).await?;
+    let (single, _) = p7_subscribe(pool, amqp_url, n as u64, p7_settings(Some(1), None), 0).await?;
     p7_topology(amqp_url, false, None).await?;
     eprintln!("  subscriber, defaults on a classic queue ...");
     let classic = Some(QueueType::Classic);
     p7_topology(amqp_url, true, classic).await?;
     p7_fill(conn, &fresh(n), None).await?;
     let (on_classic, _) =
-        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, classic)).await?;
+        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, classic), 0).await?;
     p7_topology(amqp_url, false, classic).await?;
     pool.execute("TRUNCATE event_inbox, p7_applied").await?;
     Ok([ceiling, defaults, duplicates, single, wal, on_classic])
@@ -1200,6 +1250,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         p9(&pool, &args.amqp_url, n, &mut table, &mut json).await?;
         purge(&conn).await?;
         p9_subscriber(&conn, &pool, &args.amqp_url, n, &mut table, &mut json).await?;
+    }
+
+    if want("p9f") {
+        p9_failing(&conn, &pool, &args.amqp_url, n, &mut table, &mut json).await?;
     }
 
     if want("p5") {
