@@ -8,7 +8,10 @@
 //!           [--ordering-keys K]
 //! ```
 //! Defaults: 20 000 events, 8 faults, seed 1, about a minute of production
-//! (300 to 3 000 events/s), `target/chaos`, 180 s to settle. Exit status 0
+//! (300 to 3 000 events/s), `target/chaos`, a settle bound of 180 s (after
+//! the faults heal, the run must never go that long without progress, and
+//! must be done within as long again as it took to heal, at least the
+//! bound). Exit status 0
 //! if every rule held, 1 if one broke, 2 on a usage or set-up error. The
 //! services come from `DATABASE_URL` (any database of the server: the run
 //! creates and drops its own) and `AMQP_URL` (or `--amqp-url`, a list of
