@@ -978,7 +978,7 @@ where
                 .position(|i| i.entry.ordering.is_some())
                 .unwrap_or(0);
             let abort = Abort::from(e);
-            return Err(abort.into_failure(index, items[index].slot, Vec::new(), None));
+            return Err(abort.into_failure(index, items[index].slot, Vec::new(), Vec::new(), None));
         }
         let mut applied = Vec::with_capacity(items.len());
         let mut handler_wrote_last = false;
@@ -1008,11 +1008,8 @@ where
                         self.store.inbox_rollback(tx).await;
                     }
                     let last_ok = last_ok.map(|slot| (slot, &self.marks));
-                    let mut failure = abort.into_failure(index, item.slot, failures, last_ok);
-                    if let BatchFailure::HandlerFailed { ran_ok, .. } = &mut failure {
-                        *ran_ok = processed_of(items, &applied);
-                    }
-                    return Err(failure);
+                    let ran_ok = processed_of(items, &applied);
+                    return Err(abort.into_failure(index, item.slot, failures, ran_ok, last_ok));
                 }
             }
         }
@@ -1602,7 +1599,6 @@ enum Applied {
     Failed(AttemptRecord, String),
 }
 
-/// The failures recorded so far in a transaction: (slot, error).
 /// The slots of `items` whose handlers ran with an `Ok` (by `applied`).
 fn processed_of(items: &[&Item<'_>], applied: &[Applied]) -> Vec<usize> {
     items
@@ -1613,6 +1609,7 @@ fn processed_of(items: &[&Item<'_>], applied: &[Applied]) -> Vec<usize> {
         .collect()
 }
 
+/// The failures recorded so far in a transaction: (slot, error).
 fn failures_of(items: &[&Item<'_>], applied: &[Applied]) -> Vec<(usize, String)> {
     items
         .iter()
@@ -1671,7 +1668,8 @@ impl Abort {
     }
 
     /// The transaction's failure, for the delivery at `index` (its `slot`),
-    /// given the `failures` recorded before it in the same transaction.
+    /// given the `failures` recorded before it in the same transaction and
+    /// the slots whose handlers ran with an `Ok` before it (`ran_ok`).
     /// `last_ok` is the slot of the item whose handler last returned `Ok`
     /// in the transaction (and the marks), which an aborted transaction
     /// blames.
@@ -1680,6 +1678,7 @@ impl Abort {
         index: usize,
         slot: usize,
         mut failures: Vec<(usize, String)>,
+        ran_ok: Vec<usize>,
         last_ok: Option<(usize, &Marks)>,
     ) -> BatchFailure {
         match self {
@@ -1694,10 +1693,7 @@ impl Abort {
                 let (culprit, marks) = last_ok.expect("checked");
                 marks.hit(Mark::HandlerTxCannotCommit);
                 failures.push((culprit, cannot_commit(&e)));
-                BatchFailure::HandlerFailed {
-                    failures,
-                    ran_ok: Vec::new(),
-                }
+                BatchFailure::HandlerFailed { failures, ran_ok }
             }
             Self::Store(e) if e.is_unavailable() => BatchFailure::trouble(e, failures),
             // A statement of ours failed for no reason of the database's:
@@ -1713,10 +1709,7 @@ impl Abort {
                 ..
             } => {
                 failures.push((slot, text));
-                BatchFailure::HandlerFailed {
-                    failures,
-                    ran_ok: Vec::new(),
-                }
+                BatchFailure::HandlerFailed { failures, ran_ok }
             }
             Self::Abandoned { failure: None, e } => BatchFailure::trouble(e, failures),
         }

@@ -284,8 +284,7 @@ async fn p9_subscriber(
     table: &mut Vec<String>,
     json: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    pool.execute("CREATE TABLE IF NOT EXISTS p7_applied (event_id uuid PRIMARY KEY, routing_key text NOT NULL)")
-        .await?;
+    p7_applied_table(pool).await?;
     for (keys, rows) in [(1000_u32, n), (10, (n / 10).max(1000))] {
         eprintln!("P9: subscribing to {rows} unkeyed deliveries, then {rows} over {keys} keys ...");
         let plain = p9_consume(conn, pool, amqp_url, rows, None, 0).await?;
@@ -313,8 +312,7 @@ async fn p9_failing(
     table: &mut Vec<String>,
     json: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    pool.execute("CREATE TABLE IF NOT EXISTS p7_applied (event_id uuid PRIMARY KEY, routing_key text NOT NULL)")
-        .await?;
+    p7_applied_table(pool).await?;
     for (name, keys) in [("unkeyed", None), ("1000_keys", Some(1000))] {
         eprintln!("P9: {name}, {n} deliveries without failures, then one in 20 failing once ...");
         let clean = p9_consume(conn, pool, amqp_url, n, keys, 0).await?;
@@ -738,6 +736,13 @@ async fn end_to_end(
 const P7_EXCHANGE: &str = "harness.p7.events";
 const P7_QUEUE: &str = "harness.p7";
 
+/// The table P7's handler writes its domain rows to.
+async fn p7_applied_table(pool: &PgPool) -> Result<(), sqlx::Error> {
+    pool.execute("CREATE TABLE IF NOT EXISTS p7_applied (event_id uuid PRIMARY KEY, routing_key text NOT NULL)")
+        .await?;
+    Ok(())
+}
+
 /// P7's handler: one domain row per event, in the subscriber's transaction;
 /// with `fail_one_in` above 0, the first attempt of one event in that many
 /// fails (as the chaos run's `shipping` does), remembered outside the
@@ -971,8 +976,7 @@ async fn p7(
     amqp_url: &str,
     n: usize,
 ) -> Result<[f64; 6], Box<dyn std::error::Error>> {
-    pool.execute("CREATE TABLE IF NOT EXISTS p7_applied (event_id uuid PRIMARY KEY, routing_key text NOT NULL)")
-        .await?;
+    p7_applied_table(pool).await?;
     p7_topology(amqp_url, true, None).await?;
     let fresh = |n: usize| -> Vec<EventEnvelope> { (0..n).map(envelope).collect() };
     p7_fill(conn, &fresh(n), None).await?;
