@@ -234,7 +234,7 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
     println!(
         "verdict  {}\ntrace    {:016x} ({} events)\ncounts   committed {} rolled back {} published {} duplicates {} parked {}\ntime     {:.1} simulated s in {:.2} s",
         if v.ok() { "PASS" } else { "FAIL" },
-        o.trace_hash,
+        o.trace_hash(),
         o.trace.events().len(),
         v.committed,
         v.rolled_back,

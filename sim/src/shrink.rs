@@ -321,8 +321,8 @@ mod tests {
         let twin = explicit(&swarm, seed, Invariant::ScenarioExpectation);
         assert!(twin.swarm.is_none() && !twin.faults.is_empty());
         assert_eq!(
-            world::run(&swarm, seed).trace_hash,
-            world::run(&twin, seed).trace_hash
+            world::run(&swarm, seed).trace_hash(),
+            world::run(&twin, seed).trace_hash()
         );
         // And it survives being written and read back as a file.
         let text = toml::to_string(&twin).unwrap();
@@ -330,8 +330,8 @@ mod tests {
         back.name = twin.name.clone();
         back.check().unwrap();
         assert_eq!(
-            world::run(&back, seed).trace_hash,
-            world::run(&twin, seed).trace_hash
+            world::run(&back, seed).trace_hash(),
+            world::run(&twin, seed).trace_hash()
         );
     }
 

@@ -1,5 +1,7 @@
 //! The wire protocol between the simulation adapters and the fakes: one
-//! length-prefixed JSON frame per request and per reply, over
+//! length-prefixed frame per request and per reply (bincode: the frames
+//! are the simulation's own, never read by a person, and a sweep spends
+//! less on them than on JSON), over
 //! the engine's `TcpStream`, so every request crosses the simulated network
 //! and is subject to its faults (held links black-hole, partitions and
 //! crashes break connections).
@@ -26,11 +28,10 @@ pub async fn write_frame<W: AsyncWrite + Unpin, T: Serialize>(
     w: &mut W,
     msg: &T,
 ) -> std::io::Result<()> {
-    let body = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
-    let len = u32::try_from(body.len()).map_err(std::io::Error::other)?;
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&len.to_be_bytes());
-    frame.extend_from_slice(&body);
+    let mut frame = vec![0u8; 4];
+    bincode::serialize_into(&mut frame, msg).map_err(std::io::Error::other)?;
+    let len = u32::try_from(frame.len() - 4).map_err(std::io::Error::other)?;
+    frame[..4].copy_from_slice(&len.to_be_bytes());
     w.write_all(&frame).await?;
     w.flush().await
 }
@@ -51,16 +52,14 @@ pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
     }
     let mut body = vec![0u8; len as usize];
     r.read_exact(&mut body).await?;
-    serde_json::from_slice(&body)
+    bincode::deserialize(&body)
         .map(Some)
         .map_err(std::io::Error::other)
 }
 
-/// A message body on the wire: text when it is UTF-8 (compact and
-/// readable), bytes otherwise, so a broker can carry any bytes a real one
-/// carries, binary included.
+/// A message body on the wire: text when it is UTF-8, bytes otherwise,
+/// so a broker can carry any bytes a real one carries, binary included.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
 pub enum WireBody {
     Text(String),
     Bytes(Vec<u8>),

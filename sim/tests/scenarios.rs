@@ -61,12 +61,12 @@ fn check(name: &str) {
             #[cfg(not(madsim))]
             let b = {
                 let b = run(&s, seed);
-                (b.trace_hash, b.trace.events().len())
+                (b.trace_hash(), b.trace.events().len())
             };
             #[cfg(madsim)]
             let b = sim::world::check_determinism(&s, seed);
             assert_eq!(
-                (a.trace_hash, a.trace.events().len()),
+                (a.trace_hash(), a.trace.events().len()),
                 b,
                 "{} seed {seed} is not deterministic",
                 s.name
@@ -198,7 +198,7 @@ fn different_seeds_give_different_traces() {
     let s = Scenario::find(&scenarios_dir(), "swarm").unwrap();
     let a = run(&s, 11);
     let b = run(&s, 12);
-    assert_ne!(a.trace_hash, b.trace_hash);
+    assert_ne!(a.trace_hash(), b.trace_hash());
 }
 #[test]
 fn consumer_crash_before_ack() {

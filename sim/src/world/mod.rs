@@ -63,7 +63,6 @@ pub struct RunOutcome {
     pub scenario: String,
     pub seed: u64,
     pub verdict: Verdict,
-    pub trace_hash: u64,
     /// Simulated seconds the run took.
     pub sim_secs: f64,
     pub trace: Trace,
@@ -71,6 +70,14 @@ pub struct RunOutcome {
     pub faults: Vec<String>,
     /// How often each mark and each kind of fault was hit.
     pub coverage: Coverage,
+}
+
+impl RunOutcome {
+    /// The hash of the run's trace (FNV-1a 64 of its rendering), computed
+    /// when asked: a sweep drops its traces unhashed.
+    pub fn trace_hash(&self) -> u64 {
+        self.trace.hash()
+    }
 }
 
 /// How often a run took each marked path and suffered each kind of fault.
@@ -237,7 +244,6 @@ pub fn run(scenario: &Scenario, seed: u64) -> RunOutcome {
             scenario: scenario.name.clone(),
             seed,
             verdict,
-            trace_hash: trace.hash(),
             sim_secs: events.last().map_or(0.0, |(t, _)| t.as_secs_f64()),
             coverage: Coverage::of(&events),
             faults: faults_of(scenario, seed)
@@ -318,7 +324,6 @@ pub async fn run_on(mut sim: Sim, scenario: Scenario, seed: u64, trace: Trace) -
         scenario: scenario.name.clone(),
         seed,
         verdict,
-        trace_hash: trace.hash(),
         sim_secs: sim.elapsed().as_secs_f64(),
         trace,
         faults: faults.iter().map(|f| format!("{f:?}")).collect(),
@@ -346,7 +351,7 @@ pub fn check_determinism(scenario: &Scenario, seed: u64) -> (u64, usize) {
         let (scenario, seed) = INPUT.lock().expect("input").clone().expect("input set");
         let sim = Sim::new(settings(&scenario, seed));
         let o = run_on(sim, scenario, seed, Trace::default()).await;
-        (o.trace_hash, o.trace.events().len())
+        (o.trace_hash(), o.trace.events().len())
     })
 }
 
