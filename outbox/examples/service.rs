@@ -7,6 +7,8 @@
 //!   it once: one row in `shipments` per order, whatever the duplicates;
 //! - the admin router is mounted: `/readyz`, `/metrics` (Prometheus), and
 //!   `/v1/admin/*` (open here; a real service sets `CANOPY_MQ_ADMIN_TOKEN`);
+//! - the operator console at `/admin` (pending, parked and dead-lettered
+//!   events; unpark, skip and replay), signed into with the admin token;
 //! - `GET /orders/{id}` says whether the order's shipment exists yet.
 //!
 //! Every span is printed to stdout when it ends, with its trace and parent
@@ -37,7 +39,7 @@ use axum::{Json, Router};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
-use outbox::http::{AdminAuth, AdminRouter, install_prometheus_recorder};
+use outbox::http::{AdminAuth, AdminRouter, ConsoleSettings, install_prometheus_recorder};
 use outbox::{
     DrainerConfig, DrainerHandle, EventEnvelope, Handler, HandlerError, InboxDrainer, LapinBroker,
     PgInboxStore, PgTx, Publisher, Subscriber, SubscriberSettings, TokioClock,
@@ -179,6 +181,11 @@ impl SpanExporter for StdoutSpans {
     }
 }
 
+/// Whether the variable `name` is `true`.
+fn flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v.trim() == "true")
+}
+
 /// The admin routes' authentication, decided at boot: a token that is set
 /// must be a valid one (a bad one fails here, naming the variable); with
 /// none at all the example runs its admin routes open, and says so.
@@ -256,6 +263,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .readiness(drainer.readiness_probe())
         .subscriber(subscriber.clone())
         .metrics(metrics)
+        // The operator console at /admin (sign in with the admin token).
+        // Over plain HTTP off localhost a browser drops `Secure` cookies:
+        // CONSOLE_INSECURE_COOKIE=true drops the flag for such a network;
+        // CONSOLE_READ_ONLY=true takes the actions away.
+        .console(
+            ConsoleSettings::default()
+                .read_only(flag("CONSOLE_READ_ONLY"))
+                .insecure_cookie(flag("CONSOLE_INSECURE_COOKIE")),
+        )
         .build();
     let app = App {
         publisher: Publisher::new(pool.clone()),

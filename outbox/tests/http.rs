@@ -400,6 +400,24 @@ impl outbox::http::ReplayTarget for EchoTarget {
             })
         })
     }
+
+    fn list<'a>(
+        &'a self,
+        _filter: &'a outbox::InboxFilter,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<Vec<outbox::core::ports::InboxRow>, outbox::StoreError>,
+                > + Send
+                + 'a,
+        >,
+    > {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+
+    fn stats(&self) -> outbox::SubscriberStats {
+        outbox::SubscriberStats::default()
+    }
 }
 
 #[tokio::test]

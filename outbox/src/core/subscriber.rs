@@ -382,6 +382,15 @@ where
         &self.settings
     }
 
+    /// Lists unprocessed rows matching `filter` (the operator's view of what
+    /// is dead-lettered or still retried).
+    pub async fn list_unprocessed(
+        &self,
+        filter: &InboxFilter,
+    ) -> Result<Vec<InboxRow>, StoreError> {
+        self.store.inbox_list_unprocessed(filter).await
+    }
+
     /// Its counters (shared; they keep counting).
     pub fn counters(&self) -> Arc<SubscriberCounters> {
         self.counters.clone()

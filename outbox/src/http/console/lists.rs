@@ -1,0 +1,558 @@
+//! The console's pages: the overview, the parked rows and the
+//! dead-lettered events (lists with filters and paging, one row in full).
+
+use std::fmt::Write as _;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use uuid::Uuid;
+
+use super::filter::{Filter, Form};
+use super::html::{esc, esc_bytes, input, page, table, url};
+use super::{Console, html, problem, signed_in};
+use crate::admin;
+use crate::core::ports::{InboxFilter, InboxRow, OutboxStore, ParkedRow};
+use crate::envelope::EventEnvelope;
+
+/// Most rows a list reads per outbox or subscription; filters and actions
+/// on "everything matching" apply to these (the oldest first).
+pub const LIST_WINDOW: u32 = 1000;
+/// Rows on one page of a list.
+pub const PAGE_ROWS: usize = 50;
+/// How often the overview refreshes itself.
+const REFRESH_SECS: u32 = 10;
+
+fn when(t: OffsetDateTime) -> String {
+    t.format(&Rfc3339).unwrap_or_default()
+}
+
+fn age(t: OffsetDateTime) -> String {
+    let secs = (OffsetDateTime::now_utc() - t).whole_seconds().max(0);
+    match secs {
+        s if s < 120 => format!("{s} s"),
+        s if s < 7200 => format!("{} min", s / 60),
+        s if s < 172_800 => format!("{} h", s / 3600),
+        s => format!("{} d", s / 86_400),
+    }
+}
+
+pub(super) async fn overview(State(console): State<Console>, headers: HeaderMap) -> Response {
+    let session = match signed_in(&console, &headers) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let mut body = String::new();
+    outbox_overview(&console, &mut body).await;
+    subscriptions_overview(&console, &mut body).await;
+    let _ = write!(body, "<p class=note>Refreshes every {REFRESH_SECS} s.</p>");
+    html(
+        StatusCode::OK,
+        page("Overview", Some(&session.csrf), Some(REFRESH_SECS), &body),
+    )
+}
+
+async fn outbox_overview(console: &Console, body: &mut String) {
+    body.push_str("<h2>Outbox</h2>");
+    let Some(store) = &console.app.outbox else {
+        body.push_str("<p class=note>No outbox is mounted here.</p>");
+        return;
+    };
+    let readiness = console.app.readiness.as_ref().map(|probe| probe());
+    let ready = match &readiness {
+        None => "<span class=note>no readiness probe mounted</span>".to_owned(),
+        Some(r) if r.ready => "<span class=ok>ready</span>".to_owned(),
+        Some(r) => {
+            let why: Vec<String> = r.reasons.iter().map(|x| esc(&x.to_string())).collect();
+            format!("<span class=bad>not ready: {}</span>", why.join("; "))
+        }
+    };
+    match store.outbox_stats().await {
+        Ok(s) => body.push_str(&table(
+            &[
+                "pending",
+                "oldest unpublished",
+                "parked",
+                "blocked behind a parked row",
+                "readiness",
+            ],
+            &[vec![
+                s.pending.to_string(),
+                format!("{:.0} s", s.oldest_unpublished_age_secs),
+                format!("<a href=/admin/parked>{}</a>", s.parked),
+                s.blocked.to_string(),
+                ready,
+            ]],
+        )),
+        Err(e) => {
+            tracing::warn!(error = %e, "console: outbox stats failed");
+            body.push_str("<p class=bad>The database did not answer; see the service's log.</p>");
+        }
+    }
+}
+
+async fn subscriptions_overview(console: &Console, body: &mut String) {
+    body.push_str("<h2>Subscriptions</h2>");
+    if console.app.targets.is_empty() {
+        body.push_str("<p class=note>No subscriber is mounted here.</p>");
+        return;
+    }
+    let mut rows = Vec::new();
+    for (name, target) in console.app.targets.iter() {
+        let s = target.stats();
+        let dead = match target.list(&dead_filter(Some(name))).await {
+            Ok(r) if r.len() >= LIST_WINDOW as usize => format!("{LIST_WINDOW} or more"),
+            Ok(r) => r.len().to_string(),
+            Err(e) => {
+                tracing::warn!(error = %e, "console: listing dead-lettered rows failed");
+                "<span class=bad>unavailable</span>".into()
+            }
+        };
+        rows.push(vec![
+            esc(name),
+            s.processed.to_string(),
+            s.retried.to_string(),
+            s.duplicates.to_string(),
+            format!(
+                "<a href=\"/admin/dead?subscription={}\">{dead}</a>",
+                esc(&url(name))
+            ),
+        ]);
+    }
+    body.push_str(&table(
+        &[
+            "subscription",
+            "processed since start",
+            "retried since start",
+            "duplicates absorbed",
+            "dead-lettered now",
+        ],
+        &rows,
+    ));
+}
+
+fn dead_filter(subscription: Option<&str>) -> InboxFilter {
+    InboxFilter {
+        subscription: subscription.map(str::to_owned),
+        dead_lettered_only: true,
+        limit: Some(LIST_WINDOW),
+        ..InboxFilter::default()
+    }
+}
+
+/// The parked rows a filter matches, oldest first.
+pub(super) async fn parked_matching(
+    console: &Console,
+    f: &Filter,
+) -> Result<Vec<ParkedRow>, String> {
+    let Some(store) = &console.app.outbox else {
+        return Err("No outbox is mounted here.".into());
+    };
+    let mut rows = admin::list_parked(store, LIST_WINDOW).await.map_err(|e| {
+        tracing::warn!(error = %e, "console: listing parked rows failed");
+        "The database did not answer; see the service's log.".to_owned()
+    })?;
+    rows.retain(|r| f.parked(r));
+    rows.sort_by_key(|r| (r.enqueued_at, r.id));
+    Ok(rows)
+}
+
+/// The dead-lettered events a filter matches, oldest first, with their
+/// subscriptions.
+pub(super) async fn dead_matching(console: &Console, f: &Filter) -> Result<Vec<InboxRow>, String> {
+    let mut rows = Vec::new();
+    for (name, target) in console.app.targets.iter() {
+        if f.subscription.as_ref().is_some_and(|s| s != name) {
+            continue;
+        }
+        let listed = target.list(&dead_filter(Some(name))).await.map_err(|e| {
+            tracing::warn!(error = %e, "console: listing dead-lettered rows failed");
+            "The database did not answer; see the service's log.".to_owned()
+        })?;
+        rows.extend(listed.into_iter().filter(|r| f.dead(r)));
+    }
+    rows.sort_by_key(|r| (r.received_at, r.event_id));
+    Ok(rows)
+}
+
+/// The filter form, keeping what was asked.
+fn filter_form(action: &str, f: &Filter, with_subscription: bool) -> String {
+    let v = |o: &Option<String>| o.clone().unwrap_or_default();
+    let t = |o: &Option<OffsetDateTime>| o.map(when).unwrap_or_default();
+    let mut out =
+        format!("<form class=filters method=get action={action}><fieldset><legend>filter</legend>");
+    if with_subscription {
+        out.push_str(&input(
+            "subscription",
+            "subscription",
+            &v(&f.subscription),
+            "",
+        ));
+    }
+    out.push_str(&input(
+        "routing key",
+        "routing_key",
+        &v(&f.routing_key),
+        "orders.* or exact",
+    ));
+    out.push_str(&input("error contains", "error", &v(&f.error), ""));
+    out.push_str(&input("from", "from", &t(&f.from), "2026-12-04T00:00:00Z"));
+    out.push_str(&input("to", "to", &t(&f.to), "RFC 3339"));
+    if with_subscription {
+        out.push_str(&input("payload field", "path", &v(&f.path), "customer.id"));
+        out.push_str(&input("equals", "value", &v(&f.value), ""));
+    }
+    out.push_str("<button>apply</button></fieldset></form>");
+    out
+}
+
+/// The query string's filter and page, or the page that says what is wrong.
+fn asked(query: Option<String>) -> Result<(Filter, usize), String> {
+    let form = Form::parse(query.unwrap_or_default().as_bytes());
+    let page = form
+        .text("page")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0usize);
+    Ok((Filter::from_form(&form)?, page))
+}
+
+/// "Rows a–b of n", links to the pages around, and the window's note.
+fn pager(base: &str, f: &Filter, page_no: usize, total: usize) -> String {
+    let pages = total.div_ceil(PAGE_ROWS).max(1);
+    let mut query: String = form_urlencoded::Serializer::new(String::new())
+        .extend_pairs(f.pairs())
+        .finish();
+    if !query.is_empty() {
+        query.push('&');
+    }
+    let mut out = format!("<p>{total} matching; page {} of {pages}", page_no + 1);
+    if page_no > 0 {
+        let _ = write!(
+            out,
+            " <a href=\"{base}?{}page={}\">previous</a>",
+            esc(&query),
+            page_no - 1
+        );
+    }
+    if page_no + 1 < pages {
+        let _ = write!(
+            out,
+            " <a href=\"{base}?{}page={}\">next</a>",
+            esc(&query),
+            page_no + 1
+        );
+    }
+    let _ = write!(
+        out,
+        "</p><p class=note>Filters apply to the oldest {LIST_WINDOW} rows of each list.</p>"
+    );
+    out
+}
+
+pub(super) async fn parked(
+    State(console): State<Console>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> Response {
+    let session = match signed_in(&console, &headers) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let (f, page_no) = match asked(q) {
+        Ok(a) => a,
+        Err(m) => return problem(StatusCode::BAD_REQUEST, Some(&session), &m),
+    };
+    let rows = match parked_matching(&console, &f).await {
+        Ok(r) => r,
+        Err(m) => return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), &m),
+    };
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .skip(page_no * PAGE_ROWS)
+        .take(PAGE_ROWS)
+        .map(|r| {
+            vec![
+                format!(
+                    "<input type=checkbox name=id value={} aria-label=select>",
+                    r.id
+                ),
+                format!("<a href=/admin/parked/{id}>{id}</a>", id = r.id),
+                esc(&r.routing_key),
+                r.ordering
+                    .as_ref()
+                    .map_or(String::new(), |k| format!("{} #{}", esc(&k.key), k.seq)),
+                r.attempts.to_string(),
+                esc(r.last_error.as_deref().unwrap_or("")),
+                format!("{} ago", age(r.enqueued_at)),
+            ]
+        })
+        .collect();
+    let body = format!(
+        "{}{}{}",
+        filter_form("/admin/parked", &f, false),
+        pager("/admin/parked", &f, page_no, rows.len()),
+        super::actions::selection_form(
+            &console,
+            &session,
+            "parked",
+            &f,
+            &table(
+                &[
+                    "",
+                    "id",
+                    "routing key",
+                    "ordering key",
+                    "attempts",
+                    "last error",
+                    "enqueued"
+                ],
+                &cells,
+            ),
+            rows.len()
+        ),
+    );
+    html(
+        StatusCode::OK,
+        page("Parked outbox rows", Some(&session.csrf), None, &body),
+    )
+}
+
+pub(super) async fn parked_row(
+    State(console): State<Console>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let session = match signed_in(&console, &headers) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let Ok(id) = Uuid::parse_str(&id) else {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            Some(&session),
+            "That is not an event id.",
+        );
+    };
+    let rows = match parked_matching(&console, &Filter::default()).await {
+        Ok(r) => r,
+        Err(m) => return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), &m),
+    };
+    let Some(r) = rows.iter().find(|r| r.id == id) else {
+        return problem(
+            StatusCode::NOT_FOUND,
+            Some(&session),
+            "No parked row has that id (it may have been unparked).",
+        );
+    };
+    let mut body = table(
+        &["field", "value"],
+        &[
+            vec!["id".into(), r.id.to_string()],
+            vec!["routing key".into(), esc(&r.routing_key)],
+            vec![
+                "ordering key".into(),
+                r.ordering
+                    .as_ref()
+                    .map_or("none".into(), |k| format!("{} #{}", esc(&k.key), k.seq)),
+            ],
+            vec!["attempts".into(), r.attempts.to_string()],
+            vec![
+                "last error".into(),
+                format!("<pre>{}</pre>", esc(r.last_error.as_deref().unwrap_or(""))),
+            ],
+            vec!["enqueued".into(), when(r.enqueued_at)],
+            vec!["parked".into(), when(r.parked_at)],
+        ],
+    );
+    body.push_str(&super::actions::one_row_form(
+        &console,
+        &session,
+        "parked",
+        &r.id.to_string(),
+    ));
+    html(
+        StatusCode::OK,
+        page("Parked row", Some(&session.csrf), None, &body),
+    )
+}
+
+pub(super) async fn dead(
+    State(console): State<Console>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> Response {
+    let session = match signed_in(&console, &headers) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let (f, page_no) = match asked(q) {
+        Ok(a) => a,
+        Err(m) => return problem(StatusCode::BAD_REQUEST, Some(&session), &m),
+    };
+    let rows = match dead_matching(&console, &f).await {
+        Ok(r) => r,
+        Err(m) => return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), &m),
+    };
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .skip(page_no * PAGE_ROWS)
+        .take(PAGE_ROWS)
+        .map(|r| {
+            let key = format!("{}/{}", r.subscription, r.event_id);
+            vec![
+                format!(
+                    "<input type=checkbox name=id value=\"{}\" aria-label=select>",
+                    esc(&key)
+                ),
+                format!(
+                    "<a href=\"/admin/dead/{}/{}\">{}</a>",
+                    esc(&url(&r.subscription)),
+                    r.event_id,
+                    r.event_id
+                ),
+                esc(&r.subscription),
+                esc(&r.routing_key),
+                r.attempts.to_string(),
+                esc(r.last_error.as_deref().unwrap_or("")),
+                r.dead_lettered_at
+                    .map_or(String::new(), |t| format!("{} ago", age(t))),
+            ]
+        })
+        .collect();
+    let body = format!(
+        "{}{}{}",
+        filter_form("/admin/dead", &f, true),
+        pager("/admin/dead", &f, page_no, rows.len()),
+        super::actions::selection_form(
+            &console,
+            &session,
+            "dead",
+            &f,
+            &table(
+                &[
+                    "",
+                    "event id",
+                    "subscription",
+                    "routing key",
+                    "attempts",
+                    "last error",
+                    "dead-lettered"
+                ],
+                &cells,
+            ),
+            rows.len()
+        ),
+    );
+    html(
+        StatusCode::OK,
+        page("Dead-lettered events", Some(&session.csrf), None, &body),
+    )
+}
+
+pub(super) async fn dead_row(
+    State(console): State<Console>,
+    headers: HeaderMap,
+    Path((subscription, id)): Path<(String, String)>,
+) -> Response {
+    let session = match signed_in(&console, &headers) {
+        Ok(s) => s,
+        Err(r) => return *r,
+    };
+    let Ok(id) = Uuid::parse_str(&id) else {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            Some(&session),
+            "That is not an event id.",
+        );
+    };
+    let Some(target) = console.app.targets.get(&subscription) else {
+        return problem(
+            StatusCode::NOT_FOUND,
+            Some(&session),
+            "No subscriber for that subscription is mounted here.",
+        );
+    };
+    let filter = InboxFilter {
+        ids: Some(vec![id]),
+        ..dead_filter(Some(&subscription))
+    };
+    let row = match target.list(&filter).await {
+        Ok(rows) => rows.into_iter().find(|r| r.event_id == id),
+        Err(e) => {
+            tracing::warn!(error = %e, "console: reading a dead-lettered row failed");
+            return problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some(&session),
+                "The database did not answer; see the service's log.",
+            );
+        }
+    };
+    let Some(r) = row else {
+        return problem(
+            StatusCode::NOT_FOUND,
+            Some(&session),
+            "No dead-lettered event has that id here (it may have been replayed).",
+        );
+    };
+    let mut body = dead_row_table(&r);
+    body.push_str(&super::actions::one_row_form(
+        &console,
+        &session,
+        "dead",
+        &format!("{}/{}", r.subscription, r.event_id),
+    ));
+    html(
+        StatusCode::OK,
+        page("Dead-lettered event", Some(&session.csrf), None, &body),
+    )
+}
+
+/// One dead-lettered row in full: the envelope decoded when it is one,
+/// its bytes as text when it is not.
+fn dead_row_table(r: &InboxRow) -> String {
+    let (envelope, headers) = match EventEnvelope::decode(&r.payload) {
+        Ok(e) => {
+            let headers: Vec<String> = e
+                .headers
+                .iter()
+                .map(|(k, v)| format!("{}: {}", esc(k), esc(v)))
+                .collect();
+            let pretty = serde_json::to_string_pretty(&e).unwrap_or_default();
+            (format!("<pre>{}</pre>", esc(&pretty)), headers.join("<br>"))
+        }
+        Err(why) => (
+            format!(
+                "<p class=bad>not an envelope: {}</p><pre>{}</pre>",
+                esc(&why.to_string()),
+                esc_bytes(&r.payload)
+            ),
+            String::new(),
+        ),
+    };
+    let mut rows = vec![
+        vec!["event id".into(), r.event_id.to_string()],
+        vec!["subscription".into(), esc(&r.subscription)],
+        vec!["routing key".into(), esc(&r.routing_key)],
+        vec!["attempts".into(), r.attempts.to_string()],
+        vec![
+            "last error".into(),
+            format!("<pre>{}</pre>", esc(r.last_error.as_deref().unwrap_or(""))),
+        ],
+        vec!["received".into(), when(r.received_at)],
+        vec![
+            "dead-lettered".into(),
+            r.dead_lettered_at.map(when).unwrap_or_default(),
+        ],
+        vec!["headers".into(), headers],
+        vec!["envelope".into(), envelope],
+    ];
+    if let Some(k) = &r.ordering {
+        rows.push(vec![
+            "ordering key".into(),
+            format!("{} #{}", esc(&k.key), k.seq),
+        ]);
+    }
+    table(&["field", "value"], &rows)
+}
