@@ -250,22 +250,34 @@ fn action_of(
     }
 }
 
+/// A checked POST's session, its action and the rows it names (`scope`,
+/// when given, overrides the form's), or the answer that refuses it.
+async fn requested(
+    console: &Console,
+    headers: &HeaderMap,
+    body: &Bytes,
+    scope: Option<&str>,
+) -> Result<(Session, Action, Vec<String>), Box<Response>> {
+    let (session, form) = checked(console, headers, body)?;
+    let (action, asked) = action_of(console, &session, &form)?;
+    match targets(console, action, scope.unwrap_or(&asked), &form).await {
+        Ok(ids) => Ok((session, action, ids)),
+        Err(m) => Err(Box::new(problem(
+            StatusCode::BAD_REQUEST,
+            Some(&session),
+            &m,
+        ))),
+    }
+}
+
 pub(super) async fn confirm(
     State(console): State<Console>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let (session, form) = match checked(&console, &headers, &body) {
+    let (session, action, ids) = match requested(&console, &headers, &body, None).await {
         Ok(x) => x,
         Err(r) => return *r,
-    };
-    let (action, scope) = match action_of(&console, &session, &form) {
-        Ok(a) => a,
-        Err(r) => return *r,
-    };
-    let ids = match targets(&console, action, &scope, &form).await {
-        Ok(ids) => ids,
-        Err(m) => return problem(StatusCode::BAD_REQUEST, Some(&session), &m),
     };
     let mut body = format!(
         "<p><strong>{}</strong></p><form method=post action=/admin/run>",
@@ -302,17 +314,11 @@ pub(super) async fn run(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let (session, form) = match checked(&console, &headers, &body) {
+    // The confirmation listed the rows: run exactly those.
+    let (session, action, ids) = match requested(&console, &headers, &body, Some("selected")).await
+    {
         Ok(x) => x,
         Err(r) => return *r,
-    };
-    let (action, _) = match action_of(&console, &session, &form) {
-        Ok(a) => a,
-        Err(r) => return *r,
-    };
-    let ids = match targets(&console, action, "selected", &form).await {
-        Ok(ids) => ids,
-        Err(m) => return problem(StatusCode::BAD_REQUEST, Some(&session), &m),
     };
     let report = match action.kind() {
         "parked" => run_parked(&console, action, &ids).await,

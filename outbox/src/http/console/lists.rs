@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use super::filter::{Filter, Form};
 use super::html::{esc, esc_bytes, input, page, table, url};
+use super::session::Session;
 use super::{Console, html, problem, signed_in};
 use crate::admin;
 use crate::core::ports::{InboxFilter, InboxRow, OutboxStore, ParkedRow};
@@ -22,6 +23,8 @@ use crate::envelope::EventEnvelope;
 pub const LIST_WINDOW: u32 = 1000;
 /// Rows on one page of a list.
 pub const PAGE_ROWS: usize = 50;
+/// What a page says when the database failed (the error is logged).
+const UNAVAILABLE: &str = "The database did not answer; see the service's log.";
 /// How often the overview refreshes itself.
 const REFRESH_SECS: u32 = 10;
 
@@ -152,7 +155,7 @@ pub(super) async fn parked_matching(
     };
     let mut rows = admin::list_parked(store, LIST_WINDOW).await.map_err(|e| {
         tracing::warn!(error = %e, "console: listing parked rows failed");
-        "The database did not answer; see the service's log.".to_owned()
+        UNAVAILABLE.to_owned()
     })?;
     rows.retain(|r| f.parked(r));
     rows.sort_by_key(|r| (r.enqueued_at, r.id));
@@ -169,7 +172,7 @@ pub(super) async fn dead_matching(console: &Console, f: &Filter) -> Result<Vec<I
         }
         let listed = target.list(&dead_filter(Some(name))).await.map_err(|e| {
             tracing::warn!(error = %e, "console: listing dead-lettered rows failed");
-            "The database did not answer; see the service's log.".to_owned()
+            UNAVAILABLE.to_owned()
         })?;
         rows.extend(listed.into_iter().filter(|r| f.dead(r)));
     }
@@ -251,72 +254,137 @@ fn pager(base: &str, f: &Filter, page_no: usize, total: usize) -> String {
     out
 }
 
-pub(super) async fn parked(
-    State(console): State<Console>,
-    headers: HeaderMap,
-    RawQuery(q): RawQuery,
+/// One of the two lists: its path under `/admin`, title and columns.
+struct List {
+    kind: &'static str,
+    title: &'static str,
+    head: [&'static str; 7],
+    /// Filtered by subscription and payload field too.
+    events: bool,
+}
+
+const PARKED: List = List {
+    kind: "parked",
+    title: "Parked outbox rows",
+    head: [
+        "",
+        "id",
+        "routing key",
+        "ordering key",
+        "attempts",
+        "last error",
+        "enqueued",
+    ],
+    events: false,
+};
+
+const DEAD: List = List {
+    kind: "dead",
+    title: "Dead-lettered events",
+    head: [
+        "",
+        "event id",
+        "subscription",
+        "routing key",
+        "attempts",
+        "last error",
+        "dead-lettered",
+    ],
+    events: true,
+};
+
+/// A list request's session, filter and page, or the answer that refuses it.
+fn list_request(
+    console: &Console,
+    headers: &HeaderMap,
+    query: Option<String>,
+) -> Result<(Session, Filter, usize), Box<Response>> {
+    let session = signed_in(console, headers)?;
+    match asked(query) {
+        Ok((f, page_no)) => Ok((session, f, page_no)),
+        Err(m) => Err(Box::new(problem(
+            StatusCode::BAD_REQUEST,
+            Some(&session),
+            &m,
+        ))),
+    }
+}
+
+/// A list's page: the filter form, the pager, and the page's rows in the
+/// form that acts on them.
+fn list_page<T>(
+    console: &Console,
+    session: &Session,
+    list: &List,
+    f: &Filter,
+    page_no: usize,
+    rows: &[T],
+    cells: fn(&T) -> Vec<String>,
 ) -> Response {
-    let session = match signed_in(&console, &headers) {
-        Ok(s) => s,
-        Err(r) => return *r,
-    };
-    let (f, page_no) = match asked(q) {
-        Ok(a) => a,
-        Err(m) => return problem(StatusCode::BAD_REQUEST, Some(&session), &m),
-    };
-    let rows = match parked_matching(&console, &f).await {
-        Ok(r) => r,
-        Err(m) => return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), &m),
-    };
+    let base = format!("/admin/{}", list.kind);
     let cells: Vec<Vec<String>> = rows
         .iter()
         .skip(page_no * PAGE_ROWS)
         .take(PAGE_ROWS)
-        .map(|r| {
-            vec![
-                format!(
-                    "<input type=checkbox name=id value={} aria-label=select>",
-                    r.id
-                ),
-                format!("<a href=/admin/parked/{id}>{id}</a>", id = r.id),
-                esc(&r.routing_key),
-                r.ordering
-                    .as_ref()
-                    .map_or(String::new(), |k| format!("{} #{}", esc(&k.key), k.seq)),
-                r.attempts.to_string(),
-                esc(r.last_error.as_deref().unwrap_or("")),
-                format!("{} ago", age(r.enqueued_at)),
-            ]
-        })
+        .map(cells)
         .collect();
     let body = format!(
         "{}{}{}",
-        filter_form("/admin/parked", &f, false),
-        pager("/admin/parked", &f, page_no, rows.len()),
+        filter_form(&base, f, list.events),
+        pager(&base, f, page_no, rows.len()),
         super::actions::selection_form(
-            &console,
-            &session,
-            "parked",
-            &f,
-            &table(
-                &[
-                    "",
-                    "id",
-                    "routing key",
-                    "ordering key",
-                    "attempts",
-                    "last error",
-                    "enqueued"
-                ],
-                &cells,
-            ),
+            console,
+            session,
+            list.kind,
+            f,
+            &table(&list.head, &cells),
             rows.len()
         ),
     );
     html(
         StatusCode::OK,
-        page("Parked outbox rows", Some(&session.csrf), None, &body),
+        page(list.title, Some(&session.csrf), None, &body),
     )
+}
+
+pub(super) async fn parked(
+    State(console): State<Console>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> Response {
+    let (session, f, page_no) = match list_request(&console, &headers, q) {
+        Ok(x) => x,
+        Err(r) => return *r,
+    };
+    match parked_matching(&console, &f).await {
+        Ok(rows) => list_page(
+            &console,
+            &session,
+            &PARKED,
+            &f,
+            page_no,
+            &rows,
+            parked_cells,
+        ),
+        Err(m) => problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), &m),
+    }
+}
+
+fn parked_cells(r: &ParkedRow) -> Vec<String> {
+    vec![
+        format!(
+            "<input type=checkbox name=id value={} aria-label=select>",
+            r.id
+        ),
+        format!("<a href=/admin/parked/{id}>{id}</a>", id = r.id),
+        esc(&r.routing_key),
+        r.ordering
+            .as_ref()
+            .map_or(String::new(), |k| format!("{} #{}", esc(&k.key), k.seq)),
+        r.attempts.to_string(),
+        esc(r.last_error.as_deref().unwrap_or("")),
+        format!("{} ago", age(r.enqueued_at)),
+    ]
 }
 
 pub(super) async fn parked_row(
@@ -383,72 +451,36 @@ pub(super) async fn dead(
     headers: HeaderMap,
     RawQuery(q): RawQuery,
 ) -> Response {
-    let session = match signed_in(&console, &headers) {
-        Ok(s) => s,
+    let (session, f, page_no) = match list_request(&console, &headers, q) {
+        Ok(x) => x,
         Err(r) => return *r,
     };
-    let (f, page_no) = match asked(q) {
-        Ok(a) => a,
-        Err(m) => return problem(StatusCode::BAD_REQUEST, Some(&session), &m),
-    };
-    let rows = match dead_matching(&console, &f).await {
-        Ok(r) => r,
-        Err(m) => return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), &m),
-    };
-    let cells: Vec<Vec<String>> = rows
-        .iter()
-        .skip(page_no * PAGE_ROWS)
-        .take(PAGE_ROWS)
-        .map(|r| {
-            let key = format!("{}/{}", r.subscription, r.event_id);
-            vec![
-                format!(
-                    "<input type=checkbox name=id value=\"{}\" aria-label=select>",
-                    esc(&key)
-                ),
-                format!(
-                    "<a href=\"/admin/dead/{}/{}\">{}</a>",
-                    esc(&url(&r.subscription)),
-                    r.event_id,
-                    r.event_id
-                ),
-                esc(&r.subscription),
-                esc(&r.routing_key),
-                r.attempts.to_string(),
-                esc(r.last_error.as_deref().unwrap_or("")),
-                r.dead_lettered_at
-                    .map_or(String::new(), |t| format!("{} ago", age(t))),
-            ]
-        })
-        .collect();
-    let body = format!(
-        "{}{}{}",
-        filter_form("/admin/dead", &f, true),
-        pager("/admin/dead", &f, page_no, rows.len()),
-        super::actions::selection_form(
-            &console,
-            &session,
-            "dead",
-            &f,
-            &table(
-                &[
-                    "",
-                    "event id",
-                    "subscription",
-                    "routing key",
-                    "attempts",
-                    "last error",
-                    "dead-lettered"
-                ],
-                &cells,
-            ),
-            rows.len()
+    match dead_matching(&console, &f).await {
+        Ok(rows) => list_page(&console, &session, &DEAD, &f, page_no, &rows, dead_cells),
+        Err(m) => problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), &m),
+    }
+}
+
+fn dead_cells(r: &InboxRow) -> Vec<String> {
+    let key = format!("{}/{}", r.subscription, r.event_id);
+    vec![
+        format!(
+            "<input type=checkbox name=id value=\"{}\" aria-label=select>",
+            esc(&key)
         ),
-    );
-    html(
-        StatusCode::OK,
-        page("Dead-lettered events", Some(&session.csrf), None, &body),
-    )
+        format!(
+            "<a href=\"/admin/dead/{}/{}\">{}</a>",
+            esc(&url(&r.subscription)),
+            r.event_id,
+            r.event_id
+        ),
+        esc(&r.subscription),
+        esc(&r.routing_key),
+        r.attempts.to_string(),
+        esc(r.last_error.as_deref().unwrap_or("")),
+        r.dead_lettered_at
+            .map_or(String::new(), |t| format!("{} ago", age(t))),
+    ]
 }
 
 pub(super) async fn dead_row(
@@ -482,11 +514,7 @@ pub(super) async fn dead_row(
         Ok(rows) => rows.into_iter().find(|r| r.event_id == id),
         Err(e) => {
             tracing::warn!(error = %e, "console: reading a dead-lettered row failed");
-            return problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                Some(&session),
-                "The database did not answer; see the service's log.",
-            );
+            return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), UNAVAILABLE);
         }
     };
     let Some(r) = row else {
