@@ -153,6 +153,20 @@ async fn send(
     }
 }
 
+/// A form posted to `route` in `session`.
+async fn post(r: &axum::Router, session: &str, route: &str, form: &str) -> Answer {
+    send(r, "POST", route, Some(session), Some(form)).await
+}
+
+/// What `sql` (a `SELECT count(*)`) counts.
+async fn count(pool: &PgPool, sql: &str) -> i64 {
+    let (n,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(sql.to_owned()))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    n
+}
+
 /// `name=value` of the first `Set-Cookie` naming `name`.
 fn cookie_pair(a: &Answer, name: &str) -> String {
     let c = a
@@ -261,14 +275,7 @@ async fn signing_in_needs_the_token_and_gives_an_http_only_strict_cookie(pool: P
     assert!(!overview.body.contains(TOKEN));
     assert!(overview.body.contains("<h2>Outbox</h2>") && overview.body.contains(SUBSCRIPTION));
     let csrf = field(&overview.body, "csrf");
-    let out = send(
-        &r,
-        "POST",
-        "/admin/logout",
-        Some(&session),
-        Some(&format!("csrf={csrf}")),
-    )
-    .await;
+    let out = post(&r, &session, "/admin/logout", &format!("csrf={csrf}")).await;
     assert_eq!(out.status, StatusCode::SEE_OTHER);
     let after = send(&r, "GET", "/admin", Some(&session), None).await;
     assert_eq!(after.status, StatusCode::SEE_OTHER, "the session ended");
@@ -316,16 +323,16 @@ async fn every_action_needs_the_sessions_csrf_token(pool: PgPool) {
     }
     let logout = send(&r, "POST", "/admin/logout", Some(&session), Some("")).await;
     assert_eq!(logout.status, StatusCode::FORBIDDEN);
-    let (still_parked,): (i64,) =
-        sqlx::query_as("SELECT count(*) FROM event_outbox WHERE parked_at IS NOT NULL")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    let (still_dead,): (i64,) =
-        sqlx::query_as("SELECT count(*) FROM event_inbox WHERE processed_at IS NULL")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let still_parked = count(
+        &pool,
+        "SELECT count(*) FROM event_outbox WHERE parked_at IS NOT NULL",
+    )
+    .await;
+    let still_dead = count(
+        &pool,
+        "SELECT count(*) FROM event_inbox WHERE processed_at IS NULL",
+    )
+    .await;
     assert_eq!(
         (still_parked, still_dead),
         (2, 3),
@@ -396,14 +403,11 @@ async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) 
     let (parked, dead) = seed(&pool).await;
     let (session, csrf) = sign_in(&r).await;
     // Everything matching a filter: one parked row of two.
-    let confirm = send(
+    let confirm = post(
         &r,
-        "POST",
+        &session,
         "/admin/confirm",
-        Some(&session),
-        Some(&format!(
-            "csrf={csrf}&kind=parked&op=unpark:all&routing_key=orders.*"
-        )),
+        &format!("csrf={csrf}&kind=parked&op=unpark:all&routing_key=orders.*"),
     )
     .await;
     assert_eq!(confirm.status, StatusCode::OK, "{}", confirm.body);
@@ -412,15 +416,11 @@ async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) 
         "{}",
         confirm.body
     );
-    let run = send(
+    let run = post(
         &r,
-        "POST",
+        &session,
         "/admin/run",
-        Some(&session),
-        Some(&format!(
-            "csrf={csrf}&kind=parked&action=unpark&id={}",
-            parked[0]
-        )),
+        &format!("csrf={csrf}&kind=parked&action=unpark&id={}", parked[0]),
     )
     .await;
     assert!(
@@ -441,12 +441,11 @@ async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) 
         "id={SUBSCRIPTION}/{}&id={SUBSCRIPTION}/{}",
         dead[0], dead[2]
     );
-    let confirm = send(
+    let confirm = post(
         &r,
-        "POST",
+        &session,
         "/admin/confirm",
-        Some(&session),
-        Some(&format!("csrf={csrf}&kind=dead&op=replay:selected&{ids}")),
+        &format!("csrf={csrf}&kind=dead&op=replay:selected&{ids}"),
     )
     .await;
     assert!(
@@ -454,12 +453,11 @@ async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) 
         "{}",
         confirm.body
     );
-    let run = send(
+    let run = post(
         &r,
-        "POST",
+        &session,
         "/admin/run",
-        Some(&session),
-        Some(&format!("csrf={csrf}&kind=dead&action=replay&{ids}")),
+        &format!("csrf={csrf}&kind=dead&action=replay&{ids}"),
     )
     .await;
     assert!(
@@ -468,14 +466,11 @@ async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) 
         run.body
     );
     // Everything matching a payload field: the two events of customer c-2.
-    let confirm = send(
+    let confirm = post(
         &r,
-        "POST",
+        &session,
         "/admin/confirm",
-        Some(&session),
-        Some(&format!(
-            "csrf={csrf}&kind=dead&op=skip:all&path=customer.id&value=c-2"
-        )),
+        &format!("csrf={csrf}&kind=dead&op=skip:all&path=customer.id&value=c-2"),
     )
     .await;
     assert!(
@@ -483,31 +478,24 @@ async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) 
         "{}",
         confirm.body
     );
-    let (applied,): (i64,) = sqlx::query_as("SELECT count(*) FROM effects")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let applied = count(&pool, "SELECT count(*) FROM effects").await;
     assert_eq!(applied, 1);
-    let none = send(
+    let none = post(
         &r,
-        "POST",
+        &session,
         "/admin/confirm",
-        Some(&session),
-        Some(&format!("csrf={csrf}&kind=parked&op=unpark:selected")),
+        &format!("csrf={csrf}&kind=parked&op=unpark:selected"),
     )
     .await;
     assert_eq!(none.status, StatusCode::BAD_REQUEST);
     let too_many: String = (0..10_001)
         .map(|_| format!("&id={}", Uuid::now_v7()))
         .collect();
-    let big = send(
+    let big = post(
         &r,
-        "POST",
+        &session,
         "/admin/confirm",
-        Some(&session),
-        Some(&format!(
-            "csrf={csrf}&kind=parked&op=unpark:selected{too_many}"
-        )),
+        &format!("csrf={csrf}&kind=parked&op=unpark:selected{too_many}"),
     )
     .await;
     assert_eq!(big.status, StatusCode::BAD_REQUEST, "{}", big.body);
@@ -614,15 +602,12 @@ async fn a_browser_finds_and_fixes_dead_letters_and_parked_rows(pool: PgPool) {
     see(&b, "1 matching").await;
     b.quit().await;
     server.abort();
-    let (applied,): (i64,) = sqlx::query_as("SELECT count(*) FROM effects")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    let (parked,): (i64,) =
-        sqlx::query_as("SELECT count(*) FROM event_outbox WHERE parked_at IS NOT NULL")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let applied = count(&pool, "SELECT count(*) FROM effects").await;
+    let parked = count(
+        &pool,
+        "SELECT count(*) FROM event_outbox WHERE parked_at IS NOT NULL",
+    )
+    .await;
     assert_eq!(
         (applied, parked),
         (2, 1),
