@@ -1,0 +1,163 @@
+//! Phase 1, the claim: one statement stamping the lease, and the rows no
+//! broker would take.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tracing::{Instrument, Span, field::Empty};
+use uuid::Uuid;
+
+use super::{Drainer, TickReport};
+use crate::core::marks::Mark;
+use crate::core::ports::{Broker, ClaimParams, ClaimedRow, Clock, Entropy, OutboxStore};
+use crate::envelope::ROUTING_KEY_MAX_BYTES;
+use crate::error::{DrainError, StoreError};
+use crate::telemetry::drainer as metric;
+
+/// A row the broker could never accept: the row's own fault, found without
+/// any broker I/O (rows written by hand, bypassing `publish_tx` validation).
+pub(super) fn unpublishable(row: &ClaimedRow) -> Option<String> {
+    if row.routing_key.is_empty() || row.routing_key.len() > ROUTING_KEY_MAX_BYTES {
+        return Some(format!(
+            "routing key of {} bytes cannot be published (1..=255)",
+            row.routing_key.len()
+        ));
+    }
+    None
+}
+
+/// Rows from one claim and the clock time the claim was sent, where the
+/// batch's deadline starts: the database stamped the lease no earlier, so a
+/// deadline counted from here ends before the lease does (`confirm_timeout
+/// < lease_ttl`), however long the claim's reply took to come back.
+pub(super) struct Claimed {
+    pub(super) rows: Vec<ClaimedRow>,
+    pub(super) at: Duration,
+    /// The batch's span, parent of its phases' spans.
+    pub(super) span: Span,
+}
+
+impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
+    /// Phase 1: one claim of up to a batch. With `max_rows_per_sec`, the
+    /// claimed rows push the next claim's earliest start back by their share
+    /// of a second, counted from this claim's start (no burst allowance).
+    pub(super) async fn claim(
+        &self,
+        report: &mut TickReport,
+        expect_rows: bool,
+    ) -> Result<Claimed, DrainError> {
+        let cfg = &self.config;
+        // A claim expected to find work is the first child of its batch's
+        // span; a poll gets a DEBUG span of its own, and a batch span only
+        // once it found rows.
+        let (batch, claim_span) = if expect_rows {
+            let batch = self.batch_span();
+            let claim = tracing::info_span!(parent: &batch, "outbox.claim");
+            (Some(batch), claim)
+        } else {
+            let poll = tracing::debug_span!("outbox.poll", outbox.replica = %cfg.replica_id);
+            (None, poll)
+        };
+        let t0 = self.clock.now();
+        let rows = self.claim_rows().instrument(claim_span.clone()).await;
+        let at = self.clock.now();
+        metrics::histogram!(metric::CLAIM_DURATION).record(at.saturating_sub(t0).as_secs_f64());
+        let rows = rows.inspect_err(|_| {
+            if let Some(batch) = &batch {
+                batch.record("outbox.outcome", "claim_failed");
+            }
+        })?;
+        let span = match batch {
+            Some(batch) => batch,
+            None if rows.is_empty() => Span::none(),
+            None => {
+                let batch = self.batch_span();
+                batch.follows_from(&claim_span);
+                batch
+            }
+        };
+        span.record("messaging.batch.message_count", rows.len());
+        if rows.is_empty() {
+            span.record("outbox.outcome", "empty");
+        }
+        debug_assert!(rows.len() <= cfg.batch_size as usize, "store over-claimed");
+        if rows.len() >= cfg.batch_size as usize {
+            self.marks.hit(Mark::ClaimFull);
+        }
+        if let Some(rate) = cfg.max_rows_per_sec {
+            let from = Duration::from_nanos(self.next_claim_at.load(Ordering::Relaxed)).max(t0);
+            let share = Duration::from_secs(rows.len() as u64) / rate.get();
+            let next = (from + share).as_nanos().min(u128::from(u64::MAX)) as u64;
+            self.next_claim_at.store(next, Ordering::Relaxed);
+        }
+        report.claimed += rows.len();
+        report.keyed_claimed += rows.iter().filter(|r| r.ordering.is_some()).count();
+        report.claim_time += at.saturating_sub(t0);
+        Ok(Claimed { rows, at: t0, span })
+    }
+
+    /// The claim's statements: the next window of key heads, then the
+    /// claim of unkeyed rows and of those heads; moves the key cursor.
+    pub(super) async fn claim_rows(&self) -> Result<Vec<ClaimedRow>, StoreError> {
+        let cfg = &self.config;
+        let after = self.key_cursor.lock().expect("key cursor").clone();
+        let mut window = self
+            .store
+            .outbox_key_window(&after, cfg.batch_size, cfg.lease_ttl)
+            .await?;
+        if window.exhausted && !after.is_empty() {
+            // The last keys: the window goes on from the first key (up to
+            // the cursor), so a claim never comes back empty while a key
+            // before the cursor has work.
+            let room = cfg.batch_size.saturating_sub(window.heads.len() as u32);
+            let rest = self
+                .store
+                .outbox_key_window("", room, cfg.lease_ttl)
+                .await?;
+            // Past the cursor again: every key was seen, start over next time.
+            let wrapped = rest.heads.iter().any(|h| h.key > after);
+            window.exhausted = rest.exhausted || wrapped;
+            let before = rest.heads.into_iter().filter(|h| h.key <= after);
+            window.heads.extend(before);
+        }
+        let heads: Vec<Uuid> = window
+            .heads
+            .iter()
+            .filter(|h| h.claimable)
+            .map(|h| h.id)
+            .collect();
+        let rows = self
+            .store
+            .outbox_claim(ClaimParams {
+                replica_id: &cfg.replica_id,
+                batch_size: cfg.batch_size,
+                lease_ttl: cfg.lease_ttl,
+                key_heads: &heads,
+            })
+            .await?;
+        if heads.iter().all(|h| rows.iter().any(|r| r.id == *h)) {
+            let next = match window.heads.last() {
+                Some(last) if !window.exhausted => last.key.clone(),
+                _ => String::new(),
+            };
+            *self.key_cursor.lock().expect("key cursor") = next;
+        }
+        Ok(rows)
+    }
+
+    /// The span of one batch: parent of its phases' spans.
+    pub(super) fn batch_span(&self) -> Span {
+        let cfg = &self.config;
+        tracing::info_span!(
+            "outbox.batch",
+            outbox.replica = %cfg.replica_id,
+            messaging.system = "rabbitmq",
+            messaging.destination.name = %cfg.exchange,
+            messaging.batch.message_count = Empty,
+            outbox.outcome = Empty,
+            outbox.published = Empty,
+            outbox.nacked = Empty,
+            outbox.mark_lost = Empty,
+        )
+    }
+}
