@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use outbox::core::ports::{Broker, Confirm, OutgoingMessage, PublishChannel};
 use outbox::core::subscriber::SubscriberStats;
 use outbox::{
@@ -34,74 +35,59 @@ use tokio::sync::watch;
 /// Publishes in flight while prefilling.
 const PREFILL_DEPTH: usize = 256;
 
+/// Consumes a subscription through the inbox, one domain row per applied
+/// event, measuring the run.
+#[derive(Debug, Parser)]
+#[command(name = "consume", version, about, long_about = None)]
 struct Args {
+    /// The subscription's queue.
+    #[arg(long, value_name = "NAME")]
     queue: String,
+    /// The routing key pattern the queue is bound with.
+    #[arg(long, value_name = "KEY")]
     binding: String,
+    /// The exchange the queue is bound to (default: the library's).
+    #[arg(long, value_name = "NAME")]
     exchange: Option<String>,
+    /// Stop after this many deliveries are settled (default, with
+    /// `--prefill`: every prefilled message).
+    #[arg(long, value_name = "N")]
     exit_after: Option<u64>,
+    /// Every K-th event fails its first attempt.
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u64).range(1..))]
     fail_every: Option<u64>,
+    /// First publish N envelopes (with publisher confirms).
+    #[arg(long, value_name = "N", default_value_t = 0)]
     prefill: u64,
+    /// The share of prefilled envelopes published twice.
+    #[arg(long, value_name = "R", default_value_t = 0.0, value_parser = ratio)]
     duplicate_ratio: f64,
+    /// The service's database.
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
     database_url: String,
+    /// The broker's nodes, comma-separated (default: the local broker).
+    #[arg(
+        long,
+        value_name = "URL[,URL...]",
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_default_value = true
+    )]
     amqp_url: String,
 }
 
-const USAGE: &str = "usage: consume --queue NAME --binding KEY [--exit-after N] [--fail-every K] \
-                     [--prefill N [--duplicate-ratio R]] [--exchange NAME] \
-                     [--database-url URL] [--amqp-url URL[,URL...]]";
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        queue: String::new(),
-        binding: String::new(),
-        exchange: None,
-        exit_after: None,
-        fail_every: None,
-        prefill: 0,
-        duplicate_ratio: 0.0,
-        database_url: std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
-        amqp_url: std::env::var("AMQP_URL")
-            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
-        let number = |v: String| -> Result<u64, String> {
-            v.parse()
-                .map_err(|_| format!("{flag} must be a whole number, got {v:?}"))
-        };
-        match flag.as_str() {
-            "--queue" => args.queue = value()?,
-            "--binding" => args.binding = value()?,
-            "--exchange" => args.exchange = Some(value()?),
-            "--exit-after" => args.exit_after = Some(number(value()?)?),
-            "--fail-every" => {
-                let k = number(value()?)?;
-                if k == 0 {
-                    return Err("--fail-every must be > 0".into());
-                }
-                args.fail_every = Some(k);
-            }
-            "--prefill" => args.prefill = number(value()?)?,
-            "--duplicate-ratio" => {
-                let v = value()?;
-                args.duplicate_ratio = v
-                    .parse()
-                    .ok()
-                    .filter(|r: &f64| (0.0..=1.0).contains(r))
-                    .ok_or_else(|| format!("--duplicate-ratio must be in 0..=1, got {v:?}"))?;
-            }
-            "--database-url" => args.database_url = value()?,
-            "--amqp-url" => args.amqp_url = value()?,
-            "-h" | "--help" => return Err(USAGE.into()),
-            other => return Err(format!("unknown argument {other:?} (try --help)")),
-        }
-    }
-    if args.queue.is_empty() || args.binding.is_empty() {
-        return Err(format!("--queue and --binding are required\n{USAGE}"));
-    }
-    Ok(args)
+fn ratio(v: &str) -> Result<f64, String> {
+    v.parse()
+        .ok()
+        .filter(|r: &f64| (0.0..=1.0).contains(r))
+        .ok_or_else(|| format!("must be in 0..=1, got {v:?}"))
 }
 
 /// One domain row per applied event; every K-th event fails its first
@@ -196,13 +182,7 @@ async fn prefill(broker: &LapinBroker, exchange: &str, args: &Args) -> Result<u6
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(msg) => {
-            eprintln!("{msg}");
-            std::process::exit(2);
-        }
-    };
+    let args = Args::parse();
     let mut settings = SubscriberSettings::from_env(args.queue.as_str(), &[args.binding.as_str()])?;
     if let Some(x) = &args.exchange {
         settings.spec.exchange = x.clone();

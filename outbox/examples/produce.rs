@@ -11,6 +11,8 @@
 
 use std::time::{Duration, Instant};
 
+use clap::Parser;
+
 use outbox::{DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, Publisher, redact_url};
 use sqlx::postgres::PgPoolOptions;
 
@@ -19,60 +21,44 @@ const ROWS_PER_TX: usize = 500;
 /// Longest the example waits for the drainer.
 const DRAIN_LIMIT: Duration = Duration::from_secs(3600);
 
+/// Commits events through `publish_tx` and drains them to the broker,
+/// measuring the drain.
+#[derive(Debug, Parser)]
+#[command(name = "produce", version, about, long_about = None)]
 struct Args {
+    /// Events to commit and drain.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
     count: usize,
+    /// The exchange the drainer publishes to.
+    #[arg(long, value_name = "NAME", default_value = "canopy.events")]
     exchange: String,
+    /// Every event's routing key.
+    #[arg(long, value_name = "KEY", default_value = "demo.order.created")]
     routing_key: String,
+    /// The service's database.
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
     database_url: String,
+    /// The broker's nodes, comma-separated (default: the local broker).
+    #[arg(
+        long,
+        value_name = "URL[,URL...]",
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_default_value = true
+    )]
     amqp_url: String,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        count: 1000,
-        exchange: "canopy.events".into(),
-        routing_key: "demo.order.created".into(),
-        database_url: std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
-        amqp_url: std::env::var("AMQP_URL")
-            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--count" => {
-                let v = value()?;
-                args.count = v
-                    .parse()
-                    .map_err(|_| format!("--count must be a whole number, got {v:?}"))?;
-            }
-            "--exchange" => args.exchange = value()?,
-            "--routing-key" => args.routing_key = value()?,
-            "--database-url" => args.database_url = value()?,
-            "--amqp-url" => args.amqp_url = value()?,
-            "-h" | "--help" => {
-                return Err(
-                    "usage: produce --count N [--exchange NAME] [--routing-key KEY] \
-                            [--database-url URL] [--amqp-url URL[,URL...]]"
-                        .into(),
-                );
-            }
-            other => return Err(format!("unknown argument {other:?} (try --help)")),
-        }
-    }
-    Ok(args)
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(msg) => {
-            eprintln!("{msg}");
-            std::process::exit(2);
-        }
-    };
+    let args = Args::parse();
     let pool = PgPoolOptions::new()
         .max_connections(8)
         .connect(&args.database_url)

@@ -36,6 +36,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use clap::Parser;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
@@ -181,6 +182,22 @@ impl SpanExporter for StdoutSpans {
     }
 }
 
+/// A small service on the outbox: orders in, their events published,
+/// shipments applied once, the admin routes and the operator console
+/// mounted. It takes no arguments; its environment configures it.
+#[derive(Debug, Parser)]
+#[command(
+    name = "service",
+    version,
+    about,
+    long_about = None,
+    after_help = "Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/\
+                  outbox_service_example, created if missing), AMQP_URL (default the local \
+                  broker), SERVICE_ADDR (default 127.0.0.1:8080), CONSOLE_READ_ONLY, \
+                  CONSOLE_INSECURE_COOKIE, and every CANOPY_MQ_* variable as in any service."
+)]
+struct Cli {}
+
 /// Whether the variable `name` is `true`.
 fn flag(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v.trim() == "true")
@@ -204,6 +221,7 @@ fn admin_auth() -> Result<AdminAuth, outbox::ConfigError> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    Cli::parse();
     let provider = SdkTracerProvider::builder()
         .with_simple_exporter(StdoutSpans)
         .build();

@@ -7,7 +7,8 @@
 //! sim shrink producer_and_consumer_swarm --seed 48 [--out FILE.toml]
 //! sim sweep [SCENARIO...] --seeds 0..200 [--jobs 2] [--scenarios DIR]
 //! ```
-//! Each takes `--engine turmoil|madsim` (turmoil by default). One build
+//! `sim --help` and `sim SUBCOMMAND --help` say the rest. Each takes
+//! `--engine turmoil|madsim` (turmoil by default). One build
 //! holds one engine; asked for the other, the binary runs the same command
 //! on that engine's build through cargo (madsim's: `RUSTFLAGS="--cfg
 //! madsim"`, in `target/madsim`), building it first if need be.
@@ -17,7 +18,6 @@
 //! each kind of fault was hit, and fails if a scenario never reached a mark
 //! its `[expect] reach` list names.
 
-use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -25,15 +25,93 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
+use clap::{Parser, Subcommand};
+
 use sim::checker::Invariant;
 use sim::scenario::Scenario;
 use sim::world::{self, Coverage, RunOutcome};
 
-const USAGE: &str = "usage:
-  sim run SCENARIO --seed N [--trace FILE] [--timeline FILE.svg] [--scenarios DIR]
-  sim shrink SCENARIO --seed N [--out FILE.toml] [--scenarios DIR]
-  sim sweep [SCENARIO...] --seeds A..B [--jobs J] [--scenarios DIR] [--by-scenario]
-every command also takes --engine turmoil|madsim (default turmoil)";
+/// Runs the simulation's scenarios: one seed, a shrink, or a sweep.
+#[derive(Debug, Parser)]
+#[command(name = "sim", version, about, long_about = None)]
+struct Cli {
+    /// The engine to run on: turmoil (the default build) or madsim. Asked
+    /// for the engine this build does not hold, the same command runs on
+    /// that engine's build through cargo, built first if need be.
+    #[arg(long, global = true, value_name = "NAME", value_parser = sim::engine::ENGINES)]
+    engine: Option<String>,
+    #[command(subcommand)]
+    command: Action,
+}
+
+#[derive(Debug, Subcommand)]
+enum Action {
+    /// Run one scenario with one seed and print its verdict.
+    Run(RunArgs),
+    /// Shrink a failing seed to the fewest faults and events that still
+    /// break the same invariant, written as a scenario file.
+    Shrink(ShrinkArgs),
+    /// Run scenarios over a seed range (every scenario and its clean twin
+    /// when none is named) and report failures, invariants and coverage.
+    Sweep(SweepArgs),
+}
+
+/// A scenario and a seed, as `run` and `shrink` take them.
+#[derive(Debug, clap::Args)]
+struct OneSeed {
+    /// A scenario's name in the scenarios folder, or a path to its file.
+    scenario: String,
+    /// The seed to run.
+    #[arg(long)]
+    seed: u64,
+    /// The folder the scenario names are looked up in.
+    #[arg(long, value_name = "DIR", default_value_os_t = default_scenarios_dir())]
+    scenarios: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    #[command(flatten)]
+    one: OneSeed,
+    /// Write the run's trace, one event a line, to this file.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Draw the run's timeline as SVG to this file.
+    #[arg(long, value_name = "FILE.svg")]
+    timeline: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+struct ShrinkArgs {
+    #[command(flatten)]
+    one: OneSeed,
+    /// The shrunk scenario's file (default `SCENARIO-SEED.shrunk.toml`).
+    #[arg(long, value_name = "FILE.toml")]
+    out: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+struct SweepArgs {
+    /// Scenarios to sweep (default: every one in the folder, with twins).
+    #[arg(value_name = "SCENARIO")]
+    names: Vec<String>,
+    /// The seed range, A..B (B excluded); pinned seeds run besides.
+    #[arg(long, value_name = "A..B", value_parser = parse_range)]
+    seeds: std::ops::Range<u64>,
+    /// Runs at once (default: the machine's cores).
+    #[arg(long, value_name = "J", default_value_t = default_jobs())]
+    jobs: usize,
+    /// The folder of scenario files.
+    #[arg(long, value_name = "DIR", default_value_os_t = default_scenarios_dir())]
+    scenarios: PathBuf,
+    /// Print each scenario's coverage marks.
+    #[arg(long)]
+    by_scenario: bool,
+}
+
+fn default_jobs() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
 
 fn default_scenarios_dir() -> PathBuf {
     let here = Path::new("scenarios");
@@ -50,7 +128,7 @@ fn load(dir: &Path, name: &str) -> Result<Scenario, String> {
 fn parse_range(s: &str) -> Result<std::ops::Range<u64>, String> {
     let (a, b) = s
         .split_once("..")
-        .ok_or_else(|| format!("--seeds takes A..B, got {s:?}"))?;
+        .ok_or_else(|| format!("takes A..B, got {s:?}"))?;
     let a: u64 = a.parse().map_err(|_| format!("bad range start in {s:?}"))?;
     let b: u64 = b.parse().map_err(|_| format!("bad range end in {s:?}"))?;
     if a >= b {
@@ -79,23 +157,20 @@ fn reproduce(o: &RunOutcome) -> String {
     )
 }
 
-/// Takes `--engine NAME` out of `args`: `None` when it names this build's
-/// engine (or is absent), else the engine asked for.
-fn take_engine(args: &mut Vec<String>) -> Result<Option<String>, String> {
-    let Some(i) = args.iter().position(|a| a == "--engine") else {
-        return Ok(None);
-    };
-    let engine = args.get(i + 1).cloned().ok_or("--engine needs a name")?;
-    if !sim::engine::ENGINES.contains(&engine.as_str()) {
-        return Err(format!(
-            "unknown engine {engine:?}: one of {:?}",
-            sim::engine::ENGINES
-        ));
+/// `args` without `--engine NAME` (or `--engine=NAME`), for the other
+/// engine's build, which runs on its own engine by default.
+fn without_engine(args: &[String]) -> Vec<String> {
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--engine" {
+            it.next();
+        } else if !a.starts_with("--engine=") {
+            out.push(a.clone());
+        }
     }
-    args.drain(i..i + 2);
-    Ok((engine != sim::engine::NAME).then_some(engine))
+    out
 }
-
 /// Runs `sim ARGS` on `engine`'s build through cargo (building it if need
 /// be): madsim's is this workspace's `sim` built with `--cfg madsim` in
 /// `target/madsim`, turmoil's the plain build.
@@ -150,78 +225,36 @@ fn delegate(engine: &str, args: &[String]) -> Result<ExitCode, String> {
 }
 
 fn main() -> ExitCode {
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match take_engine(&mut args) {
-        Err(msg) => Err(msg),
-        Ok(Some(engine)) => delegate(&engine, &args),
-        Ok(None) => dispatch(&args),
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cli = Cli::parse();
+    let result = match cli.engine.as_deref() {
+        Some(engine) if engine != sim::engine::NAME => delegate(engine, &without_engine(&args)),
+        _ => match cli.command {
+            Action::Run(a) => cmd_run(a),
+            Action::Shrink(a) => cmd_shrink(a),
+            Action::Sweep(a) => cmd_sweep(a),
+        },
     };
     match result {
         Ok(code) => code,
         Err(msg) => {
-            eprintln!("{msg}");
+            eprintln!("error: {msg}");
             ExitCode::from(2)
         }
     }
 }
 
-fn dispatch(args: &[String]) -> Result<ExitCode, String> {
-    match args.first().map(String::as_str) {
-        Some("run") => cmd_run(&args[1..]),
-        Some("sweep") => cmd_sweep(&args[1..]),
-        Some("shrink") => cmd_shrink(&args[1..]),
-        _ => Err(USAGE.to_owned()),
-    }
-}
-
-/// `SCENARIO --seed N [--scenarios DIR]` and the file options in `files`
-/// (each `--flag FILE`), as `run` and `shrink` take them.
-struct OneSeed {
-    name: String,
-    seed: u64,
-    dir: PathBuf,
-    files: BTreeMap<&'static str, String>,
-}
-
-fn parse_one_seed(args: &[String], files: &[&'static str]) -> Result<OneSeed, String> {
-    let mut name = None;
-    let mut seed = None;
-    let mut dir = default_scenarios_dir();
-    let mut given = BTreeMap::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--seed" => {
-                let v = it.next().ok_or("--seed needs a value")?;
-                seed = Some(v.parse::<u64>().map_err(|_| format!("bad seed {v:?}"))?);
-            }
-            "--scenarios" => dir = PathBuf::from(it.next().ok_or("--scenarios needs a folder")?),
-            flag if files.contains(&flag) => {
-                let key = files.iter().find(|f| **f == flag).expect("just found");
-                let file = it.next().ok_or(format!("{flag} needs a file"))?;
-                given.insert(*key, file.clone());
-            }
-            other if name.is_none() && !other.starts_with('-') => name = Some(other.to_owned()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
-        }
-    }
-    Ok(OneSeed {
-        name: name.ok_or(USAGE)?,
-        seed: seed.ok_or("--seed is required")?,
-        dir,
-        files: given,
-    })
-}
-
-fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
-    let OneSeed {
-        name,
-        seed,
-        dir,
-        mut files,
-    } = parse_one_seed(args, &["--trace", "--timeline"])?;
-    let trace_file = files.remove("--trace");
-    let timeline_file = files.remove("--timeline");
+fn cmd_run(args: RunArgs) -> Result<ExitCode, String> {
+    let RunArgs {
+        one:
+            OneSeed {
+                scenario: name,
+                seed,
+                scenarios: dir,
+            },
+        trace: trace_file,
+        timeline: timeline_file,
+    } = args;
     println!("seed {seed}\nengine {}", sim::engine::NAME);
     let scenario = load(&dir, &name)?;
     let started = Instant::now();
@@ -260,14 +293,15 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
         }
     }
     if let Some(file) = trace_file {
-        std::fs::write(&file, o.trace.render()).map_err(|e| format!("cannot write {file}: {e}"))?;
-        println!("trace written to {file}");
+        std::fs::write(&file, o.trace.render())
+            .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+        println!("trace written to {}", file.display());
     }
     if let Some(file) = timeline_file {
         let title = format!("{} seed {}", o.scenario, o.seed);
         let svg = sim::timeline::svg(&title, &o.trace.lock(), &v.violations);
-        std::fs::write(&file, svg).map_err(|e| format!("cannot write {file}: {e}"))?;
-        println!("timeline written to {file}");
+        std::fs::write(&file, svg).map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+        println!("timeline written to {}", file.display());
     }
     Ok(if v.ok() {
         ExitCode::SUCCESS
@@ -276,14 +310,16 @@ fn cmd_run(args: &[String]) -> Result<ExitCode, String> {
     })
 }
 
-fn cmd_shrink(args: &[String]) -> Result<ExitCode, String> {
-    let OneSeed {
-        name,
-        seed,
-        dir,
-        mut files,
-    } = parse_one_seed(args, &["--out"])?;
-    let out = files.remove("--out");
+fn cmd_shrink(args: ShrinkArgs) -> Result<ExitCode, String> {
+    let ShrinkArgs {
+        one:
+            OneSeed {
+                scenario: name,
+                seed,
+                scenarios: dir,
+            },
+        out,
+    } = args;
     println!("seed {seed}\nengine {}", sim::engine::NAME);
     let scenario = load(&dir, &name)?;
     let started = Instant::now();
@@ -292,7 +328,10 @@ fn cmd_shrink(args: &[String]) -> Result<ExitCode, String> {
     let stem = Path::new(&name)
         .file_stem()
         .map_or(name.clone(), |s| s.to_string_lossy().into_owned());
-    let out = out.unwrap_or_else(|| format!("{stem}-{seed}.shrunk.toml"));
+    let out = out.map_or_else(
+        || format!("{stem}-{seed}.shrunk.toml"),
+        |p| p.display().to_string(),
+    );
     let command = format!("sim shrink {name} --seed {seed}{}", engine_flag());
     std::fs::write(&out, sim::shrink::to_toml(&shrunk, &command))
         .map_err(|e| format!("cannot write {out}: {e}"))?;
@@ -308,35 +347,14 @@ fn cmd_shrink(args: &[String]) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// What `sim sweep` was asked for.
-struct SweepArgs {
-    scenarios: Vec<Scenario>,
-    range: std::ops::Range<u64>,
-    jobs: usize,
-    by_scenario: bool,
-}
-
-fn parse_sweep(args: &[String]) -> Result<SweepArgs, String> {
-    let mut names = Vec::new();
-    let mut range = None;
-    let mut jobs = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut dir = default_scenarios_dir();
-    let mut by_scenario = false;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--by-scenario" => by_scenario = true,
-            "--seeds" => range = Some(parse_range(it.next().ok_or("--seeds needs A..B")?)?),
-            "--jobs" => {
-                let v = it.next().ok_or("--jobs needs a value")?;
-                jobs = v.parse().map_err(|_| format!("bad --jobs {v:?}"))?;
-            }
-            "--scenarios" => dir = PathBuf::from(it.next().ok_or("--scenarios needs a folder")?),
-            other if !other.starts_with('-') => names.push(other.to_owned()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
-        }
-    }
-    let range = range.ok_or("--seeds A..B is required")?;
+fn cmd_sweep(args: SweepArgs) -> Result<ExitCode, String> {
+    let SweepArgs {
+        names,
+        seeds: range,
+        jobs,
+        scenarios: dir,
+        by_scenario,
+    } = args;
     let scenarios: Vec<Scenario> = if names.is_empty() {
         Scenario::load_dir_with_twins(&dir).map_err(|e| e.to_string())?
     } else {
@@ -345,21 +363,6 @@ fn parse_sweep(args: &[String]) -> Result<SweepArgs, String> {
             .map(|n| load(&dir, n))
             .collect::<Result<_, _>>()?
     };
-    Ok(SweepArgs {
-        scenarios,
-        range,
-        jobs,
-        by_scenario,
-    })
-}
-
-fn cmd_sweep(args: &[String]) -> Result<ExitCode, String> {
-    let SweepArgs {
-        scenarios,
-        range,
-        jobs,
-        by_scenario,
-    } = parse_sweep(args)?;
     println!(
         "seeds {}..{} over {} scenarios on {}",
         range.start,

@@ -29,81 +29,121 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use benches::chaos::{roles, run};
+use clap::{Parser, Subcommand};
 
-const USAGE: &str = "usage: chaos run [--events N] [--faults F] [--seed S] [--rate R] [--out DIR] \
-                     [--settle-secs S] [--keep] [--amqp-url URL[,URL...]] [--cluster] \
-                     [--ordering-keys K]";
+/// The whole system on the real services under a seeded schedule of real
+/// faults, judged by an independent observer.
+#[derive(Debug, Parser)]
+#[command(name = "chaos", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    role: Role,
+}
 
-fn parse(args: &[String]) -> Result<run::Args, String> {
+#[derive(Debug, Subcommand)]
+enum Role {
+    /// Run the whole system under faults and judge it (exit 0 if every rule
+    /// held, 1 if one broke, 2 on a usage or set-up error).
+    Run(RunCli),
+    /// One of the run's producers (the orchestrator starts it).
+    Producer,
+    /// One of the run's drainers (the orchestrator starts it).
+    Drainer,
+    /// One of the run's subscribers (the orchestrator starts it).
+    Subscriber,
+}
+
+#[derive(Debug, clap::Args)]
+struct RunCli {
+    /// Events the producers commit.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
+    events: u64,
+    /// Faults injected over the production.
+    #[arg(long, default_value_t = 8)]
+    faults: usize,
+    /// The seed of the fault plan and the producers' draws.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Events per second the producers aim at (default: about a minute of
+    /// production, 300 to 3 000 events/s).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Where the report, logs and records go.
+    #[arg(long, value_name = "DIR")]
+    out: Option<std::path::PathBuf>,
+    /// After the heal, the longest the run may go without progress (and
+    /// the least it is given to finish).
+    #[arg(long, value_name = "S", default_value_t = 180.0)]
+    settle_secs: f64,
+    /// Keep the run's database and queues.
+    #[arg(long)]
+    keep: bool,
+    /// The broker's nodes, comma-separated (default `AMQP_URL`, or the
+    /// cluster's nodes with `--cluster`).
+    #[arg(long, value_name = "URL[,URL...]")]
+    amqp_url: Option<String>,
+    /// Run on the project's three-node cluster, with node faults.
+    #[arg(long)]
+    cluster: bool,
+    /// Spread the order events over K ordering keys and make both
+    /// subscriptions ordered.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    ordering_keys: u64,
+}
+
+fn parse(c: RunCli) -> Result<run::Args, String> {
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut a = run::Args {
-        events: 20_000,
-        faults: 8,
-        seed: 1,
-        rate: 0.0,
-        out: workspace.join("target").join("chaos"),
-        settle: Duration::from_secs(180),
-        pg_admin: std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
-        amqp: String::new(),
-        cluster: false,
-        keep: false,
-        ordering_keys: 0,
-    };
-    let mut it = args.iter();
-    let num = |flag: &str, v: Option<&String>| -> Result<f64, String> {
-        let v = v.ok_or(format!("{flag} needs a value"))?;
-        v.parse()
-            .map_err(|_| format!("{flag} {v:?} is not a number"))
-    };
-    while let Some(flag) = it.next() {
-        match flag.as_str() {
-            "--events" => a.events = num(flag, it.next())? as u64,
-            "--faults" => a.faults = num(flag, it.next())? as usize,
-            "--seed" => a.seed = num(flag, it.next())? as u64,
-            "--rate" => a.rate = num(flag, it.next())?,
-            "--settle-secs" => a.settle = Duration::from_secs_f64(num(flag, it.next())?),
-            "--out" => a.out = it.next().ok_or("--out needs a folder")?.into(),
-            "--keep" => a.keep = true,
-            "--cluster" => a.cluster = true,
-            "--ordering-keys" => a.ordering_keys = num(flag, it.next())? as u64,
-            "--amqp-url" => a.amqp = it.next().ok_or("--amqp-url needs a URL list")?.clone(),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
-        }
+    if !(c.settle_secs.is_finite() && c.settle_secs >= 0.0) {
+        return Err(format!(
+            "--settle-secs must be a number of seconds, got {}",
+            c.settle_secs
+        ));
     }
-    if a.events == 0 {
-        return Err("--events must be at least 1".into());
-    }
-    if a.amqp.is_empty() {
-        a.amqp = if a.cluster {
+    let amqp = c.amqp_url.unwrap_or_else(|| {
+        if c.cluster {
             benches::chaos::cluster::default_list()
         } else {
             std::env::var("AMQP_URL")
                 .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-        };
-    }
-    outbox::LapinBroker::from_list(&a.amqp).map_err(|e| format!("--amqp-url: {e}"))?;
-    let nodes = benches::chaos::nodes(&a.amqp).len();
-    if a.cluster && nodes != usize::from(benches::chaos::cluster::NODES) {
+        }
+    });
+    outbox::LapinBroker::from_list(&amqp).map_err(|e| format!("--amqp-url: {e}"))?;
+    let nodes = benches::chaos::nodes(&amqp).len();
+    if c.cluster && nodes != usize::from(benches::chaos::cluster::NODES) {
         return Err(format!(
             "--cluster needs the cluster's {} nodes in --amqp-url, in node order; it lists {nodes}",
             benches::chaos::cluster::NODES
         ));
     }
-    if a.rate <= 0.0 {
-        a.rate = run::Args::default_rate(a.events);
-    }
-    Ok(a)
+    Ok(run::Args {
+        events: c.events,
+        faults: c.faults,
+        seed: c.seed,
+        rate: c
+            .rate
+            .filter(|r| *r > 0.0)
+            .unwrap_or_else(|| run::Args::default_rate(c.events)),
+        out: c
+            .out
+            .unwrap_or_else(|| workspace.join("target").join("chaos")),
+        settle: Duration::from_secs_f64(c.settle_secs),
+        pg_admin: std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
+        amqp,
+        cluster: c.cluster,
+        keep: c.keep,
+        ordering_keys: c.ordering_keys,
+    })
 }
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("a tokio runtime");
-    let role = args.first().map(String::as_str);
-    if role != Some("run") {
+    if !matches!(cli.role, Role::Run(_)) {
         // The run's processes log warnings and errors to their log files.
         tracing_subscriber::fmt()
             .with_env_filter(
@@ -114,9 +154,9 @@ fn main() -> ExitCode {
             .init();
     }
     let result = runtime.block_on(async {
-        match role {
-            Some("run") => {
-                let a = parse(&args[1..]).map_err(|e| (e, 2))?;
+        match cli.role {
+            Role::Run(c) => {
+                let a = parse(c).map_err(|e| (e, 2))?;
                 let line = format!("chaos {}", args.join(" "));
                 match run::run(a, line).await {
                     Ok(true) => Ok(()),
@@ -124,16 +164,15 @@ fn main() -> ExitCode {
                     Err(e) => Err((format!("chaos run failed: {e}"), 2)),
                 }
             }
-            Some("producer") => roles::producer().await.map_err(|e| (e.to_string(), 1)),
-            Some("drainer") => roles::drainer().await.map_err(|e| (e.to_string(), 1)),
-            Some("subscriber") => roles::subscriber().await.map_err(|e| (e.to_string(), 1)),
-            _ => Err((USAGE.to_owned(), 2)),
+            Role::Producer => roles::producer().await.map_err(|e| (e.to_string(), 1)),
+            Role::Drainer => roles::drainer().await.map_err(|e| (e.to_string(), 1)),
+            Role::Subscriber => roles::subscriber().await.map_err(|e| (e.to_string(), 1)),
         }
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err((msg, code)) => {
-            eprintln!("{msg}");
+            eprintln!("error: {msg}");
             ExitCode::from(code)
         }
     }

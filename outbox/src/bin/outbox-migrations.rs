@@ -11,17 +11,43 @@
 //! instead of the ADR's.
 //! Exit status: 0 when identical (or stamped), 1 on a mismatch, 2 on misuse.
 
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
 
 use outbox::migrate::{
     FILES, FileStatus, MigrationCheckError, PARTITIONED_FILES, check_files, checksum_hex,
     stamp_files,
 };
 
-fn usage() -> ExitCode {
-    eprintln!("usage: outbox-migrations [--partitioned] check DIR | stamp DIR | list");
-    ExitCode::from(2)
+/// Stamps the library's migrations into a service's migrations folder, or
+/// checks that the folder holds byte-identical copies (exit 0 when
+/// identical or stamped, 1 on a mismatch, 2 on misuse).
+#[derive(Debug, Parser)]
+#[command(name = "outbox-migrations", version, about, long_about = None)]
+struct Cli {
+    /// Work on the partitioned layout's files instead of the ADR's.
+    #[arg(long, global = true)]
+    partitioned: bool,
+    #[command(subcommand)]
+    action: Action,
+}
+
+#[derive(Debug, Subcommand)]
+enum Action {
+    /// Check that DIR holds byte-identical copies of the migrations.
+    Check {
+        /// The service's migrations folder.
+        dir: PathBuf,
+    },
+    /// Write the migrations into DIR (those already identical are kept).
+    Stamp {
+        /// The service's migrations folder.
+        dir: PathBuf,
+    },
+    /// List the migrations with their SHA-384 checksums.
+    List,
 }
 
 fn report(err: &MigrationCheckError) {
@@ -42,27 +68,20 @@ fn report(err: &MigrationCheckError) {
 }
 
 fn main() -> ExitCode {
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let files = match args.iter().position(|a| a == "--partitioned") {
-        Some(at) => {
-            args.remove(at);
-            PARTITIONED_FILES
-        }
-        None => FILES,
+    let cli = Cli::parse();
+    let files = if cli.partitioned {
+        PARTITIONED_FILES
+    } else {
+        FILES
     };
-    match args
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .as_slice()
-    {
-        ["list"] => {
+    match cli.action {
+        Action::List => {
             for (name, body) in files {
                 println!("{name}  sha384:{}", checksum_hex(body.as_bytes()));
             }
             ExitCode::SUCCESS
         }
-        ["check", dir] => match check_files(Path::new(dir), files) {
+        Action::Check { dir } => match check_files(&dir, files) {
             Ok(files) => {
                 for f in files {
                     println!("identical  {}  sha384:{}", f.name, f.expected_sha384);
@@ -74,7 +93,7 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        ["stamp", dir] => match stamp_files(Path::new(dir), files) {
+        Action::Stamp { dir } => match stamp_files(&dir, files) {
             Ok(written) => {
                 for name in &written {
                     println!("wrote      {name}");
@@ -91,6 +110,5 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        _ => usage(),
     }
 }

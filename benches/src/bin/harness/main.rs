@@ -35,6 +35,7 @@ mod p3;
 use std::time::{Duration, Instant};
 
 use benches::{claim_and_mark, envelope, fresh_database, prefill};
+use clap::Parser;
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
@@ -52,83 +53,88 @@ const DEPTH: usize = 32;
 /// Longest wait for a drain.
 const DRAIN_LIMIT: Duration = Duration::from_secs(1800);
 
+/// The sections `--only` takes.
+const SECTIONS: [&str; 12] = [
+    "p1",
+    "p7",
+    "beside",
+    "phases",
+    "antipattern",
+    "p2",
+    "p3",
+    "p4",
+    "p5",
+    "p9",
+    "p9f",
+    "p10",
+];
+
+/// Measures the drainer and the subscriber on the real services and writes
+/// the README's performance figures.
+#[derive(Debug, Parser)]
+#[command(name = "harness", version, about, long_about = None)]
 struct Args {
+    /// Rows per measured drain.
+    #[arg(long, value_name = "N", default_value_t = 100_000)]
     rows: usize,
     /// Backlog of the large P2 measurement (0 skips P2).
+    #[arg(long, value_name = "N", default_value_t = 1_000_000)]
     p2_rows: usize,
     /// Rows per table P10 loads (it runs only when `--only` names it).
+    #[arg(long, value_name = "N", default_value_t = 20_000_000)]
     p10_rows: u64,
-    /// The layouts P10 measures: `plain`, `partitioned` or both.
-    p10_layouts: Vec<String>,
+    /// The layouts P10 measures.
+    #[arg(long = "p10-layout", value_name = "L", value_enum, default_value_t = Layouts::Both)]
+    p10_layout: Layouts,
+    /// Where the figures go, as flat JSON keys.
+    #[arg(long, value_name = "FILE", default_value = "target/harness.json")]
     json: String,
-    /// Sections to run (`p1,p7,phases,antipattern,p2,p3,p4,p5`); all if empty.
-    /// The ceiling always runs: every ratio needs it.
+    /// Sections to run, comma-separated (all but p10 when absent). The
+    /// ceiling always runs: every ratio needs it.
+    #[arg(long, value_name = "SECTIONS", value_delimiter = ',', value_parser = SECTIONS)]
     only: Vec<String>,
+    /// The PostgreSQL server (the harness makes its own databases).
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres",
+        hide_env_values = true
+    )]
     database_url: String,
+    /// The broker's nodes, comma-separated (default: the local broker).
+    #[arg(
+        long,
+        value_name = "URL[,URL...]",
+        env = "AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_env_values = true,
+        hide_default_value = true
+    )]
     amqp_url: String,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        rows: 100_000,
-        p2_rows: 1_000_000,
-        p10_rows: 20_000_000,
-        p10_layouts: vec!["plain".into(), "partitioned".into()],
-        json: "target/harness.json".into(),
-        only: Vec::new(),
-        database_url: std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
-        amqp_url: std::env::var("AMQP_URL")
-            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--rows" => {
-                let v = value()?;
-                a.rows = v
-                    .parse()
-                    .map_err(|_| format!("--rows must be a whole number, got {v:?}"))?;
-            }
-            "--p2-rows" => {
-                let v = value()?;
-                a.p2_rows = v
-                    .parse()
-                    .map_err(|_| format!("--p2-rows must be a whole number, got {v:?}"))?;
-            }
-            "--p10-rows" => {
-                let v = value()?;
-                a.p10_rows = v
-                    .parse()
-                    .map_err(|_| format!("--p10-rows must be a whole number, got {v:?}"))?;
-            }
-            "--p10-layout" => {
-                a.p10_layouts = match value()?.as_str() {
-                    "both" => vec!["plain".into(), "partitioned".into()],
-                    l @ ("plain" | "partitioned") => vec![l.to_owned()],
-                    other => {
-                        return Err(format!(
-                            "--p10-layout must be plain, partitioned or both, got {other:?}"
-                        ));
-                    }
-                };
-            }
-            "--json" => a.json = value()?,
-            "--only" => a.only = value()?.split(',').map(|s| s.trim().to_owned()).collect(),
-            "--database-url" => a.database_url = value()?,
-            "--amqp-url" => a.amqp_url = value()?,
-            "-h" | "--help" => {
-                return Err(
-                    "usage: harness [--rows N] [--p2-rows N] [--p10-rows N] [--p10-layout L] \
-                     [--only p1,p7,beside,phases,antipattern,p2,p3,p4,p5,p9,p9f,p10] \
-                     [--json FILE] [--database-url URL] [--amqp-url URL[,URL...]]"
-                        .into(),
-                );
-            }
-            other => return Err(format!("unknown argument {other:?} (try --help)")),
+/// The layouts `--p10-layout` names.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Layouts {
+    Plain,
+    Partitioned,
+    Both,
+}
+
+impl Args {
+    /// The layouts P10 measures, by name.
+    fn p10_layouts(&self) -> &'static [&'static str] {
+        match self.p10_layout {
+            Layouts::Plain => &["plain"],
+            Layouts::Partitioned => &["partitioned"],
+            Layouts::Both => &["plain", "partitioned"],
         }
     }
+}
+
+fn parse_args() -> Result<Args, String> {
+    let a = Args::parse();
     outbox::LapinBroker::from_list(&a.amqp_url).map_err(|e| format!("--amqp-url: {e}"))?;
     Ok(a)
 }
@@ -1021,7 +1027,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = match parse_args() {
         Ok(a) => a,
         Err(msg) => {
-            eprintln!("{msg}");
+            eprintln!("error: {msg}");
             std::process::exit(2);
         }
     };
@@ -1278,7 +1284,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // P10 loads tens of millions of rows: only when asked for by name.
     if args.only.iter().any(|s| s == "p10") {
-        for layout in &args.p10_layouts {
+        for &layout in args.p10_layouts() {
             let (rows_from, keys_before) = (table.len(), json.clone());
             if layout == "partitioned" {
                 let name = "harness_partitioned";
