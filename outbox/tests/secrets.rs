@@ -33,6 +33,31 @@ fn urls_are_redacted() {
 }
 
 #[test]
+fn an_address_without_its_scheme_does_not_show_its_password() {
+    // Found by fuzzing redact_url (issue 30): `user:password@host`, its
+    // scheme forgotten, went into the error whole.
+    for address in [
+        format!("svc:{SECRET}@127.0.0.1:5672/%2f"),
+        format!("svc_1:{SECRET}@h"),
+        format!("amqp://a@h,svc:{SECRET}@h"),
+        format!("svc:{SECRET}@h-amqp://other:5672"),
+    ] {
+        assert!(!redact_url(&address).contains(SECRET), "{address}");
+        let e = outbox::LapinBroker::from_list(&address)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(!e.contains(SECRET), "{e}");
+    }
+    assert_eq!(redact_url(&format!("svc:{SECRET}@h")), "svc:***@h");
+    // With a scheme and no `//`, the password still follows the second colon.
+    assert_eq!(
+        redact_url(&format!("amqp:svc:{SECRET}@h")),
+        "amqp:svc:***@h"
+    );
+}
+
+#[test]
 fn every_address_shape_sqlx_and_lapin_accept_is_redacted() {
     let s = SECRET;
     for (address, expected) in [

@@ -495,26 +495,42 @@ fn secrets_of(address: &str) -> Vec<String> {
     found
 }
 
-/// Where a password sits in `scheme://user:password@rest` or
-/// `scheme:user:password@rest`: (the colon before it, the last `@`).
+/// Where a password sits in `scheme://user:password@rest`,
+/// `scheme:user:password@rest` or a scheme-less `user:password@rest`: (the
+/// colon before it, the last `@`). Without `://` (or with no userinfo after
+/// it) the text before it is read as a scheme, a user and a password when
+/// it has two colons before the `@`, else as a user and a password: a
+/// forgotten scheme, or an address run into another, must not show the
+/// password (both found by fuzzing `redact_url`, issue 30).
 fn userinfo_bounds(url: &str) -> Option<(usize, usize)> {
-    let start = match url.find("://") {
-        Some(i) => i + 3,
-        None => {
-            let i = url.find(':')?;
-            let scheme = &url[..i];
-            let is_scheme = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
-                && scheme
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
-            if !is_scheme {
-                return None;
+    let head = match url.find("://") {
+        Some(i) => {
+            let start = i + 3;
+            let after = url[start..].rfind('@').and_then(|at| {
+                let colon = url[start..start + at].find(':')?;
+                Some((start + colon, start + at))
+            });
+            if after.is_some() {
+                return after;
             }
-            i + 1
+            &url[..i]
         }
+        None => url,
     };
-    let at = start + url[start..].rfind('@')?;
-    let colon = start + url[start..at].find(':')?;
+    let first = head.find(':')?;
+    // A scheme or a user: one word (free text around a colon is neither).
+    let word = &head[..first];
+    if word.is_empty() || word.contains(|c: char| c.is_whitespace() || "/@?#'\"".contains(c)) {
+        return None;
+    }
+    let at = first + head[first..].rfind('@')?;
+    // A second colon starts the password only when no `@` comes before it:
+    // `u:pw@h:x@y` is a user and a password, then more text.
+    let colon = head[first + 1..at]
+        .find(':')
+        .map(|c| first + 1 + c)
+        .filter(|&second| !head[first..second].contains('@'))
+        .unwrap_or(first);
     Some((colon, at))
 }
 

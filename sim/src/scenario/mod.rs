@@ -258,16 +258,25 @@ impl Scenario {
             path: p.clone(),
             source,
         })?;
-        let mut s: Scenario = toml::from_str(&text).map_err(|e| ScenarioError::Parse {
-            path: p.clone(),
-            message: e.to_string(),
-        })?;
-        s.name = path
+        let name = path
             .file_stem()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        s.check()
-            .map_err(|message| ScenarioError::Parse { path: p, message })?;
+        Self::parse(&p, name, &text)
+    }
+
+    /// Parses and checks a scenario's TOML `text`, read from `path` (for
+    /// the errors), and names it `name`.
+    pub fn parse(path: &str, name: String, text: &str) -> Result<Self, ScenarioError> {
+        let mut s: Scenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+        s.name = name;
+        s.check().map_err(|message| ScenarioError::Parse {
+            path: path.to_owned(),
+            message,
+        })?;
         Ok(s)
     }
 

@@ -14,7 +14,10 @@
 //!   decimal point (the first non-zero digit at 10^131072 or beyond), more
 //!   than 16 383 after it (fraction digits minus the exponent), or an
 //!   exponent of 1 073 741 823 or more in magnitude: 22003 "value overflows
-//!   numeric format".
+//!   numeric format". A number run straight into letters, digits, `_` or
+//!   non-ASCII bytes is one bad token: 22P02, whatever its size; and so is
+//!   an out-of-range number followed by a bad token (PostgreSQL lexes the
+//!   next token before it converts a number).
 
 /// A refusal: PostgreSQL's SQLSTATE and message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +69,7 @@ pub fn jsonb_refusal(text: &str) -> Option<Refusal> {
         return Some(r);
     }
     p.ws();
-    (p.i != p.b.len()).then_some(SYNTAX)
+    (p.i != p.b.len()).then(|| p.unexpected())
 }
 
 /// Nesting PostgreSQL accepts before its stack check gives up; far beyond
@@ -89,12 +92,21 @@ impl Parser<'_> {
         }
     }
 
+    /// What PostgreSQL reports for a token the grammar does not want here:
+    /// its lexer's refusal if the token does not lex (a string's `\u0000`
+    /// is 22P05), else a syntax error. Its lexer reads each token before
+    /// the parser judges it (found by the differential fuzz target, issue
+    /// 30).
+    fn unexpected(&self) -> Refusal {
+        self.next_token_lexes().err().unwrap_or(SYNTAX)
+    }
+
     fn eat(&mut self, c: u8) -> Result<(), Refusal> {
         if self.peek() == Some(c) {
             self.i += 1;
             Ok(())
         } else {
-            Err(SYNTAX)
+            Err(self.unexpected())
         }
     }
 
@@ -142,7 +154,7 @@ impl Parser<'_> {
                     self.i += 1;
                     return Ok(());
                 }
-                _ => return Err(SYNTAX),
+                _ => return Err(self.unexpected()),
             }
         }
     }
@@ -164,7 +176,7 @@ impl Parser<'_> {
                     self.i += 1;
                     return Ok(());
                 }
-                _ => return Err(SYNTAX),
+                _ => return Err(self.unexpected()),
             }
         }
     }
@@ -225,7 +237,21 @@ impl Parser<'_> {
     }
 
     /// A JSON number, then whether `numeric` can hold it.
+    /// A number: its token, then its range (see `next_token_lexes`).
     fn number(&mut self) -> Result<(), Refusal> {
+        if self.number_token()? {
+            return Ok(());
+        }
+        // PostgreSQL lexes the token after a scalar before it converts the
+        // scalar: a bad token there is the syntax error it reports, not the
+        // number's range (`1e1000000\u{1b}` is 22P02; found by the
+        // differential fuzz target, issue 30).
+        self.next_token_lexes()?;
+        Err(NUMERIC_OVERFLOW)
+    }
+
+    /// Lexes a number token; whether `numeric` can hold it.
+    fn number_token(&mut self) -> Result<bool, Refusal> {
         if self.peek() == Some(b'-') {
             self.i += 1;
         }
@@ -273,9 +299,48 @@ impl Parser<'_> {
                 exponent = -exponent;
             }
         }
-        numeric_fits(int, frac, exponent)
-            .then_some(())
-            .ok_or(NUMERIC_OVERFLOW)
+        // PostgreSQL's lexer takes letters, digits, `_` and non-ASCII
+        // bytes right after a number as part of its token, which is then no
+        // number: a syntax error, before the value's range is looked at
+        // (`1e1073741823x` is 22P02, not 22003; found by the differential
+        // fuzz target, issue 30).
+        if self
+            .peek()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80)
+        {
+            return Err(SYNTAX);
+        }
+        Ok(numeric_fits(int, frac, exponent))
+    }
+
+    /// Whether the token after the current position lexes (whitespace
+    /// skipped; the end of the input counts as one), as PostgreSQL's
+    /// lexer reads it, without moving: a string's own refusal if it is a
+    /// bad string, a syntax error for any other bad token.
+    fn next_token_lexes(&self) -> Result<(), Refusal> {
+        let mut ahead = Parser {
+            b: self.b,
+            i: self.i,
+        };
+        ahead.ws();
+        match ahead.peek() {
+            None | Some(b'{' | b'}' | b'[' | b']' | b',' | b':') => Ok(()),
+            Some(b'"') => ahead.string(),
+            Some(b'-' | b'0'..=b'9') => ahead.number_token().map(drop),
+            Some(_) => {
+                let start = ahead.i;
+                while ahead
+                    .peek()
+                    .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80)
+                {
+                    ahead.i += 1;
+                }
+                match &ahead.b[start..ahead.i] {
+                    b"true" | b"false" | b"null" => Ok(()),
+                    _ => Err(SYNTAX),
+                }
+            }
+        }
     }
 
     fn digits(&mut self) {
