@@ -39,16 +39,7 @@ fn pg() -> &'static Pg {
 fn ask(text: &str) -> props::PgVerdict {
     let pg = pg();
     let mut conn = pg.conn.lock().expect("the connection");
-    pg.rt.block_on(async {
-        sqlx::query_scalar::<_, String>("SELECT $1::jsonb::text")
-            .bind(text)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(|e| match e.as_database_error().and_then(|d| d.code()) {
-                Some(code) => code.into_owned(),
-                None => panic!("PostgreSQL did not answer: {e}"),
-            })
-    })
+    props::ask_postgres(&pg.rt, &mut conn, text)
 }
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| props::jsonb(data, ask));

@@ -71,3 +71,23 @@ pub fn jsonb(data: &[u8], ask: impl FnOnce(&str) -> PgVerdict) {
         _ => panic!("{text:?}: the fake says {fake:?}, PostgreSQL {real:?}"),
     }
 }
+
+/// Asks PostgreSQL on `conn` what it makes of `text` as `jsonb`, for
+/// [`jsonb`]'s `ask` (the fuzz target and the stable replay alike).
+pub fn ask_postgres(
+    rt: &tokio::runtime::Runtime,
+    conn: &mut sqlx::PgConnection,
+    text: &str,
+) -> PgVerdict {
+    rt.block_on(
+        sqlx::query_scalar::<_, String>("SELECT $1::jsonb::text")
+            .bind(text)
+            .fetch_one(conn),
+    )
+    .map_err(|e| {
+        e.as_database_error()
+            .and_then(|d| d.code())
+            .map(|c| c.into_owned())
+            .unwrap_or_else(|| panic!("PostgreSQL did not answer: {e}"))
+    })
+}

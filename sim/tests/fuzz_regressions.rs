@@ -23,18 +23,6 @@ fn jsonb_corpus_agrees_with_postgresql() {
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let conn = std::cell::RefCell::new(rt.block_on(PgConnection::connect(&url)).unwrap());
-    let ask = |text: &str| -> props::PgVerdict {
-        rt.block_on(
-            sqlx::query_scalar::<_, String>("SELECT $1::jsonb::text")
-                .bind(text)
-                .fetch_one(&mut *conn.borrow_mut()),
-        )
-        .map_err(|e| {
-            e.as_database_error()
-                .and_then(|d| d.code())
-                .map(|c| c.into_owned())
-                .unwrap_or_else(|| panic!("PostgreSQL did not answer: {e}"))
-        })
-    };
+    let ask = |text: &str| props::ask_postgres(&rt, &mut conn.borrow_mut(), text);
     replay("jsonb", |data| props::jsonb(data, ask));
 }

@@ -123,14 +123,18 @@ impl Parser<'_> {
         }
     }
 
+    /// A word (`true`, `false`, `null`): PostgreSQL's lexer takes the whole
+    /// run of letters, digits, `_` and non-ASCII bytes as one token, so
+    /// `truex` is one bad token, and a byte that starts no token is one too.
     fn literal(&mut self) -> Result<(), Refusal> {
-        for word in [&b"true"[..], b"false", b"null"] {
-            if self.b[self.i..].starts_with(word) {
-                self.i += word.len();
-                return Ok(());
-            }
+        let start = self.i;
+        while self.peek().is_some_and(word_byte) {
+            self.i += 1;
         }
-        Err(SYNTAX)
+        match &self.b[start..self.i] {
+            b"true" | b"false" | b"null" => Ok(()),
+            _ => Err(SYNTAX),
+        }
     }
 
     fn object(&mut self, depth: usize) -> Result<(), Refusal> {
@@ -236,7 +240,6 @@ impl Parser<'_> {
         }
     }
 
-    /// A JSON number, then whether `numeric` can hold it.
     /// A number: its token, then its range (see `next_token_lexes`).
     fn number(&mut self) -> Result<(), Refusal> {
         if self.number_token()? {
@@ -304,10 +307,7 @@ impl Parser<'_> {
         // number: a syntax error, before the value's range is looked at
         // (`1e1073741823x` is 22P02, not 22003; found by the differential
         // fuzz target, issue 30).
-        if self
-            .peek()
-            .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80)
-        {
+        if self.peek().is_some_and(word_byte) {
             return Err(SYNTAX);
         }
         Ok(numeric_fits(int, frac, exponent))
@@ -327,19 +327,7 @@ impl Parser<'_> {
             None | Some(b'{' | b'}' | b'[' | b']' | b',' | b':') => Ok(()),
             Some(b'"') => ahead.string(),
             Some(b'-' | b'0'..=b'9') => ahead.number_token().map(drop),
-            Some(_) => {
-                let start = ahead.i;
-                while ahead
-                    .peek()
-                    .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80)
-                {
-                    ahead.i += 1;
-                }
-                match &ahead.b[start..ahead.i] {
-                    b"true" | b"false" | b"null" => Ok(()),
-                    _ => Err(SYNTAX),
-                }
-            }
+            Some(_) => ahead.literal(),
         }
     }
 
@@ -348,6 +336,12 @@ impl Parser<'_> {
             self.i += 1;
         }
     }
+}
+
+/// A byte PostgreSQL's JSON lexer reads as part of a word or a number's
+/// token (`JSON_ALPHANUMERIC_CHAR`).
+fn word_byte(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80
 }
 
 /// Whether `int.frac × 10^exponent` fits PostgreSQL's `numeric`.
