@@ -304,13 +304,13 @@ impl crate::core::subscriber::SubscriberSettings {
 
     /// Checks every rule, naming the variable (or setting) that breaks one.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |var: &'static str, value: &dyn std::fmt::Display, rule: &str| {
-            Err(ConfigError::Invalid {
-                var,
-                value: value.to_string(),
-                rule: rule.to_owned(),
-            })
-        };
+        self.check_topology()?;
+        self.check_budgets()
+    }
+
+    /// The queue, exchange and bindings, the prefetch, the workers and the
+    /// partitions.
+    fn check_topology(&self) -> Result<(), ConfigError> {
         let spec = &self.spec;
         // `<queue>.dlq` must fit in an AMQP short string too.
         if spec.queue.trim().is_empty()
@@ -370,6 +370,12 @@ impl crate::core::subscriber::SubscriberSettings {
                 "must be <= CANOPY_MQ_SUBSCRIBER_PREFETCH (workers beyond it would never get a delivery)",
             );
         }
+        Ok(())
+    }
+
+    /// The attempt budget, the body limit, the handler's deadline and the
+    /// batches.
+    fn check_budgets(&self) -> Result<(), ConfigError> {
         if self.max_attempts == 0 {
             return invalid(
                 vars::SUBSCRIBER_MAX_ATTEMPTS,
@@ -457,61 +463,7 @@ impl crate::core::janitor::InboxJanitorSettings {
     }
 }
 
-/// Everything the drainer, its janitor and its stats task need to know.
-///
-/// ```
-/// use outbox::DrainerConfig;
-/// let cfg = DrainerConfig::builder()
-///     .replica_id("orders-1")
-///     .exchange("orders.events")
-///     .batch_size(200)
-///     .build()
-///     .unwrap();
-/// assert_eq!(cfg.pipeline_depth, 32);
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DrainerConfig {
-    /// Identity written to `claimed_by`; unique per running drainer.
-    pub replica_id: String,
-    /// Exchange every row is published to (a durable topic exchange).
-    pub exchange: String,
-    /// Poll interval while busy (the ADR's 250 ms). Idle interval is 4×.
-    pub tick: Duration,
-    /// Rows claimed per tick.
-    pub batch_size: u32,
-    /// Lease length: a claim older than this is reclaimable.
-    pub lease_ttl: Duration,
-    /// Unconfirmed publishes in flight per replica (overlapping batches
-    /// share the bound).
-    pub pipeline_depth: u32,
-    /// Deadline over the whole of Phase 2 of one batch.
-    pub confirm_timeout: Duration,
-    /// At most this many rows claimed per second by this replica (`None`:
-    /// drain as fast as the database and the broker allow). Bounds the
-    /// drainer's share of a database it shares with foreground traffic while
-    /// it works off a backlog.
-    pub max_rows_per_sec: Option<NonZeroU32>,
-    /// How long a drainer woken by a commit's notification waits before it
-    /// claims, so that a stream of small commits is claimed a few at a time
-    /// rather than one claim, publish and mark round each: the database's
-    /// work per event falls with the rows per round (issue 28, harness
-    /// P3). Costs up to this much latency on a quiet outbox.
-    pub wakeup_linger: Duration,
-    /// Row-culpable failures after which a row parks.
-    pub max_attempts: u32,
-    /// Age after which published rows are deleted.
-    pub retention: Duration,
-    /// How often the retention janitor runs.
-    pub janitor_interval: Duration,
-    /// Rows deleted per janitor statement.
-    pub janitor_batch: u32,
-    /// How often the stats task samples the outbox.
-    pub stats_interval: Duration,
-    /// Pending-row count above which the outbox is unhealthy.
-    pub pending_warn: u64,
-    /// Oldest-unpublished age above which the outbox is unhealthy.
-    pub oldest_warn: Duration,
-}
+pub use crate::core::drainer::DrainerConfig;
 
 impl DrainerConfig {
     /// Starts a builder with the ADR's defaults and a generated replica id.
@@ -713,15 +665,44 @@ impl DrainerConfigBuilder {
 
     /// Checks every rule and returns the configuration.
     pub fn build(self) -> Result<DrainerConfig, ConfigError> {
-        let invalid = |var: &'static str, value: &dyn std::fmt::Display, rule: String| {
-            Err(ConfigError::Invalid {
-                var,
-                value: value.to_string(),
-                rule,
-            })
+        self.check_sizes()?;
+        self.check_timing()?;
+        self.check_budgets()?;
+        let replica_id = match self.replica_id {
+            Some(id) if id.trim().is_empty() || id.len() > 200 => {
+                return invalid(
+                    vars::REPLICA_ID,
+                    &id,
+                    "must be non-blank and at most 200 bytes",
+                );
+            }
+            Some(id) => id,
+            None => default_replica_id(),
         };
+        Ok(DrainerConfig {
+            replica_id,
+            exchange: self.exchange,
+            tick: Duration::from_millis(self.tick_ms),
+            batch_size: self.batch_size,
+            lease_ttl: Duration::from_secs(self.lease_ttl_secs),
+            pipeline_depth: self.pipeline_depth,
+            confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
+            max_rows_per_sec: NonZeroU32::new(self.max_rows_per_sec),
+            wakeup_linger: Duration::from_millis(self.wakeup_linger_ms),
+            max_attempts: self.max_attempts,
+            retention: self.retention,
+            janitor_interval: self.janitor_interval,
+            janitor_batch: self.janitor_batch,
+            stats_interval: self.stats_interval,
+            pending_warn: self.pending_warn,
+            oldest_warn: Duration::from_secs(self.oldest_warn_secs),
+        })
+    }
+
+    /// The tick, the batch and the pipeline.
+    fn check_sizes(&self) -> Result<(), ConfigError> {
         if self.tick_ms == 0 {
-            return invalid(vars::TICK_MS, &self.tick_ms, "must be > 0".into());
+            return invalid(vars::TICK_MS, &self.tick_ms, "must be > 0");
         }
         if self.batch_size == 0 || self.batch_size > BATCH_SIZE_MAX {
             return invalid(
@@ -737,6 +718,12 @@ impl DrainerConfigBuilder {
                 format!("must be > 0 and <= {PIPELINE_DEPTH_MAX}"),
             );
         }
+        Ok(())
+    }
+
+    /// The lease against the worst batch, the Phase 2 deadline against
+    /// both, and the wakeup's linger against the tick.
+    fn check_timing(&self) -> Result<(), ConfigError> {
         if self.lease_ttl_secs > LEASE_TTL_SECS_MAX {
             return invalid(
                 vars::LEASE_TTL_SECS,
@@ -791,8 +778,13 @@ impl DrainerConfigBuilder {
                 ),
             );
         }
+        Ok(())
+    }
+
+    /// The parking budget, the janitor's batch and the exchange.
+    fn check_budgets(&self) -> Result<(), ConfigError> {
         if self.max_attempts == 0 {
-            return invalid(vars::MAX_ATTEMPTS, &self.max_attempts, "must be > 0".into());
+            return invalid(vars::MAX_ATTEMPTS, &self.max_attempts, "must be > 0");
         }
         if self.janitor_batch == 0 || self.janitor_batch > BATCH_SIZE_MAX {
             return invalid(
@@ -810,40 +802,24 @@ impl DrainerConfigBuilder {
                 vars::EXCHANGE,
                 &self.exchange,
                 "must be 1 to 255 bytes (the default exchange \"\" routes by queue name, \
-                 so a topic subscription would never see an event it confirmed)"
-                    .into(),
+                 so a topic subscription would never see an event it confirmed)",
             );
         }
-        let replica_id = match self.replica_id {
-            Some(id) if id.trim().is_empty() || id.len() > 200 => {
-                return invalid(
-                    vars::REPLICA_ID,
-                    &id,
-                    "must be non-blank and at most 200 bytes".into(),
-                );
-            }
-            Some(id) => id,
-            None => default_replica_id(),
-        };
-        Ok(DrainerConfig {
-            replica_id,
-            exchange: self.exchange,
-            tick: Duration::from_millis(self.tick_ms),
-            batch_size: self.batch_size,
-            lease_ttl: Duration::from_secs(self.lease_ttl_secs),
-            pipeline_depth: self.pipeline_depth,
-            confirm_timeout: Duration::from_secs(self.confirm_timeout_secs),
-            max_rows_per_sec: NonZeroU32::new(self.max_rows_per_sec),
-            wakeup_linger: Duration::from_millis(self.wakeup_linger_ms),
-            max_attempts: self.max_attempts,
-            retention: self.retention,
-            janitor_interval: self.janitor_interval,
-            janitor_batch: self.janitor_batch,
-            stats_interval: self.stats_interval,
-            pending_warn: self.pending_warn,
-            oldest_warn: Duration::from_secs(self.oldest_warn_secs),
-        })
+        Ok(())
     }
+}
+
+/// The error for `var` set to `value`, which breaks `rule`.
+fn invalid<T>(
+    var: &'static str,
+    value: &dyn std::fmt::Display,
+    rule: impl Into<String>,
+) -> Result<T, ConfigError> {
+    Err(ConfigError::Invalid {
+        var,
+        value: value.to_string(),
+        rule: rule.into(),
+    })
 }
 
 /// The default of `CANOPY_MQ_DRAINER_WAKEUP_LINGER_MS`: at 1 000 commits a

@@ -283,6 +283,19 @@ impl HandlerError {
         }
     }
 
+    /// An error caused by `source`, its text the message: the adapter that
+    /// knows `source`'s kind says whether it is infrastructure trouble.
+    pub(crate) fn with_source(
+        source: impl std::error::Error + Send + Sync + 'static,
+        unavailable: bool,
+    ) -> Self {
+        Self {
+            message: source.to_string(),
+            unavailable,
+            source: Some(Box::new(source)),
+        }
+    }
+
     /// The message recorded in `last_error`.
     pub fn message(&self) -> &str {
         &self.message
@@ -308,23 +321,10 @@ impl std::error::Error for HandlerError {
     }
 }
 
-impl From<sqlx::Error> for HandlerError {
-    fn from(e: sqlx::Error) -> Self {
-        Self {
-            message: e.to_string(),
-            unavailable: crate::pg::map_err_ref(&e).is_unavailable(),
-            source: Some(Box::new(e)),
-        }
-    }
-}
-
 impl From<StoreError> for HandlerError {
     fn from(e: StoreError) -> Self {
-        Self {
-            message: e.to_string(),
-            unavailable: e.is_unavailable(),
-            source: Some(Box::new(e)),
-        }
+        let unavailable = e.is_unavailable();
+        Self::with_source(e, unavailable)
     }
 }
 

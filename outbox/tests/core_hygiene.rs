@@ -1,7 +1,9 @@
 //! Architecture invariant: the core (`src/core/`) reaches time, randomness,
 //! ids and I/O only through its ports, so the simulation runs it unchanged
 //! and deterministically. This test reads the core's source and fails on any
-//! forbidden name, and on any `select!` that is not `biased`.
+//! forbidden name, and on any `select!` that is not `biased`. The core's
+//! error types (`src/error.rs`) name no adapter either: each adapter maps its
+//! own errors into them.
 
 const FORBIDDEN: &[(&str, &str)] = &[
     ("sqlx", "the store port"),
@@ -20,6 +22,17 @@ const FORBIDDEN: &[(&str, &str)] = &[
     ("thread_rng", "the Entropy port"),
     ("std::env", "configuration passed in"),
     ("tokio::spawn", "the caller spawning tasks"),
+    // Arrows run one way: the core owns its settings and errors and names
+    // no adapter and no configuration layer (issue 30).
+    (
+        "crate::config",
+        "the core's own settings (config builds them)",
+    ),
+    ("crate::pg", "the store port"),
+    ("crate::amqp", "the broker port"),
+    ("crate::http", "nothing: the admin router calls the core"),
+    ("crate::admin", "nothing: the admin layer calls the core"),
+    ("crate::runtime", "nothing: the runtime spawns the core"),
 ];
 
 /// Every `.rs` file under `dir`, its folders included, in path order.
@@ -84,6 +97,28 @@ fn the_core_names_no_clock_randomness_driver_or_unordered_map() {
     assert!(
         problems.is_empty(),
         "core hygiene:\n{}",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn the_core_error_types_name_no_adapter() {
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/error.rs");
+    let text = std::fs::read_to_string(&file).unwrap();
+    let problems: Vec<String> = text
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| {
+            let code = line.split("//").next().unwrap_or("");
+            ["crate::pg", "crate::amqp", "crate::config", "lapin::"]
+                .iter()
+                .any(|adapter| code.contains(adapter))
+        })
+        .map(|(n, line)| format!("{}:{}: {}", file.display(), n + 1, line.trim()))
+        .collect();
+    assert!(
+        problems.is_empty(),
+        "the core's errors name an adapter (map the error in the adapter):\n{}",
         problems.join("\n")
     );
 }

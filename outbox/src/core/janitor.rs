@@ -15,10 +15,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tracing::Instrument;
 
+use super::drainer::DrainerConfig;
 use super::marks::{Mark, Marks};
 use super::ports::{Clock, InboxStore, OutboxStore, PartitionsRetired};
 use super::sleep_or_shutdown;
-use crate::config::DrainerConfig;
 use crate::error::StoreError;
 
 /// Statements between two progress lines of a sweep that is catching up

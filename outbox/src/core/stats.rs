@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use super::drainer::DrainerConfig;
 use super::ports::{Clock, OutboxStats, OutboxStore};
 use super::sleep_or_shutdown;
-use crate::config::DrainerConfig;
 
 /// Gauge names.
 pub mod gauges {

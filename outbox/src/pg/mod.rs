@@ -220,6 +220,15 @@ pub(crate) async fn delete_expired(
     .await
 }
 
+/// A handler's `?` on a SQL error: the PostgreSQL adapter says whether it is
+/// infrastructure trouble (no attempt counted) or the handler's own fault.
+impl From<sqlx::Error> for crate::error::HandlerError {
+    fn from(e: sqlx::Error) -> Self {
+        let unavailable = map_err_ref(&e).is_unavailable();
+        Self::with_source(e, unavailable)
+    }
+}
+
 /// Maps a sqlx error to a store error: connection-level failures are
 /// `Unavailable`; a database error is classified by its SQLSTATE
 /// ([`StoreError::from_sqlstate`]); anything else is `Statement`. sqlx error

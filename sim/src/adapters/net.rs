@@ -14,10 +14,10 @@ use crate::wire::{PgReply, PgRequest, read_frame, write_frame};
 
 /// Bound on establishing a simulated connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// Bound on one store request: the production adapter's bound
-/// (`outbox::pg::STORE_CALL_TIMEOUT`), so a black-holed database connection
+/// Bound on one store request: the store port's contract
+/// (`outbox::core::ports::STORE_CALL_TIMEOUT`), the production adapter's bound, so a black-holed database connection
 /// wedges the simulated drainer exactly as long as the real one.
-pub const STORE_REQUEST_TIMEOUT: Duration = outbox::pg::STORE_CALL_TIMEOUT;
+pub const STORE_REQUEST_TIMEOUT: Duration = outbox::core::ports::STORE_CALL_TIMEOUT;
 
 pub(crate) async fn connect(
     host: &str,

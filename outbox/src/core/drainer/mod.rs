@@ -19,7 +19,6 @@ use std::time::Duration;
 
 use super::marks::Marks;
 use super::ports::{Broker, Clock, Entropy, OutboxStore};
-use crate::config::DrainerConfig;
 use crate::error::DrainError;
 
 mod claim;
@@ -27,6 +26,9 @@ mod mark;
 mod pipeline;
 mod publish;
 mod run;
+mod settings;
+
+pub use settings::DrainerConfig;
 
 /// After this long without work or errors the drainer polls at the idle tick.
 pub const STEADY_AFTER: Duration = Duration::from_secs(60);
