@@ -397,6 +397,35 @@ fn replay_results(subscription: &str, outcomes: Vec<(Uuid, ReplayOutcome)>) -> V
         .collect()
 }
 
+/// Why a replay is refused (it names no rows, or lists too many); a list
+/// of ids raises the limit to its length (none cut silently at the
+/// default).
+fn bounded_replay(filter: &mut InboxFilter) -> Result<(), String> {
+    if filter.ids.is_none()
+        && filter.subscription.is_none()
+        && filter.routing_key.is_none()
+        && !filter.dead_lettered_only
+    {
+        return Err(
+            "say which rows to replay: ids, subscription, routing_key or dead_lettered_only".into(),
+        );
+    }
+    if filter.ids.as_ref().is_some_and(Vec::is_empty) {
+        return Err("ids is empty".into());
+    }
+    // Listed ids are all replayed (none cut silently at the default limit).
+    if let Some(ids) = &filter.ids {
+        if ids.len() > LIST_LIMIT_MAX as usize {
+            return Err(format!(
+                "ids lists {} events; at most {LIST_LIMIT_MAX} per call",
+                ids.len()
+            ));
+        }
+        filter.limit = Some(filter.limit.unwrap_or(0).max(ids.len() as u32));
+    }
+    Ok(())
+}
+
 async fn replay(
     State(state): State<AppState>,
     body: Result<Json<InboxFilter>, JsonRejection>,
@@ -405,31 +434,8 @@ async fn replay(
         Ok(Json(f)) => f,
         Err(r) => return json_rejection(&r),
     };
-    if filter.ids.is_none()
-        && filter.subscription.is_none()
-        && filter.routing_key.is_none()
-        && !filter.dead_lettered_only
-    {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "say which rows to replay: ids, subscription, routing_key or dead_lettered_only",
-        );
-    }
-    if filter.ids.as_ref().is_some_and(Vec::is_empty) {
-        return error(StatusCode::BAD_REQUEST, "ids is empty");
-    }
-    // Listed ids are all replayed (none cut silently at the default limit).
-    if let Some(ids) = &filter.ids {
-        if ids.len() > LIST_LIMIT_MAX as usize {
-            return error(
-                StatusCode::BAD_REQUEST,
-                &format!(
-                    "ids lists {} events; at most {LIST_LIMIT_MAX} per call",
-                    ids.len()
-                ),
-            );
-        }
-        filter.limit = Some(filter.limit.unwrap_or(0).max(ids.len() as u32));
+    if let Err(refused) = bounded_replay(&mut filter) {
+        return error(StatusCode::BAD_REQUEST, &refused);
     }
     let limit = filter
         .limit

@@ -147,6 +147,122 @@ impl Search<'_> {
     }
 }
 
+impl Search<'_> {
+    /// Drops faults: chunks of half, a quarter, … down to one. Whether any
+    /// candidate was kept.
+    fn drop_faults(&mut self) -> bool {
+        let mut changed = false;
+        let mut chunk = self.best.faults.len().div_ceil(2).max(1);
+        while !self.best.faults.is_empty() {
+            let mut i = 0;
+            while i < self.best.faults.len() {
+                let mut c = self.best.clone();
+                c.faults.drain(i..(i + chunk).min(c.faults.len()));
+                if self.keep(c, "") {
+                    changed = true;
+                } else {
+                    i += chunk;
+                }
+            }
+            if chunk == 1 {
+                break;
+            }
+            chunk = chunk.div_ceil(2);
+        }
+        changed
+    }
+
+    /// Halves the workload while the failure stays.
+    fn halve_workload(&mut self) -> bool {
+        let mut changed = false;
+        while self.best.workload.transactions > 1 {
+            let mut c = self.best.clone();
+            c.workload.transactions /= 2;
+            if !self.keep(c, "") {
+                break;
+            }
+            changed = true;
+        }
+        changed
+    }
+
+    /// Drops the last consumer, then the last drainer, if no fault names
+    /// them.
+    fn drop_hosts(&mut self) -> bool {
+        let mut changed = false;
+        for consumer in [true, false] {
+            let t = &self.best.topology;
+            let (n, host) = if consumer {
+                (t.consumers, format!("consumer-{}", t.consumers))
+            } else {
+                (t.drainers, format!("drainer-{}", t.drainers))
+            };
+            if n <= 1 || self.best.faults.iter().any(|f| names(f, &host)) {
+                continue;
+            }
+            let mut c = self.best.clone();
+            if consumer {
+                c.topology.consumers -= 1;
+            } else {
+                c.topology.drainers -= 1;
+            }
+            changed |= self.keep(c, "");
+        }
+        changed
+    }
+
+    /// Cuts each fault's window at most up to the violation, then halves
+    /// it while the failure stays.
+    fn shorten_faults(&mut self) {
+        let seen = self
+            .last
+            .verdict
+            .violations
+            .iter()
+            .filter(|v| v.invariant == self.invariant)
+            .filter_map(|v| v.at)
+            .min()
+            .map(|at| at.as_secs_f64());
+        for i in 0..self.best.faults.len() {
+            let (at, len) = self.best.faults[i].window();
+            let mut tries = Vec::new();
+            if let Some(seen) = seen.filter(|s| *s > at && *s < at + len) {
+                tries.push(seen - at);
+            }
+            for _ in 0..4 {
+                let base = tries.last().copied().unwrap_or(len);
+                tries.push(base / 2.0);
+            }
+            for want in tries {
+                let mut c = self.best.clone();
+                c.faults[i].set_len(want);
+                if !self.keep(c, &format!(" (fault {} for {want:.2} s)", i + 1)) {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Ends the fault phase where the last fault does.
+    fn end_fault_phase(&mut self) {
+        let end = self
+            .best
+            .faults
+            .iter()
+            .map(|f| {
+                let (at, len) = f.window();
+                at + len
+            })
+            .fold(0.0_f64, f64::max);
+        let phase = (end.ceil()).max(1.0);
+        if phase < self.best.timing.fault_phase_secs {
+            let mut c = self.best.clone();
+            c.timing.fault_phase_secs = phase;
+            self.keep(c, "");
+        }
+    }
+}
+
 /// Shrinks the failing run of `scenario` with `seed`; `progress` hears of
 /// every candidate kept.
 pub fn shrink(
@@ -179,102 +295,16 @@ pub fn shrink(
         });
     }
     loop {
-        let mut changed = false;
-        // Faults: chunks of half, a quarter, … down to one.
-        let mut chunk = search.best.faults.len().div_ceil(2).max(1);
-        while !search.best.faults.is_empty() {
-            let mut i = 0;
-            while i < search.best.faults.len() {
-                let mut c = search.best.clone();
-                c.faults.drain(i..(i + chunk).min(c.faults.len()));
-                if search.keep(c, "") {
-                    changed = true;
-                } else {
-                    i += chunk;
-                }
-            }
-            if chunk == 1 {
-                break;
-            }
-            chunk = chunk.div_ceil(2);
-        }
-        // The workload: halve it while the failure stays.
-        while search.best.workload.transactions > 1 {
-            let mut c = search.best.clone();
-            c.workload.transactions /= 2;
-            if !search.keep(c, "") {
-                break;
-            }
-            changed = true;
-        }
-        // Hosts: the last consumer, the last drainer, if no fault names them.
-        for consumer in [true, false] {
-            let t = &search.best.topology;
-            let (n, host) = if consumer {
-                (t.consumers, format!("consumer-{}", t.consumers))
-            } else {
-                (t.drainers, format!("drainer-{}", t.drainers))
-            };
-            if n <= 1 || search.best.faults.iter().any(|f| names(f, &host)) {
-                continue;
-            }
-            let mut c = search.best.clone();
-            if consumer {
-                c.topology.consumers -= 1;
-            } else {
-                c.topology.drainers -= 1;
-            }
-            changed |= search.keep(c, "");
-        }
-        if !changed {
+        // Each step runs whatever the one before it did (no `||`).
+        let faults = search.drop_faults();
+        let workload = search.halve_workload();
+        let hosts = search.drop_hosts();
+        if !(faults || workload || hosts) {
             break;
         }
     }
-    // Each fault's window: at most up to the violation, then halved while
-    // the failure stays.
-    let seen = search
-        .last
-        .verdict
-        .violations
-        .iter()
-        .filter(|v| v.invariant == invariant)
-        .filter_map(|v| v.at)
-        .min()
-        .map(|at| at.as_secs_f64());
-    for i in 0..search.best.faults.len() {
-        let (at, len) = search.best.faults[i].window();
-        let mut tries = Vec::new();
-        if let Some(seen) = seen.filter(|s| *s > at && *s < at + len) {
-            tries.push(seen - at);
-        }
-        for _ in 0..4 {
-            let base = tries.last().copied().unwrap_or(len);
-            tries.push(base / 2.0);
-        }
-        for want in tries {
-            let mut c = search.best.clone();
-            c.faults[i].set_len(want);
-            if !search.keep(c, &format!(" (fault {} for {want:.2} s)", i + 1)) {
-                break;
-            }
-        }
-    }
-    // The fault phase ends where the last fault does.
-    let end = search
-        .best
-        .faults
-        .iter()
-        .map(|f| {
-            let (at, len) = f.window();
-            at + len
-        })
-        .fold(0.0_f64, f64::max);
-    let phase = (end.ceil()).max(1.0);
-    if phase < search.best.timing.fault_phase_secs {
-        let mut c = search.best.clone();
-        c.timing.fault_phase_secs = phase;
-        search.keep(c, "");
-    }
+    search.shorten_faults();
+    search.end_fault_phase();
     let Search {
         runs,
         mut best,

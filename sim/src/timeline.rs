@@ -204,105 +204,302 @@ fn lane<'l>(lanes: &'l mut Lanes, host: &str) -> &'l mut Lane {
     lanes.entry((rank, name.to_owned())).or_default()
 }
 
-/// The SVG of a run: `title` on top (scenario and seed), `events` the
-/// trace, `violations` the verdict's (the earliest is drawn).
-pub fn svg(title: &str, events: &[(Duration, Event)], violations: &[Violation]) -> String {
-    let end = events
-        .last()
-        .map_or(Duration::from_secs(1), |(at, _)| *at)
-        .max(Duration::from_millis(100));
-    let buckets = (PLOT_WIDTH / BUCKET_PX) as usize;
-    let bucket_of = |at: Duration| {
-        ((at.as_secs_f64() / end.as_secs_f64() * buckets as f64) as usize).min(buckets - 1)
-    };
-    let x_of = |at: Duration| LABEL_WIDTH + at.as_secs_f64() / end.as_secs_f64() * PLOT_WIDTH;
+/// Fault windows by kind, opened and closed in order.
+type Windows = BTreeMap<FaultKind, Vec<(Duration, Option<Duration>, String)>>;
 
-    let mut lanes = Lanes::new();
-    // Fault windows by kind, opened and closed in order.
-    let mut windows: BTreeMap<FaultKind, Vec<(Duration, Option<Duration>, String)>> =
-        BTreeMap::new();
-    // Point faults not tied to a host.
-    let mut loose: BTreeMap<usize, Vec<String>> = BTreeMap::new();
-    let mut heal = None;
-    for (at, e) in events {
+/// A run's trace gathered for drawing: per-host lanes, fault windows, the
+/// point faults not tied to a host, and the heal.
+struct Gathered {
+    end: Duration,
+    lanes: Lanes,
+    windows: Windows,
+    loose: BTreeMap<usize, Vec<String>>,
+    heal: Option<Duration>,
+}
+
+impl Gathered {
+    fn new(events: &[(Duration, Event)]) -> Self {
+        let end = events
+            .last()
+            .map_or(Duration::from_secs(1), |(at, _)| *at)
+            .max(Duration::from_millis(100));
+        let mut g = Self {
+            end,
+            lanes: Lanes::new(),
+            windows: Windows::new(),
+            loose: BTreeMap::new(),
+            heal: None,
+        };
+        for (at, e) in events {
+            g.add(*at, e);
+        }
+        g
+    }
+
+    fn bucket_of(&self, at: Duration) -> usize {
+        let buckets = (PLOT_WIDTH / BUCKET_PX) as usize;
+        ((at.as_secs_f64() / self.end.as_secs_f64() * buckets as f64) as usize).min(buckets - 1)
+    }
+
+    fn add(&mut self, at: Duration, e: &Event) {
+        let bucket = self.bucket_of(at);
         if let Some((host, row)) = placed(e) {
-            lane(&mut lanes, host).count(row, bucket_of(*at));
-            continue;
+            lane(&mut self.lanes, host).count(row, bucket);
+            return;
         }
         match e {
             Event::FaultStart { kind, detail } => {
-                windows
-                    .entry(*kind)
-                    .or_default()
-                    .push((*at, None, detail.clone()));
+                let windows = self.windows.entry(*kind).or_default();
+                windows.push((at, None, detail.clone()));
             }
             Event::FaultEnd { kind } => {
-                if let Some(w) = windows
+                if let Some(w) = self
+                    .windows
                     .get_mut(kind)
                     .and_then(|ws| ws.iter_mut().find(|w| w.1.is_none()))
                 {
-                    w.1 = Some(*at);
+                    w.1 = Some(at);
                 }
             }
             Event::Fault { kind, detail } => {
                 let text = format!("{:.3} s {kind:?}: {detail}", at.as_secs_f64());
                 let who = detail.split_whitespace().next().unwrap_or("");
                 if who.contains('#') || who == "workload" {
-                    let l = lane(&mut lanes, host_of(who));
-                    l.count(Row::Fault, bucket_of(*at));
-                    l.faults.entry(bucket_of(*at)).or_default().push(text);
+                    let l = lane(&mut self.lanes, host_of(who));
+                    l.count(Row::Fault, bucket);
+                    l.faults.entry(bucket).or_default().push(text);
                 } else {
-                    loose.entry(bucket_of(*at)).or_default().push(text);
+                    self.loose.entry(bucket).or_default().push(text);
                 }
             }
             Event::Host { host, up } => {
-                let l = lane(&mut lanes, host);
+                let l = lane(&mut self.lanes, host);
                 if *up {
                     if let Some(d) = l.down.iter_mut().rev().find(|d| d.1.is_none()) {
-                        d.1 = Some(*at);
+                        d.1 = Some(at);
                     }
                 } else {
-                    l.down.push((*at, None));
+                    l.down.push((at, None));
                 }
             }
-            Event::Heal => heal = Some(*at),
+            Event::Heal => self.heal = Some(at),
             _ => {}
         }
     }
-    let first = violations
-        .iter()
-        .filter(|v| v.at.is_some())
-        .min_by_key(|v| v.at)
-        .or_else(|| violations.first());
 
-    // Layout.
-    let fault_rows = windows.len() + usize::from(!loose.is_empty());
-    let mut height = HEADER + fault_rows as f64 * ROW_HEIGHT + LANE_GAP;
-    for l in lanes.values() {
-        height += (l.rows.len().max(1)) as f64 * ROW_HEIGHT + 14.0 + LANE_GAP;
+    /// The picture's height.
+    fn height(&self) -> f64 {
+        let fault_rows = self.windows.len() + usize::from(!self.loose.is_empty());
+        let mut height = HEADER + fault_rows as f64 * ROW_HEIGHT + LANE_GAP;
+        for l in self.lanes.values() {
+            height += (l.rows.len().max(1)) as f64 * ROW_HEIGHT + 14.0 + LANE_GAP;
+        }
+        height + AXIS
     }
-    height += AXIS;
-    let width = LABEL_WIDTH + PLOT_WIDTH + 20.0;
+}
 
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="DejaVu Sans Mono, Menlo, Consolas, monospace" font-size="10">"#
-    );
-    let _ = writeln!(
-        s,
-        r##"<defs><pattern id="down" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="3" height="6" fill="#adb5bd" opacity="0.6"/></pattern></defs>"##
-    );
-    let _ = writeln!(
-        s,
-        r#"<rect width="{width:.0}" height="{height:.0}" fill="white"/>"#
-    );
-    let _ = writeln!(
-        s,
-        r#"<text x="8" y="16" font-size="13" font-weight="bold">{}</text>"#,
-        esc(title)
-    );
-    let verdict = match first {
+/// The SVG being written, and where time falls on it.
+struct Canvas {
+    s: String,
+    end: Duration,
+    width: f64,
+}
+
+impl Canvas {
+    fn x_of(&self, at: Duration) -> f64 {
+        LABEL_WIDTH + at.as_secs_f64() / self.end.as_secs_f64() * PLOT_WIDTH
+    }
+
+    fn rect(&mut self, (x, y, w, h): (f64, f64, f64, f64), fill: &str, extra: &str) {
+        let _ = write!(
+            self.s,
+            r#"<rect x="{x:.1}" y="{y:.1}" width="{:.1}" height="{h:.1}" fill="{fill}"{extra}"#,
+            w.max(1.0)
+        );
+    }
+
+    /// The document's start, the title and the verdict.
+    fn header(&mut self, height: f64, title: &str, verdict: &str, failed: bool) {
+        let (width, s) = (self.width, &mut self.s);
+        let _ = writeln!(
+            s,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" viewBox="0 0 {width:.0} {height:.0}" font-family="DejaVu Sans Mono, Menlo, Consolas, monospace" font-size="10">"#
+        );
+        let _ = writeln!(
+            s,
+            r##"<defs><pattern id="down" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="3" height="6" fill="#adb5bd" opacity="0.6"/></pattern></defs>"##
+        );
+        let _ = writeln!(
+            s,
+            r#"<rect width="{width:.0}" height="{height:.0}" fill="white"/>"#
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="8" y="16" font-size="13" font-weight="bold">{}</text>"#,
+            esc(title)
+        );
+        let _ = writeln!(
+            s,
+            r##"<text x="8" y="34" fill="{}">{}</text>"##,
+            if failed { "#c92a2a" } else { "#2b8a3e" },
+            esc(&clip(verdict, 220))
+        );
+    }
+
+    /// One row per fault kind with its windows, then the loose faults' row;
+    /// the `y` below them.
+    fn faults(&mut self, g: &Gathered, mut y: f64) -> f64 {
+        for (kind, ws) in &g.windows {
+            let _ = writeln!(
+                self.s,
+                r##"<text x="8" y="{:.1}" fill="#c92a2a">{kind:?}</text>"##,
+                y + ROW_HEIGHT - 2.0
+            );
+            for (from, to, detail) in ws {
+                let x0 = self.x_of(*from);
+                let x1 = self.x_of(to.unwrap_or(self.end));
+                let at = (x0, y + 1.0, x1 - x0, ROW_HEIGHT - 2.0);
+                self.rect(at, "#ffa8a8", "><title>");
+                let _ = writeln!(
+                    self.s,
+                    "{:.3}–{:.3} s {kind:?}: {}</title></rect>",
+                    from.as_secs_f64(),
+                    to.unwrap_or(self.end).as_secs_f64(),
+                    esc(detail)
+                );
+            }
+            y += ROW_HEIGHT;
+        }
+        if !g.loose.is_empty() {
+            let _ = writeln!(
+                self.s,
+                r##"<text x="8" y="{:.1}" fill="#c92a2a">other faults</text>"##,
+                y + ROW_HEIGHT - 2.0
+            );
+            for (b, texts) in &g.loose {
+                let x = LABEL_WIDTH + *b as f64 * BUCKET_PX;
+                let at = (x, y + 1.0, BUCKET_PX, ROW_HEIGHT - 2.0);
+                self.rect(at, Row::Fault.color(), "><title>");
+                let _ = writeln!(self.s, "{}</title></rect>", esc(&texts.join("\n")));
+            }
+            y += ROW_HEIGHT;
+        }
+        y
+    }
+
+    /// One host's lane at `y`: its name, when it was down, its rows of
+    /// counts; the lane's height.
+    fn lane(&mut self, host: &str, l: &Lane, y: f64) -> f64 {
+        let lane_h = l.rows.len().max(1) as f64 * ROW_HEIGHT + 14.0;
+        let width = self.width;
+        let _ = writeln!(
+            self.s,
+            r##"<rect x="0" y="{y:.1}" width="{width:.0}" height="{lane_h:.1}" fill="#f8f9fa" stroke="#dee2e6"/>"##
+        );
+        let _ = writeln!(
+            self.s,
+            r#"<text x="8" y="{:.1}" font-weight="bold">{}</text>"#,
+            y + 11.0,
+            esc(host)
+        );
+        for (from, to) in &l.down {
+            let x0 = self.x_of(*from);
+            let x1 = self.x_of(to.unwrap_or(self.end));
+            self.rect((x0, y, x1 - x0, lane_h), "url(#down)", "><title>");
+            let _ = writeln!(
+                self.s,
+                "{} down {:.3}–{:.3} s</title></rect>",
+                esc(host),
+                from.as_secs_f64(),
+                to.unwrap_or(self.end).as_secs_f64()
+            );
+        }
+        let mut ry = y + 14.0;
+        for (row, counts) in &l.rows {
+            self.counts(*row, counts, l, ry);
+            ry += ROW_HEIGHT;
+        }
+        lane_h
+    }
+
+    /// One row of a lane: a cell per bucket, darker for more.
+    fn counts(&mut self, row: Row, counts: &BTreeMap<usize, u32>, l: &Lane, ry: f64) {
+        let max = counts.values().copied().max().unwrap_or(1).max(1);
+        let _ = writeln!(
+            self.s,
+            r##"<text x="20" y="{:.1}" fill="#495057">{}</text>"##,
+            ry + ROW_HEIGHT - 2.0,
+            row.label()
+        );
+        for (b, n) in counts {
+            let x = LABEL_WIDTH + *b as f64 * BUCKET_PX;
+            let opacity = 0.3 + 0.7 * f64::from(*n) / f64::from(max);
+            let at = (x, ry + 1.0, BUCKET_PX, ROW_HEIGHT - 2.0);
+            self.rect(
+                at,
+                row.color(),
+                &format!(r#" opacity="{opacity:.2}"><title>"#),
+            );
+            let what = match (row, l.faults.get(b)) {
+                (Row::Fault, Some(texts)) => texts.join("\n"),
+                _ => format!("{n} × {}", row.label()),
+            };
+            let _ = writeln!(self.s, "{}</title></rect>", esc(&what));
+        }
+    }
+
+    /// The time axis: about ten ticks on round seconds.
+    fn axis(&mut self, top: f64, bottom: f64) {
+        let secs = self.end.as_secs_f64();
+        let step = [
+            0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+        ]
+        .into_iter()
+        .find(|st| secs / st <= 12.0)
+        .unwrap_or(600.0);
+        let mut t = 0.0;
+        while t <= secs + 1e-9 {
+            let x = self.x_of(Duration::from_secs_f64(t));
+            let _ = writeln!(
+                self.s,
+                r##"<line x1="{x:.1}" y1="{top:.1}" x2="{x:.1}" y2="{:.1}" stroke="#ced4da" stroke-width="0.5"/><text x="{x:.1}" y="{:.1}" text-anchor="middle">{t:.1} s</text>"##,
+                bottom,
+                bottom + 14.0
+            );
+            t += step;
+        }
+    }
+
+    /// The heal's line.
+    fn heal(&mut self, at: Duration, bottom: f64) {
+        let x = self.x_of(at);
+        let _ = writeln!(
+            self.s,
+            r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{bottom:.1}" stroke="#2b8a3e" stroke-dasharray="4 3"/><text x="{:.1}" y="{:.1}" fill="#2b8a3e">heal</text>"##,
+            HEADER - 6.0,
+            x + 3.0,
+            HEADER - 2.0
+        );
+    }
+
+    /// The first violation's line.
+    fn violation(&mut self, v: &Violation, verdict: &str, bottom: f64) {
+        let x = self.x_of(v.at.unwrap_or(self.end));
+        let _ = writeln!(
+            self.s,
+            r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{bottom:.1}" stroke="#c92a2a" stroke-width="2"><title>{}</title></line><text x="{:.1}" y="{:.1}" fill="#c92a2a" font-weight="bold">{}</text>"##,
+            HEADER - 14.0,
+            esc(verdict),
+            x + 3.0,
+            HEADER - 8.0,
+            esc(&v.invariant.to_string())
+        );
+    }
+}
+
+/// The verdict line: the first violation, or PASS.
+fn verdict(first: Option<&Violation>) -> String {
+    match first {
         Some(v) => format!(
             "FAIL: {} at {}: {}",
             v.invariant,
@@ -313,180 +510,39 @@ pub fn svg(title: &str, events: &[(Duration, Event)], violations: &[Violation]) 
             v.detail
         ),
         None => "PASS".to_owned(),
-    };
-    let _ = writeln!(
-        s,
-        r##"<text x="8" y="34" fill="{}">{}</text>"##,
-        if first.is_some() {
-            "#c92a2a"
-        } else {
-            "#2b8a3e"
-        },
-        esc(&clip(&verdict, 220))
-    );
+    }
+}
 
-    let mut y = HEADER;
-    let rect = |s: &mut String, x: f64, y: f64, w: f64, h: f64, fill: &str, extra: &str| {
-        let _ = write!(
-            s,
-            r#"<rect x="{x:.1}" y="{y:.1}" width="{:.1}" height="{h:.1}" fill="{fill}"{extra}"#,
-            w.max(1.0)
-        );
+/// The SVG of a run: `title` on top (scenario and seed), `events` the
+/// trace, `violations` the verdict's (the earliest is drawn).
+pub fn svg(title: &str, events: &[(Duration, Event)], violations: &[Violation]) -> String {
+    let g = Gathered::new(events);
+    let first = violations
+        .iter()
+        .filter(|v| v.at.is_some())
+        .min_by_key(|v| v.at)
+        .or_else(|| violations.first());
+    let verdict = verdict(first);
+    let mut c = Canvas {
+        s: String::new(),
+        end: g.end,
+        width: LABEL_WIDTH + PLOT_WIDTH + 20.0,
     };
-    // Fault windows.
-    for (kind, ws) in &windows {
-        let _ = writeln!(
-            s,
-            r##"<text x="8" y="{:.1}" fill="#c92a2a">{kind:?}</text>"##,
-            y + ROW_HEIGHT - 2.0
-        );
-        for (from, to, detail) in ws {
-            let x0 = x_of(*from);
-            let x1 = x_of(to.unwrap_or(end));
-            rect(
-                &mut s,
-                x0,
-                y + 1.0,
-                x1 - x0,
-                ROW_HEIGHT - 2.0,
-                "#ffa8a8",
-                "><title>",
-            );
-            let _ = writeln!(
-                s,
-                "{:.3}–{:.3} s {kind:?}: {}</title></rect>",
-                from.as_secs_f64(),
-                to.unwrap_or(end).as_secs_f64(),
-                esc(detail)
-            );
-        }
-        y += ROW_HEIGHT;
-    }
-    if !loose.is_empty() {
-        let _ = writeln!(
-            s,
-            r##"<text x="8" y="{:.1}" fill="#c92a2a">other faults</text>"##,
-            y + ROW_HEIGHT - 2.0
-        );
-        for (b, texts) in &loose {
-            let x = LABEL_WIDTH + *b as f64 * BUCKET_PX;
-            rect(
-                &mut s,
-                x,
-                y + 1.0,
-                BUCKET_PX,
-                ROW_HEIGHT - 2.0,
-                Row::Fault.color(),
-                "><title>",
-            );
-            let _ = writeln!(s, "{}</title></rect>", esc(&texts.join("\n")));
-        }
-        y += ROW_HEIGHT;
-    }
-    y += LANE_GAP;
+    c.header(g.height(), title, &verdict, first.is_some());
+    let mut y = c.faults(&g, HEADER) + LANE_GAP;
     let top = y;
-
-    // Lanes.
-    for ((_, host), l) in &lanes {
-        let lane_h = l.rows.len().max(1) as f64 * ROW_HEIGHT + 14.0;
-        let _ = writeln!(
-            s,
-            r##"<rect x="0" y="{y:.1}" width="{width:.0}" height="{lane_h:.1}" fill="#f8f9fa" stroke="#dee2e6"/>"##
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="8" y="{:.1}" font-weight="bold">{}</text>"#,
-            y + 11.0,
-            esc(host)
-        );
-        for (from, to) in &l.down {
-            let x0 = x_of(*from);
-            let x1 = x_of(to.unwrap_or(end));
-            rect(&mut s, x0, y, x1 - x0, lane_h, "url(#down)", "><title>");
-            let _ = writeln!(
-                s,
-                "{} down {:.3}–{:.3} s</title></rect>",
-                esc(host),
-                from.as_secs_f64(),
-                to.unwrap_or(end).as_secs_f64()
-            );
-        }
-        let mut ry = y + 14.0;
-        for (row, counts) in &l.rows {
-            let max = counts.values().copied().max().unwrap_or(1).max(1);
-            let _ = writeln!(
-                s,
-                r##"<text x="20" y="{:.1}" fill="#495057">{}</text>"##,
-                ry + ROW_HEIGHT - 2.0,
-                row.label()
-            );
-            for (b, n) in counts {
-                let x = LABEL_WIDTH + *b as f64 * BUCKET_PX;
-                let opacity = 0.3 + 0.7 * f64::from(*n) / f64::from(max);
-                rect(
-                    &mut s,
-                    x,
-                    ry + 1.0,
-                    BUCKET_PX,
-                    ROW_HEIGHT - 2.0,
-                    row.color(),
-                    &format!(r#" opacity="{opacity:.2}"><title>"#),
-                );
-                let what = match (row, l.faults.get(b)) {
-                    (Row::Fault, Some(texts)) => texts.join("\n"),
-                    _ => format!("{n} × {}", row.label()),
-                };
-                let _ = writeln!(s, "{}</title></rect>", esc(&what));
-            }
-            ry += ROW_HEIGHT;
-        }
-        y += lane_h + LANE_GAP;
+    for ((_, host), l) in &g.lanes {
+        y += c.lane(host, l, y) + LANE_GAP;
     }
-    let bottom = y;
-
-    // Time axis: about ten ticks on round seconds.
-    let secs = end.as_secs_f64();
-    let step = [
-        0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
-    ]
-    .into_iter()
-    .find(|st| secs / st <= 12.0)
-    .unwrap_or(600.0);
-    let mut t = 0.0;
-    while t <= secs + 1e-9 {
-        let x = x_of(Duration::from_secs_f64(t));
-        let _ = writeln!(
-            s,
-            r##"<line x1="{x:.1}" y1="{top:.1}" x2="{x:.1}" y2="{:.1}" stroke="#ced4da" stroke-width="0.5"/><text x="{x:.1}" y="{:.1}" text-anchor="middle">{t:.1} s</text>"##,
-            bottom,
-            bottom + 14.0
-        );
-        t += step;
-    }
-    if let Some(at) = heal {
-        let x = x_of(at);
-        let _ = writeln!(
-            s,
-            r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{bottom:.1}" stroke="#2b8a3e" stroke-dasharray="4 3"/><text x="{:.1}" y="{:.1}" fill="#2b8a3e">heal</text>"##,
-            HEADER - 6.0,
-            x + 3.0,
-            HEADER - 2.0
-        );
+    c.axis(top, y);
+    if let Some(at) = g.heal {
+        c.heal(at, y);
     }
     if let Some(v) = first {
-        let x = x_of(v.at.unwrap_or(end));
-        let _ = writeln!(
-            s,
-            r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{bottom:.1}" stroke="#c92a2a" stroke-width="2"><title>{}</title></line><text x="{:.1}" y="{:.1}" fill="#c92a2a" font-weight="bold">{}</text>"##,
-            HEADER - 14.0,
-            esc(&verdict),
-            x + 3.0,
-            HEADER - 8.0,
-            esc(&v.invariant.to_string())
-        );
+        c.violation(v, &verdict, y);
     }
-    s.push_str("</svg>\n");
-    s
+    c.s.push_str("</svg>\n");
+    c.s
 }
 
 #[cfg(test)]

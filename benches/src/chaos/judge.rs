@@ -227,61 +227,8 @@ const SIM_RULES: [(&str, &str); 6] = [
 pub fn judge(o: &Outcome) -> Judgement {
     let unpublishable = o.of_kind("unpublishable");
     let poison = o.of_kind("poison");
-    let model = Model {
-        committed: o.committed.keys().copied().collect(),
-        rolled_back: o.rolled_back.clone(),
-        unpublishable: unpublishable.clone(),
-        ..Model::default()
-    };
-    let fin = FinalState {
-        stored: o.observed.stored.clone(),
-        parked: o.parked.clone(),
-        attempts: o.attempts.clone(),
-        unpublished: o.unpublished.clone(),
-        ..FinalState::default()
-    };
-    let publishable: BTreeSet<Uuid> = model.publishable().copied().collect();
-    let mut expected: BTreeMap<String, BTreeSet<Uuid>> = BTreeMap::new();
-    for s in SUBSCRIPTIONS {
-        let e = if s.fails {
-            publishable.difference(&poison).copied().collect()
-        } else {
-            publishable.clone()
-        };
-        expected.insert(s.name.to_owned(), e);
-    }
-    let empty = SubscriptionState::default();
-    let ends: Vec<SubscriptionEnd<'_>> = SUBSCRIPTIONS
-        .iter()
-        .map(|s| SubscriptionEnd {
-            name: s.name,
-            expected: &expected[s.name],
-            effects: &o.subscriptions.get(s.name).unwrap_or(&empty).effects,
-        })
-        .collect();
-    let verdict = check_end_state(&model, &fin, &ends);
-    let mut rules: Vec<Rule> = SIM_RULES
-        .iter()
-        .map(|(name, says)| {
-            let found: Vec<String> = verdict
-                .violations
-                .iter()
-                .filter(|v| v.invariant.name() == *name)
-                .map(|v| v.detail.clone())
-                .collect();
-            let n = verdict
-                .counts
-                .iter()
-                .find(|(i, _)| i.name() == *name)
-                .map_or(0, |(_, n)| *n);
-            Rule {
-                name: (*name).to_owned(),
-                says,
-                violations: n,
-                examples: found,
-            }
-        })
-        .collect();
+    let verdict = sim_verdict(o, &unpublishable, &poison);
+    let mut rules = sim_rules(&verdict);
     // The #478 guard, from the database's own audit of each mark.
     rules.push(rule(
         "claimed_by_guard",
@@ -308,8 +255,85 @@ pub fn judge(o: &Outcome) -> Judgement {
             })
             .collect(),
     ));
-    // Dead letters: each poison event at shipping, at its budget, and in
-    // its dead-letter queue; nothing else anywhere.
+    rules.extend(dead_letter_rules(o, &poison));
+    rules.extend(order_rules(o));
+    rules.push(rule(
+        "observer_saw_only_envelopes",
+        "every message the observer saw carries an envelope id",
+        (0..o.observed.foreign)
+            .map(|_| "a message without a UUID message_id".to_owned())
+            .collect(),
+    ));
+    Judgement { rules, verdict }
+}
+
+/// The simulation checker's verdict on the end state `o`.
+fn sim_verdict(o: &Outcome, unpublishable: &BTreeSet<Uuid>, poison: &BTreeSet<Uuid>) -> Verdict {
+    let model = Model {
+        committed: o.committed.keys().copied().collect(),
+        rolled_back: o.rolled_back.clone(),
+        unpublishable: unpublishable.clone(),
+        ..Model::default()
+    };
+    let fin = FinalState {
+        stored: o.observed.stored.clone(),
+        parked: o.parked.clone(),
+        attempts: o.attempts.clone(),
+        unpublished: o.unpublished.clone(),
+        ..FinalState::default()
+    };
+    let publishable: BTreeSet<Uuid> = model.publishable().copied().collect();
+    let mut expected: BTreeMap<String, BTreeSet<Uuid>> = BTreeMap::new();
+    for s in SUBSCRIPTIONS {
+        let e = if s.fails {
+            publishable.difference(poison).copied().collect()
+        } else {
+            publishable.clone()
+        };
+        expected.insert(s.name.to_owned(), e);
+    }
+    let empty = SubscriptionState::default();
+    let ends: Vec<SubscriptionEnd<'_>> = SUBSCRIPTIONS
+        .iter()
+        .map(|s| SubscriptionEnd {
+            name: s.name,
+            expected: &expected[s.name],
+            effects: &o.subscriptions.get(s.name).unwrap_or(&empty).effects,
+        })
+        .collect();
+    check_end_state(&model, &fin, &ends)
+}
+
+/// [`SIM_RULES`] as the verdict kept them.
+fn sim_rules(verdict: &Verdict) -> Vec<Rule> {
+    SIM_RULES
+        .iter()
+        .map(|(name, says)| {
+            let found: Vec<String> = verdict
+                .violations
+                .iter()
+                .filter(|v| v.invariant.name() == *name)
+                .map(|v| v.detail.clone())
+                .collect();
+            let n = verdict
+                .counts
+                .iter()
+                .find(|(i, _)| i.name() == *name)
+                .map_or(0, |(_, n)| *n);
+            Rule {
+                name: (*name).to_owned(),
+                says,
+                violations: n,
+                examples: found,
+            }
+        })
+        .collect()
+}
+
+/// Dead letters: each poison event at shipping, at its budget, and in its
+/// dead-letter queue; nothing else anywhere.
+fn dead_letter_rules(o: &Outcome, poison: &BTreeSet<Uuid>) -> [Rule; 2] {
+    let empty = SubscriptionState::default();
     let mut dead = Vec::new();
     let mut stray = Vec::new();
     for s in SUBSCRIPTIONS {
@@ -348,39 +372,40 @@ pub fn judge(o: &Outcome) -> Judgement {
             stray.push(format!("[{}] {mid} in {}.dlq", s.name, s.queue));
         }
     }
-    rules.push(rule(
-        "poison_dead_lettered",
-        "each poison event is dead-lettered at shipping, at its budget, into shipping's DLQ",
-        dead,
-    ));
-    rules.push(rule(
-        "only_poison_dead_lettered",
-        "nothing but poison events is dead-lettered, in either subscription",
-        stray,
-    ));
-    rules.push(rule(
-        "key_published_in_order",
-        "one ordering key's events first reached the broker in the order their transactions committed",
-        out_of_order(&o.keyed, &o.observed.first_arrivals, "the broker"),
-    ));
+    [
+        rule(
+            "poison_dead_lettered",
+            "each poison event is dead-lettered at shipping, at its budget, into shipping's DLQ",
+            dead,
+        ),
+        rule(
+            "only_poison_dead_lettered",
+            "nothing but poison events is dead-lettered, in either subscription",
+            stray,
+        ),
+    ]
+}
+
+/// Each ordering key's order, at the broker and in each subscription.
+fn order_rules(o: &Outcome) -> [Rule; 2] {
+    let empty = SubscriptionState::default();
     let mut applied = Vec::new();
     for s in SUBSCRIPTIONS {
         let state = o.subscriptions.get(s.name).unwrap_or(&empty);
         applied.extend(out_of_order(&o.keyed, &state.applied, s.name));
     }
-    rules.push(rule(
-        "key_applied_in_order",
-        "each subscription applied one ordering key's events in the order their transactions committed, none missing before another",
-        applied,
-    ));
-    rules.push(rule(
-        "observer_saw_only_envelopes",
-        "every message the observer saw carries an envelope id",
-        (0..o.observed.foreign)
-            .map(|_| "a message without a UUID message_id".to_owned())
-            .collect(),
-    ));
-    Judgement { rules, verdict }
+    [
+        rule(
+            "key_published_in_order",
+            "one ordering key's events first reached the broker in the order their transactions committed",
+            out_of_order(&o.keyed, &o.observed.first_arrivals, "the broker"),
+        ),
+        rule(
+            "key_applied_in_order",
+            "each subscription applied one ordering key's events in the order their transactions committed, none missing before another",
+            applied,
+        ),
+    ]
 }
 
 /// Where `order` (event ids, first sight of each) breaks the order of

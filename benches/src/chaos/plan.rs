@@ -249,6 +249,20 @@ pub fn plan(
     nodes: u16,
 ) -> Vec<Planned> {
     let mut rng = Rng::new(seed, "chaos faults");
+    let rotation = rotation(&mut rng, nodes);
+    let slot = window / count.max(1) as u32;
+    let mut planned = Vec::with_capacity(count);
+    for i in 0..count {
+        let at = slot * i as u32 + slot.mul_f64(0.5 * rng.unit());
+        let name = rotation[i % rotation.len()];
+        let fault = fault_named(name, &mut rng, (drainers, subscribers), nodes);
+        planned.push(Planned { at, fault });
+    }
+    planned
+}
+
+/// The faults' order: the lead ones first, then the rest shuffled.
+fn rotation(rng: &mut Rng, nodes: u16) -> Vec<&'static str> {
     let (lead, extra): (&[&str], &[&str]) = if nodes >= 3 {
         (&CLUSTER_LEAD, &CLUSTER_SHUFFLED)
     } else {
@@ -258,75 +272,77 @@ pub fn plan(
     for i in (1..rest.len()).rev() {
         rest.swap(i, rng.below(i as u64 + 1) as usize);
     }
-    let rotation: Vec<&str> = lead.iter().copied().chain(rest).collect();
+    lead.iter().copied().chain(rest).collect()
+}
+
+/// The fault `name`, its target and length drawn.
+fn fault_named(
+    name: &str,
+    rng: &mut Rng,
+    (drainers, subscribers): (&[String], &[String]),
+    nodes: u16,
+) -> Fault {
     let node = |rng: &mut Rng| 1 + rng.below(u64::from(nodes.max(1))) as u16;
-    let slot = window / count.max(1) as u32;
     let pick = |rng: &mut Rng, from: &[String]| from[rng.below(from.len() as u64) as usize].clone();
-    let mut planned = Vec::with_capacity(count);
-    for i in 0..count {
-        let at = slot * i as u32 + slot.mul_f64(0.5 * rng.unit());
-        let everyone: Vec<String> = drainers.iter().chain(subscribers).cloned().collect();
-        let fault = match rotation[i % rotation.len()] {
-            "rabbitmq_restart" => Fault::RestartBroker {
-                down: rng.between(Duration::from_secs(2), Duration::from_secs(5)),
+    let everyone: Vec<String> = drainers.iter().chain(subscribers).cloned().collect();
+    match name {
+        "rabbitmq_restart" => Fault::RestartBroker {
+            down: rng.between(Duration::from_secs(2), Duration::from_secs(5)),
+        },
+        "postgres_restart" => Fault::RestartPostgres,
+        "kill_drainer" => Fault::Kill {
+            target: pick(rng, drainers),
+            restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(4)),
+        },
+        "kill_subscriber" => Fault::Kill {
+            target: pick(rng, subscribers),
+            restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(4)),
+        },
+        "stall_drainer_db" => Fault::Blackhole {
+            target: pick(rng, drainers),
+            service: Service::Postgres,
+            held: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
+        },
+        "stall_marks" => Fault::StallMarks {
+            target: pick(rng, drainers),
+            stalled: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
+        },
+        "sigstop" => Fault::Pause {
+            target: pick(rng, drainers),
+            stopped: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
+        },
+        "close_all_connections" => Fault::CloseAllConnections,
+        "node_kill" => Fault::NodeKill {
+            node: node(rng),
+            restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(5)),
+        },
+        "node_stop" => Fault::NodeStop {
+            node: node(rng),
+            down: rng.between(Duration::from_secs(2), Duration::from_secs(6)),
+        },
+        "node_partition" => Fault::NodePartition {
+            node: node(rng),
+            cut: rng.between(Duration::from_secs(4), Duration::from_secs(10)),
+        },
+        "blackhole" => Fault::Blackhole {
+            target: pick(rng, &everyone),
+            service: if rng.below(2) == 0 {
+                Service::Postgres
+            } else {
+                Service::Rabbit
             },
-            "postgres_restart" => Fault::RestartPostgres,
-            "kill_drainer" => Fault::Kill {
-                target: pick(&mut rng, drainers),
-                restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(4)),
+            held: rng.between(Duration::from_secs(3), Duration::from_secs(9)),
+        },
+        "cut" => Fault::Cut {
+            target: pick(rng, &everyone),
+            service: if rng.below(2) == 0 {
+                Service::Postgres
+            } else {
+                Service::Rabbit
             },
-            "kill_subscriber" => Fault::Kill {
-                target: pick(&mut rng, subscribers),
-                restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(4)),
-            },
-            "stall_drainer_db" => Fault::Blackhole {
-                target: pick(&mut rng, drainers),
-                service: Service::Postgres,
-                held: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
-            },
-            "stall_marks" => Fault::StallMarks {
-                target: pick(&mut rng, drainers),
-                stalled: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
-            },
-            "sigstop" => Fault::Pause {
-                target: pick(&mut rng, drainers),
-                stopped: LEASE_TTL + rng.between(Duration::from_secs(2), Duration::from_secs(6)),
-            },
-            "close_all_connections" => Fault::CloseAllConnections,
-            "node_kill" => Fault::NodeKill {
-                node: node(&mut rng),
-                restart_after: rng.between(Duration::from_secs(1), Duration::from_secs(5)),
-            },
-            "node_stop" => Fault::NodeStop {
-                node: node(&mut rng),
-                down: rng.between(Duration::from_secs(2), Duration::from_secs(6)),
-            },
-            "node_partition" => Fault::NodePartition {
-                node: node(&mut rng),
-                cut: rng.between(Duration::from_secs(4), Duration::from_secs(10)),
-            },
-            "blackhole" => Fault::Blackhole {
-                target: pick(&mut rng, &everyone),
-                service: if rng.below(2) == 0 {
-                    Service::Postgres
-                } else {
-                    Service::Rabbit
-                },
-                held: rng.between(Duration::from_secs(3), Duration::from_secs(9)),
-            },
-            "cut" => Fault::Cut {
-                target: pick(&mut rng, &everyone),
-                service: if rng.below(2) == 0 {
-                    Service::Postgres
-                } else {
-                    Service::Rabbit
-                },
-            },
-            _ => Fault::TerminateBackends,
-        };
-        planned.push(Planned { at, fault });
+        },
+        _ => Fault::TerminateBackends,
     }
-    planned
 }
 
 #[cfg(test)]

@@ -52,7 +52,6 @@ impl Report<'_> {
 
     /// The markdown report.
     pub fn markdown(&self) -> String {
-        let o = self.outcome;
         let mut md = String::new();
         let verdict = if self.judgement.ok() { "PASS" } else { "FAIL" };
         let _ = writeln!(md, "# Chaos run: {verdict}\n");
@@ -84,6 +83,14 @@ impl Report<'_> {
                 f.began.as_secs_f64()
             );
         }
+        self.counts(&mut md);
+        self.rules(&mut md);
+        md
+    }
+
+    /// The markdown's counts.
+    fn counts(&self, md: &mut String) {
+        let o = self.outcome;
         let _ = writeln!(md, "\n## Counts\n\n| what | count |\n|---|---|");
         let rows = [
             ("committed events", o.committed.len() as u64),
@@ -145,6 +152,10 @@ impl Report<'_> {
         for (k, v) in self.counters {
             let _ = writeln!(md, "| subscribers' {k} (at least) | {v} |");
         }
+    }
+
+    /// The markdown's rules, and examples of each one broken.
+    fn rules(&self, md: &mut String) {
         let _ = writeln!(
             md,
             "\n## Rules\n\n| rule | says | violations |\n|---|---|---|"
@@ -158,7 +169,6 @@ impl Report<'_> {
                 let _ = writeln!(md, "- {e}");
             }
         }
-        md
     }
 
     /// The JSON report.
@@ -205,6 +215,31 @@ impl Report<'_> {
         })
     }
 
+    /// Each fault's time shaded, numbered as in the markdown.
+    fn shade_faults(
+        &self,
+        svg: &mut String,
+        x: &dyn Fn(f64) -> f64,
+        (h, up, down): (f64, f64, f64),
+    ) {
+        for (i, f) in self.faults.iter().enumerate() {
+            let (a, b) = (x(f.began.as_secs_f64()), x(f.ended.as_secs_f64()));
+            let _ = write!(
+                svg,
+                r##"<rect x="{a:.1}" y="{up}" width="{:.1}" height="{:.1}" fill="#d62728" fill-opacity="0.15"><title>{}</title></rect>"##,
+                (b - a).max(2.0),
+                h - up - down,
+                escape(&f.planned.fault.to_string())
+            );
+            let _ = write!(
+                svg,
+                r##"<text x="{a:.1}" y="{}" fill="#d62728">{}</text>"##,
+                up - 4.0,
+                i + 1
+            );
+        }
+    }
+
     /// The SVG plot: events per second over the run, faults shaded.
     pub fn svg(&self) -> String {
         let mut series: Vec<(&str, &str, &BTreeMap<u64, u64>)> = vec![
@@ -245,45 +280,14 @@ impl Report<'_> {
             r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">"#
         );
         let _ = write!(svg, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-        for (i, f) in self.faults.iter().enumerate() {
-            let (a, b) = (x(f.began.as_secs_f64()), x(f.ended.as_secs_f64()));
-            let _ = write!(
-                svg,
-                r##"<rect x="{a:.1}" y="{up}" width="{:.1}" height="{:.1}" fill="#d62728" fill-opacity="0.15"><title>{}</title></rect>"##,
-                (b - a).max(2.0),
-                h - up - down,
-                escape(&f.planned.fault.to_string())
-            );
-            let _ = write!(
-                svg,
-                r##"<text x="{a:.1}" y="{}" fill="#d62728">{}</text>"##,
-                up - 4.0,
-                i + 1
-            );
-        }
+        self.shade_faults(&mut svg, &x, (h, up, down));
         let _ = write!(
             svg,
             r#"<line x1="{left}" y1="{0}" x2="{1}" y2="{0}" stroke="black"/><line x1="{left}" y1="{up}" x2="{left}" y2="{0}" stroke="black"/>"#,
             h - down,
             w - right
         );
-        let ticks = 10u64;
-        for i in 0..=ticks {
-            let t = end * i / ticks;
-            let _ = write!(
-                svg,
-                r#"<text x="{:.1}" y="{}" text-anchor="middle">{t} s</text>"#,
-                x(t as f64),
-                h - down + 15.0
-            );
-            let v = top * i / ticks;
-            let _ = write!(
-                svg,
-                r#"<text x="{}" y="{:.1}" text-anchor="end">{v}</text>"#,
-                left - 5.0,
-                y(v as f64) + 4.0
-            );
-        }
+        ticks(&mut svg, end, top, &x, &y, (h, left, down));
         for (k, (name, color, s)) in series.iter().enumerate() {
             let points: Vec<String> = (0..end)
                 .map(|t| {
@@ -310,6 +314,34 @@ impl Report<'_> {
         }
         svg.push_str("</svg>\n");
         svg
+    }
+}
+
+/// Ten ticks on each axis, with their values.
+fn ticks(
+    svg: &mut String,
+    end: u64,
+    top: u64,
+    x: &dyn Fn(f64) -> f64,
+    y: &dyn Fn(f64) -> f64,
+    (h, left, down): (f64, f64, f64),
+) {
+    let ticks = 10u64;
+    for i in 0..=ticks {
+        let t = end * i / ticks;
+        let _ = write!(
+            svg,
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{t} s</text>"#,
+            x(t as f64),
+            h - down + 15.0
+        );
+        let v = top * i / ticks;
+        let _ = write!(
+            svg,
+            r#"<text x="{}" y="{:.1}" text-anchor="end">{v}</text>"#,
+            left - 5.0,
+            y(v as f64) + 4.0
+        );
     }
 }
 

@@ -228,21 +228,7 @@ pub async fn producer() -> Result<(), BoxError> {
                     };
                     let due = started + Duration::from_secs_f64(tx.first as f64 / rate);
                     tokio::time::sleep_until(due.into()).await;
-                    let mut done = false;
-                    for attempt in 0..TX_RETRIES_MAX {
-                        match write(&pool, &publisher, &tx.events, tx.rollback).await {
-                            Ok(()) => {
-                                done = true;
-                                break;
-                            }
-                            // The commit did apply before its reply was lost.
-                            Err(e) if e.to_string().contains("duplicate key") && attempt > 0 => {
-                                done = true;
-                                break;
-                            }
-                            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-                        }
-                    }
+                    let done = write_retried(&pool, &publisher, &tx).await;
                     let n = tx.events.len() as u64;
                     if !done {
                         abandoned.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
@@ -286,6 +272,20 @@ pub async fn producer() -> Result<(), BoxError> {
         return Err(format!("{abandoned} events abandoned after {TX_RETRIES_MAX} attempts").into());
     }
     Ok(())
+}
+
+/// [`write`], retried while it fails, at most [`TX_RETRIES_MAX`] times:
+/// whether the transaction was written.
+async fn write_retried(pool: &PgPool, publisher: &Publisher, tx: &Planned) -> bool {
+    for attempt in 0..TX_RETRIES_MAX {
+        match write(pool, publisher, &tx.events, tx.rollback).await {
+            Ok(()) => return true,
+            // The commit did apply before its reply was lost.
+            Err(e) if e.to_string().contains("duplicate key") && attempt > 0 => return true,
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    false
 }
 
 /// One domain transaction: a domain row per event and the events through

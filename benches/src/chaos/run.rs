@@ -412,6 +412,23 @@ impl World {
     /// Injects `fault` and heals it; returns when it is healed.
     async fn inject(&self, fault: &Fault) -> Result<(), String> {
         match fault {
+            Fault::Kill { .. } | Fault::Pause { .. } => self.inject_process(fault).await,
+            Fault::CloseAllConnections | Fault::RestartBroker { .. } => {
+                self.inject_broker(fault).await
+            }
+            Fault::NodeKill { .. } | Fault::NodeStop { .. } | Fault::NodePartition { .. } => {
+                self.inject_node(fault).await
+            }
+            Fault::RestartPostgres | Fault::TerminateBackends | Fault::StallMarks { .. } => {
+                self.inject_postgres(fault).await
+            }
+            Fault::Blackhole { .. } | Fault::Cut { .. } => self.inject_proxy(fault).await,
+        }
+    }
+
+    /// A process killed and restarted, or paused and resumed.
+    async fn inject_process(&self, fault: &Fault) -> Result<(), String> {
+        match fault {
             Fault::Kill {
                 target,
                 restart_after,
@@ -436,6 +453,13 @@ impl World {
                 self.with_slot(target, |s| s.down = false)?;
                 r
             }
+            other => unreachable!("{other} is no process fault"),
+        }
+    }
+
+    /// The broker's connections closed, or its app stopped and started.
+    async fn inject_broker(&self, fault: &Fault) -> Result<(), String> {
+        match fault {
             Fault::CloseAllConnections => {
                 self.ctl_all(&["close_all_connections", "chaos run"]).await
             }
@@ -445,9 +469,14 @@ impl World {
                 self.ctl_all(&["start_app"]).await?;
                 broker_up(&self.args.amqp, Duration::from_secs(60)).await
             }
-            Fault::NodeKill { .. } | Fault::NodeStop { .. } | Fault::NodePartition { .. } => {
-                self.inject_node(fault).await
-            }
+            other => unreachable!("{other} is no broker fault"),
+        }
+    }
+
+    /// PostgreSQL restarted, its backends terminated, or a drainer's marks
+    /// stalled.
+    async fn inject_postgres(&self, fault: &Fault) -> Result<(), String> {
+        match fault {
             Fault::RestartPostgres => {
                 let version = pg_version();
                 command(
@@ -479,27 +508,6 @@ impl World {
                 admin.close().await;
                 Ok(())
             }
-            Fault::Blackhole {
-                target,
-                service,
-                held,
-            } => {
-                let proxies = self.proxies_of(target, *service)?;
-                for p in &proxies {
-                    p.hold();
-                }
-                tokio::time::sleep(*held).await;
-                for p in &proxies {
-                    p.pass();
-                }
-                Ok(())
-            }
-            Fault::Cut { target, service } => {
-                for p in self.proxies_of(target, *service)? {
-                    p.cut();
-                }
-                Ok(())
-            }
             Fault::StallMarks { target, stalled } => {
                 let pid = self.with_slot(target, |s| s.pid())?.ok_or("not running")?;
                 // The replica id the drainer set as its application_name.
@@ -526,6 +534,35 @@ impl World {
                 eprintln!("chaos: {target}'s stall held {held} mark statements");
                 Ok(())
             }
+            other => unreachable!("{other} is no PostgreSQL fault"),
+        }
+    }
+
+    /// A proxy holding, or cutting, what passes through it.
+    async fn inject_proxy(&self, fault: &Fault) -> Result<(), String> {
+        match fault {
+            Fault::Blackhole {
+                target,
+                service,
+                held,
+            } => {
+                let proxies = self.proxies_of(target, *service)?;
+                for p in &proxies {
+                    p.hold();
+                }
+                tokio::time::sleep(*held).await;
+                for p in &proxies {
+                    p.pass();
+                }
+                Ok(())
+            }
+            Fault::Cut { target, service } => {
+                for p in self.proxies_of(target, *service)? {
+                    p.cut();
+                }
+                Ok(())
+            }
+            other => unreachable!("{other} is no proxy fault"),
         }
     }
 }
@@ -714,42 +751,112 @@ async fn settle(
     false
 }
 
-/// Runs the chaos run; `Ok(true)` if every rule held.
-pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
-    let wall = Instant::now();
-    let out = args.out.clone();
-    std::fs::create_dir_all(&out)?;
-    for e in std::fs::read_dir(&out)?.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with("stats-") || name.ends_with(".log") || name == "producer.json" {
-            std::fs::remove_file(e.path())?;
+/// The run's databases: the producer's and one per subscription.
+struct Databases {
+    orders: PgPool,
+    subs: BTreeMap<String, PgPool>,
+}
+
+impl Databases {
+    /// Fresh databases and a clean broker, the observer's queue declared.
+    async fn fresh(args: &Args) -> Result<Self, BoxError> {
+        clean_broker(&args.amqp).await?;
+        let orders = crate::recreate_database(&args.pg_admin, ORDERS_DB, 4).await?;
+        orders.execute(sqlx::AssertSqlSafe(orders_ddl())).await?;
+        let mut subs: BTreeMap<String, PgPool> = BTreeMap::new();
+        for s in SUBSCRIPTIONS {
+            let pool = crate::recreate_database(&args.pg_admin, s.db, 4).await?;
+            pool.execute(EFFECTS_DDL).await?;
+            subs.insert(s.name.to_owned(), pool);
         }
+        let observer_queue = if args.cluster {
+            outbox::QueueType::Quorum
+        } else {
+            outbox::QueueType::Classic
+        };
+        observer::declare(&args.amqp, EXCHANGE, OBSERVER_QUEUE, observer_queue).await?;
+        Ok(Self { orders, subs })
     }
-    let out_str = out.to_string_lossy().into_owned();
 
-    // The services, fresh.
-    clean_broker(&args.amqp).await?;
-    let orders = crate::recreate_database(&args.pg_admin, ORDERS_DB, 4).await?;
-    orders.execute(sqlx::AssertSqlSafe(orders_ddl())).await?;
-    let mut subs: BTreeMap<String, PgPool> = BTreeMap::new();
-    for s in SUBSCRIPTIONS {
-        let pool = crate::recreate_database(&args.pg_admin, s.db, 4).await?;
-        pool.execute(EFFECTS_DDL).await?;
-        subs.insert(s.name.to_owned(), pool);
+    /// Leaves the services as they were found (unless `--keep`).
+    async fn leave(self, args: &Args) -> Result<(), BoxError> {
+        self.orders.close().await;
+        for (_, p) in self.subs {
+            p.close().await;
+        }
+        if !args.keep {
+            for db in databases() {
+                crate::drop_database(&args.pg_admin, &db).await?;
+            }
+            clean_broker(&args.amqp).await?;
+        }
+        Ok(())
     }
-    let observer_queue = if args.cluster {
-        outbox::QueueType::Quorum
-    } else {
-        outbox::QueueType::Classic
-    };
-    observer::declare(&args.amqp, EXCHANGE, OBSERVER_QUEUE, observer_queue).await?;
+}
 
-    // The processes and their proxies.
-    let pg_up = host_port(&args.pg_admin, 5432);
-    let mq_nodes = super::nodes(&args.amqp);
-    let mut proxies = BTreeMap::new();
-    let mut slots = BTreeMap::new();
-    let mut specs: Vec<Spec<'_>> = vec![(
+/// The processes of a run, by name, with their proxies.
+struct Cast {
+    slots: Slots,
+    proxies: BTreeMap<String, Proxy>,
+    drainers: Vec<String>,
+    subscribers: Vec<String>,
+}
+
+impl Cast {
+    /// Every process's slot (none started) and its proxies (started).
+    async fn new(args: &Args, out: &Path) -> Result<Self, BoxError> {
+        let (specs, drainers, subscribers) = specs(args);
+        let pg_up = host_port(&args.pg_admin, 5432);
+        let mq_nodes = super::nodes(&args.amqp);
+        let out_str = out.to_string_lossy().into_owned();
+        let mut proxies = BTreeMap::new();
+        let mut slots = BTreeMap::new();
+        for (name, role, db, extra) in specs {
+            let pg = Proxy::start(pg_up.clone()).await?;
+            let db_url = crate::database_url(&through(&args.pg_admin, pg.port), db)
+                .map_err(|e| e.to_string())?;
+            proxies.insert(format!("{name}/pg"), pg);
+            let mut env: Vec<(String, String)> = vec![
+                ("CHAOS_DB".into(), db_url),
+                ("CHAOS_OUT".into(), out_str.clone()),
+            ];
+            if role != "producer" {
+                let list = broker_proxies(&name, &mq_nodes, &mut proxies).await?;
+                env.push(("CHAOS_AMQP".into(), list.join(",")));
+            }
+            env.extend(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
+            let log = out.join(format!("{name}.log"));
+            let slot = Slot {
+                role,
+                env,
+                child: None,
+                down: false,
+                log,
+            };
+            slots.insert(name, slot);
+        }
+        Ok(Self {
+            slots: Arc::new(Mutex::new(slots)),
+            proxies,
+            drainers,
+            subscribers,
+        })
+    }
+
+    /// Starts the named processes.
+    fn start(&self, names: &[String]) -> Result<(), BoxError> {
+        let mut s = self.slots.lock().expect("slots");
+        for name in names {
+            s.get_mut(name).expect("slot").start()?;
+        }
+        Ok(())
+    }
+}
+
+/// What each process is: the producer, the drainers, each subscription's
+/// replicas; and the drainers' and subscribers' names.
+fn specs(args: &Args) -> (Vec<Spec<'static>>, Vec<String>, Vec<String>) {
+    let mut specs: Vec<Spec<'static>> = vec![(
         "producer".into(),
         "producer",
         ORDERS_DB,
@@ -762,95 +869,59 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
     )];
     let drainers: Vec<String> = (1..=DRAINERS).map(|i| format!("drainer-{i}")).collect();
     for d in &drainers {
-        specs.push((
-            d.clone(),
-            "drainer",
-            ORDERS_DB,
-            vec![("CHAOS_REPLICA", d.clone())],
-        ));
+        let env = vec![("CHAOS_REPLICA", d.clone())];
+        specs.push((d.clone(), "drainer", ORDERS_DB, env));
     }
     let mut subscribers = Vec::new();
     for s in SUBSCRIPTIONS {
         for j in 1..=REPLICAS {
             let name = format!("{}-{j}", s.name);
             subscribers.push(name.clone());
-            specs.push((
-                name.clone(),
-                "subscriber",
-                s.db,
-                vec![
-                    ("CHAOS_SUBSCRIPTION", s.name.into()),
-                    ("CHAOS_NAME", name),
-                    ("CHAOS_ORDERING_KEYS", args.ordering_keys.to_string()),
-                ],
-            ));
+            let env = vec![
+                ("CHAOS_SUBSCRIPTION", s.name.into()),
+                ("CHAOS_NAME", name.clone()),
+                ("CHAOS_ORDERING_KEYS", args.ordering_keys.to_string()),
+            ];
+            specs.push((name, "subscriber", s.db, env));
         }
     }
-    for (name, role, db, extra) in specs {
-        let pg = Proxy::start(pg_up.clone()).await?;
-        let db_url = crate::database_url(&through(&args.pg_admin, pg.port), db)
-            .map_err(|e| e.to_string())?;
-        proxies.insert(format!("{name}/pg"), pg);
-        let mut env: Vec<(String, String)> = vec![
-            ("CHAOS_DB".into(), db_url),
-            ("CHAOS_OUT".into(), out_str.clone()),
-        ];
-        if role != "producer" {
-            // One proxy per node; the process gets the list of them.
-            let mut list = Vec::new();
-            for (k, url) in (1..).zip(&mq_nodes) {
-                let mq = Proxy::start(host_port(url, 5672)).await?;
-                list.push(through(url, mq.port));
-                let key = if mq_nodes.len() == 1 {
-                    format!("{name}/rabbit")
-                } else {
-                    format!("{name}/rabbit-{k}")
-                };
-                proxies.insert(key, mq);
-            }
-            env.push(("CHAOS_AMQP".into(), list.join(",")));
-        }
-        env.extend(extra.into_iter().map(|(k, v)| (k.to_owned(), v)));
-        let log = out.join(format!("{name}.log"));
-        slots.insert(
-            name,
-            Slot {
-                role,
-                env,
-                child: None,
-                down: false,
-                log,
-            },
-        );
-    }
-    let slots: Slots = Arc::new(Mutex::new(slots));
-    let world = Arc::new(World {
-        slots: slots.clone(),
-        proxies,
-        args: args.clone(),
-        orders: orders.clone(),
-    });
+    (specs, drainers, subscribers)
+}
 
-    // The observer, before anything is published.
-    let seen: Arc<Mutex<Observed>> = Arc::default();
-    let (stop_observer, observer_stop) = watch::channel(false);
-    let start = Instant::now();
-    let observer = tokio::spawn(observer::observe(
-        args.amqp.clone(),
-        OBSERVER_QUEUE.into(),
-        seen.clone(),
-        start,
-        observer_stop,
-    ));
+/// One proxy per broker node for process `name`; the list of their URLs.
+async fn broker_proxies(
+    name: &str,
+    mq_nodes: &[String],
+    proxies: &mut BTreeMap<String, Proxy>,
+) -> Result<Vec<String>, BoxError> {
+    let mut list = Vec::new();
+    for (k, url) in (1..).zip(mq_nodes) {
+        let mq = Proxy::start(host_port(url, 5672)).await?;
+        list.push(through(url, mq.port));
+        let key = if mq_nodes.len() == 1 {
+            format!("{name}/rabbit")
+        } else {
+            format!("{name}/rabbit-{k}")
+        };
+        proxies.insert(key, mq);
+    }
+    Ok(list)
+}
 
-    // Subscribers first (they declare their queues), then the drainers,
-    // then the producer.
-    {
-        let mut s = slots.lock().expect("slots");
-        for name in &subscribers {
-            s.get_mut(name).expect("slot").start()?;
+/// Empties the output folder of an earlier run's logs and counters.
+fn clear_out(out: &Path) -> Result<(), BoxError> {
+    std::fs::create_dir_all(out)?;
+    for e in std::fs::read_dir(out)?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("stats-") || name.ends_with(".log") || name == "producer.json" {
+            std::fs::remove_file(e.path())?;
         }
     }
+    Ok(())
+}
+
+/// Waits until every subscription's queue has a consumer.
+async fn queues_consumed(args: &Args) -> Result<(), BoxError> {
     for queue in SUBSCRIPTIONS
         .iter()
         .flat_map(|s| s.consumed_queues(args.ordering_keys > 0))
@@ -863,19 +934,17 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
-    {
-        let mut s = slots.lock().expect("slots");
-        for name in &drainers {
-            s.get_mut(name).expect("slot").start()?;
-        }
-    }
-    let window = Duration::from_secs_f64(args.events as f64 / args.rate);
+    Ok(())
+}
+
+/// The faults for this run, printed.
+fn plan_faults(args: &Args, cast: &Cast, window: Duration) -> Vec<plan::Planned> {
     let nodes = if args.cluster { cluster::NODES } else { 1 };
     let planned = plan::plan(
         args.seed,
         args.faults,
         window,
-        (&drainers, &subscribers),
+        (&cast.drainers, &cast.subscribers),
         nodes,
     );
     println!(
@@ -896,93 +965,211 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
             p.fault
         );
     }
-    let production = Instant::now();
-    let start_unix = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)?
-        .as_secs_f64()
-        - start.elapsed().as_secs_f64();
-    slots
-        .lock()
-        .expect("slots")
-        .get_mut("producer")
-        .expect("slot")
-        .start()?;
+    planned
+}
 
-    // The faults, one after another (see `inject_in_order`).
-    let producer_status: Arc<Mutex<Option<std::process::ExitStatus>>> = Arc::default();
-    let injected: Arc<Mutex<Vec<Injected>>> = Arc::default();
-    let faults = tokio::spawn(inject_in_order(
-        planned.clone(),
-        Progress {
-            production,
-            start,
-            window,
-            events: args.events,
-            seen: seen.clone(),
-        },
-        world.clone(),
-        injected.clone(),
-    ));
+/// Watches the processes: one that exits by itself is a failure of the run
+/// (the producer's exit is its end) and is restarted so the run goes on.
+struct Watchdog {
+    exits: Arc<Mutex<Vec<String>>>,
+    producer: Arc<Mutex<Option<std::process::ExitStatus>>>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
 
-    // A process that exits by itself is a failure of the run (the
-    // producer's exit is its end); it is restarted so the run goes on.
-    let exits: Arc<Mutex<Vec<String>>> = Arc::default();
-    let (stop_watch, mut watching) = watch::channel(false);
-    let watchdog = {
-        let (slots, exits, producer_status) =
-            (slots.clone(), exits.clone(), producer_status.clone());
-        tokio::spawn(async move {
+impl Watchdog {
+    fn spawn(slots: Slots) -> Self {
+        let exits: Arc<Mutex<Vec<String>>> = Arc::default();
+        let producer: Arc<Mutex<Option<std::process::ExitStatus>>> = Arc::default();
+        let (stop, mut watching) = watch::channel(false);
+        let (e, p) = (exits.clone(), producer.clone());
+        let task = tokio::spawn(async move {
             loop {
-                {
-                    let mut slots = slots.lock().expect("slots");
-                    for (name, slot) in slots.iter_mut() {
-                        if slot.down {
-                            continue;
-                        }
-                        let Some(status) = slot
-                            .child
-                            .as_mut()
-                            .and_then(|c| c.try_wait().ok().flatten())
-                        else {
-                            continue;
-                        };
-                        slot.child = None;
-                        if name == "producer" {
-                            *producer_status.lock().expect("status") = Some(status);
-                            slot.down = true;
-                        } else {
-                            exits
-                                .lock()
-                                .expect("exits")
-                                .push(format!("{name} exited by itself ({status})"));
-                            let _ = slot.start();
-                        }
-                    }
-                }
+                Self::look(&slots, &e, &p);
                 tokio::select! {
                     _ = watching.changed() => return,
                     () = tokio::time::sleep(Duration::from_millis(300)) => {}
                 }
             }
-        })
-    };
-
-    // Production, then every fault healed, then settling.
-    while producer_status.lock().expect("status").is_none() {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        });
+        Self {
+            exits,
+            producer,
+            stop,
+            task,
+        }
     }
-    let produced = production.elapsed();
+
+    fn look(
+        slots: &Slots,
+        exits: &Mutex<Vec<String>>,
+        producer: &Mutex<Option<std::process::ExitStatus>>,
+    ) {
+        let mut slots = slots.lock().expect("slots");
+        for (name, slot) in slots.iter_mut() {
+            if slot.down {
+                continue;
+            }
+            let Some(status) = slot
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            else {
+                continue;
+            };
+            slot.child = None;
+            if name == "producer" {
+                *producer.lock().expect("status") = Some(status);
+                slot.down = true;
+            } else {
+                let exit = format!("{name} exited by itself ({status})");
+                exits.lock().expect("exits").push(exit);
+                let _ = slot.start();
+            }
+        }
+    }
+
+    /// Waits for the producer's exit; its status.
+    async fn producer_done(&self) -> std::process::ExitStatus {
+        loop {
+            if let Some(status) = *self.producer.lock().expect("status") {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+
+    /// Stops watching; the exits seen.
+    async fn stop(self) -> Vec<String> {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+        self.exits.lock().expect("exits").clone()
+    }
+}
+
+/// The observer's task, reading what reaches the broker.
+struct Observing {
+    seen: Arc<Mutex<Observed>>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Observing {
+    fn spawn(args: &Args, start: Instant) -> Self {
+        let seen: Arc<Mutex<Observed>> = Arc::default();
+        let (stop, observer_stop) = watch::channel(false);
+        let task = tokio::spawn(observer::observe(
+            args.amqp.clone(),
+            OBSERVER_QUEUE.into(),
+            seen.clone(),
+            start,
+            observer_stop,
+        ));
+        Self { seen, stop, task }
+    }
+
+    /// Stops observing and reads what is left in the queue.
+    async fn stop(self, args: &Args, start: Instant) -> Result<Observed, BoxError> {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+        let rest = observer::read_rest(&args.amqp, OBSERVER_QUEUE, &self.seen, start).await?;
+        if rest > 0 {
+            println!("chaos: {rest} messages were left in the observer's queue; counted");
+        }
+        Ok(self.seen.lock().expect("observed").clone())
+    }
+}
+
+/// What happened while the run went, for the judge's extra rules.
+struct Course {
+    quiet: bool,
+    producer: std::process::ExitStatus,
+    exits: Vec<String>,
+    planned: usize,
+    faults: Vec<Injected>,
+}
+
+/// Runs the chaos run; `Ok(true)` if every rule held.
+pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
+    let wall = Instant::now();
+    clear_out(&args.out)?;
+    let dbs = Databases::fresh(&args).await?;
+    let cast = Cast::new(&args, &args.out).await?;
+    let start = Instant::now();
+    let observing = Observing::spawn(&args, start);
+    // Subscribers first (they declare their queues), then the drainers,
+    // then the producer.
+    cast.start(&cast.subscribers)?;
+    queues_consumed(&args).await?;
+    cast.start(&cast.drainers)?;
+    let window = Duration::from_secs_f64(args.events as f64 / args.rate);
+    let planned = plan_faults(&args, &cast, window);
+    let production = Instant::now();
+    let start_unix = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)?
+        .as_secs_f64()
+        - start.elapsed().as_secs_f64();
+    cast.start(&["producer".to_owned()])?;
+    let slots = cast.slots.clone();
+    let world = Arc::new(World {
+        slots: cast.slots,
+        proxies: cast.proxies,
+        args: args.clone(),
+        orders: dbs.orders.clone(),
+    });
+    let injected: Arc<Mutex<Vec<Injected>>> = Arc::default();
+    let progress = Progress {
+        production,
+        start,
+        window,
+        events: args.events,
+        seen: observing.seen.clone(),
+    };
+    let faults = tokio::spawn(inject_in_order(
+        planned.clone(),
+        progress,
+        world,
+        injected.clone(),
+    ));
+    let watchdog = Watchdog::spawn(slots.clone());
+    let producer = watchdog.producer_done().await;
     println!(
-        "chaos: producer done after {:.1} s ({})",
-        produced.as_secs_f64(),
-        producer_status.lock().expect("status").expect("set")
+        "chaos: producer done after {:.1} s ({producer})",
+        production.elapsed().as_secs_f64(),
     );
     let _ = faults.await;
+    let quiet = settle_after_faults(&dbs, &observing.seen, start, args.settle).await;
+    let exits = watchdog.stop().await;
+    tokio::task::spawn_blocking(move || stop_all(&slots)).await?;
+    let observed = observing.stop(&args, start).await?;
+    let mut faults = injected.lock().expect("injected").clone();
+    faults.sort_by_key(|f| f.planned.at);
+    let course = Course {
+        quiet,
+        producer,
+        exits,
+        planned: planned.len(),
+        faults,
+    };
+    let books = Books::read(&args, &dbs, observed, start_unix).await?;
+    let ok = books.report(&args, command_line, wall.elapsed(), course)?;
+    dbs.leave(&args).await?;
+    Ok(ok)
+}
+
+/// Waits for the run to settle once the faults healed, then for late
+/// duplicates to land before the books close: whether it settled.
+async fn settle_after_faults(
+    dbs: &Databases,
+    seen: &Mutex<Observed>,
+    start: Instant,
+    bound: Duration,
+) -> bool {
     println!(
         "chaos: faults healed at {:.1} s; settling",
         start.elapsed().as_secs_f64()
     );
-    let quiet = settle(&orders, &subs, &seen, start.elapsed(), args.settle).await;
+    let quiet = settle(&dbs.orders, &dbs.subs, seen, start.elapsed(), bound).await;
     println!(
         "chaos: {} at {:.1} s",
         if quiet {
@@ -992,114 +1179,131 @@ pub async fn run(args: Args, command_line: String) -> Result<bool, BoxError> {
         },
         start.elapsed().as_secs_f64()
     );
-    // Let late duplicates land before the books close.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let _ = stop_watch.send(true);
-    let _ = watchdog.await;
-    let all = slots.clone();
-    tokio::task::spawn_blocking(move || stop_all(&all)).await?;
-    let _ = stop_observer.send(true);
-    let _ = observer.await;
-    let rest = observer::read_rest(&args.amqp, OBSERVER_QUEUE, &seen, start).await?;
-    if rest > 0 {
-        println!("chaos: {rest} messages were left in the observer's queue; counted");
-    }
+    quiet
+}
 
-    // The final state, judged.
-    let mut outcome = Outcome {
-        observed: seen.lock().expect("observed").clone(),
-        ..Outcome::default()
-    };
-    judge::read_orders(&orders, &mut outcome).await?;
-    if let Ok(text) = std::fs::read_to_string(out.join("producer.json"))
-        && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
-    {
-        outcome.rolled_back = v["rolled_back"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|x| x.as_str().and_then(|s| uuid::Uuid::parse_str(s).ok()))
-            .collect();
-    }
-    let mut applied = BTreeMap::new();
-    for s in SUBSCRIPTIONS {
-        let mut state = judge::read_subscription(&subs[s.name]).await?;
-        state.dlq = judge::drain_queue(&args.amqp, &format!("{}.dlq", s.queue)).await?;
-        outcome.subscriptions.insert(s.name.to_owned(), state);
-        applied.insert(
-            s.name.to_owned(),
-            per_second(&subs[s.name], "chaos_effects", start_unix).await?,
-        );
-    }
-    let committed_per_second = per_second(&orders, "chaos_orders", start_unix).await?;
-    let mut judgement = judge::judge(&outcome);
-    let exits = exits.lock().expect("exits").clone();
-    judgement.rules.push(judge::Rule {
-        name: "processes_stay_up".into(),
-        says: "no process exited but by a fault (the producer when done)",
-        violations: exits.len()
-            + usize::from(
-                !producer_status
-                    .lock()
-                    .expect("status")
-                    .is_some_and(|s| s.success()),
-            ),
-        examples: exits,
-    });
-    judgement.rules.push(judge::Rule {
-        name: "settled".into(),
-        says: "after the faults healed the run settled, never going the settle bound without \
-               progress, within as long again as it took to heal",
-        violations: usize::from(!quiet),
-        examples: Vec::new(),
-    });
-    let mut faults = injected.lock().expect("injected").clone();
-    faults.sort_by_key(|f| f.planned.at);
-    judgement.rules.push(judge::Rule {
-        name: "faults_injected".into(),
-        says: "every planned fault was injected and healed",
-        violations: faults.iter().filter(|f| f.trouble.is_some()).count() + planned.len()
-            - faults.len(),
-        examples: faults.iter().filter_map(|f| f.trouble.clone()).collect(),
-    });
-    let counters = super::roles::counters(&out_str);
-    let report = Report {
-        command: command_line,
-        seed: args.seed,
-        events: args.events,
-        rate: args.rate,
-        wall: wall.elapsed(),
-        faults: &faults,
-        outcome: &outcome,
-        judgement: &judgement,
-        counters: &counters,
-        committed_per_second: &committed_per_second,
-        applied_per_second: &applied,
-    };
-    std::fs::write(out.join("report.md"), report.markdown())?;
-    std::fs::write(
-        out.join("report.json"),
-        serde_json::to_string_pretty(&report.json())?,
-    )?;
-    std::fs::write(out.join("plot.svg"), report.svg())?;
-    println!("\n{}", report.markdown());
-    println!(
-        "chaos: report in {}",
-        Path::new(&out).join("report.md").display()
-    );
+/// The run's final state, read once every process stopped.
+struct Books {
+    outcome: Outcome,
+    applied: BTreeMap<String, BTreeMap<u64, u64>>,
+    committed: BTreeMap<u64, u64>,
+}
 
-    // Leave the services as they were found.
-    orders.close().await;
-    for (_, p) in subs {
-        p.close().await;
-    }
-    if !args.keep {
-        for db in databases() {
-            crate::drop_database(&args.pg_admin, &db).await?;
+impl Books {
+    async fn read(
+        args: &Args,
+        dbs: &Databases,
+        observed: Observed,
+        start_unix: f64,
+    ) -> Result<Self, BoxError> {
+        let mut outcome = Outcome {
+            observed,
+            ..Outcome::default()
+        };
+        judge::read_orders(&dbs.orders, &mut outcome).await?;
+        outcome.rolled_back = rolled_back(&args.out);
+        let mut applied = BTreeMap::new();
+        for s in SUBSCRIPTIONS {
+            let pool = &dbs.subs[s.name];
+            let mut state = judge::read_subscription(pool).await?;
+            state.dlq = judge::drain_queue(&args.amqp, &format!("{}.dlq", s.queue)).await?;
+            outcome.subscriptions.insert(s.name.to_owned(), state);
+            let rate = per_second(pool, "chaos_effects", start_unix).await?;
+            applied.insert(s.name.to_owned(), rate);
         }
-        clean_broker(&args.amqp).await?;
+        let committed = per_second(&dbs.orders, "chaos_orders", start_unix).await?;
+        Ok(Self {
+            outcome,
+            applied,
+            committed,
+        })
     }
-    Ok(judgement.ok())
+
+    /// Judges, writes the report: whether every rule held.
+    fn report(
+        &self,
+        args: &Args,
+        command: String,
+        wall: Duration,
+        course: Course,
+    ) -> Result<bool, BoxError> {
+        let mut judgement = judge::judge(&self.outcome);
+        judgement.rules.extend(course.rules());
+        let out_str = args.out.to_string_lossy().into_owned();
+        let counters = super::roles::counters(&out_str);
+        let report = Report {
+            command,
+            seed: args.seed,
+            events: args.events,
+            rate: args.rate,
+            wall,
+            faults: &course.faults,
+            outcome: &self.outcome,
+            judgement: &judgement,
+            counters: &counters,
+            committed_per_second: &self.committed,
+            applied_per_second: &self.applied,
+        };
+        let out = &args.out;
+        std::fs::write(out.join("report.md"), report.markdown())?;
+        let json = serde_json::to_string_pretty(&report.json())?;
+        std::fs::write(out.join("report.json"), json)?;
+        std::fs::write(out.join("plot.svg"), report.svg())?;
+        println!("\n{}", report.markdown());
+        println!("chaos: report in {}", out.join("report.md").display());
+        Ok(judgement.ok())
+    }
+}
+
+/// The transactions the producer rolled back on purpose (`producer.json`).
+fn rolled_back(out: &Path) -> std::collections::BTreeSet<uuid::Uuid> {
+    let Ok(text) = std::fs::read_to_string(out.join("producer.json")) else {
+        return Default::default();
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Default::default();
+    };
+    v["rolled_back"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|x| x.as_str().and_then(|s| uuid::Uuid::parse_str(s).ok()))
+        .collect()
+}
+
+impl Course {
+    /// The rules of the run itself: processes stayed up, the run settled,
+    /// every planned fault was injected and healed.
+    fn rules(&self) -> [judge::Rule; 3] {
+        let exits = self.exits.clone();
+        let failed = self.faults.iter().filter(|f| f.trouble.is_some()).count();
+        [
+            judge::Rule {
+                name: "processes_stay_up".into(),
+                says: "no process exited but by a fault (the producer when done)",
+                violations: exits.len() + usize::from(!self.producer.success()),
+                examples: exits,
+            },
+            judge::Rule {
+                name: "settled".into(),
+                says: "after the faults healed the run settled, never going the settle bound \
+                       without progress, within as long again as it took to heal",
+                violations: usize::from(!self.quiet),
+                examples: Vec::new(),
+            },
+            judge::Rule {
+                name: "faults_injected".into(),
+                says: "every planned fault was injected and healed",
+                violations: failed + self.planned - self.faults.len(),
+                examples: self
+                    .faults
+                    .iter()
+                    .filter_map(|f| f.trouble.clone())
+                    .collect(),
+            },
+        ]
+    }
 }
 
 /// SIGTERM every process, then SIGKILL what is still there after 25 s.

@@ -34,6 +34,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{Context, Findings, Invariant};
+use crate::model::{ConsumerFinal, Model};
 use crate::trace::{Event, FaultKind, HandlerResult, Replay, Settle};
 
 /// A handler failure not yet matched by a record: when it happened, when
@@ -212,50 +213,56 @@ impl Records {
     }
 }
 
-fn budget(ctx: &Context<'_>, out: &mut Findings) {
-    let max = ctx.limits.consumer_max_attempts;
-    let mut handler_failures: BTreeMap<Uuid, u32> = BTreeMap::new();
-    let mut records: BTreeMap<(&str, Uuid), Records> = BTreeMap::new();
-    let mut replaying: BTreeSet<(&str, Uuid)> = BTreeSet::new();
-    // Rows marked dead-lettered: the mark stays until a replay resets it.
-    let mut dead: BTreeSet<Uuid> = BTreeSet::new();
-    // An ordered subscription's deferrals: what was delivered, and what
-    // took effect or was skipped, so far.
-    let mut delivered: BTreeSet<Uuid> = BTreeSet::new();
-    let mut settled_for_good: BTreeSet<Uuid> = BTreeSet::new();
+/// What [`budget`] knows so far of the run.
+#[derive(Default)]
+struct Budget<'e> {
+    handler_failures: BTreeMap<Uuid, u32>,
+    records: BTreeMap<(&'e str, Uuid), Records>,
+    replaying: BTreeSet<(&'e str, Uuid)>,
+    /// Rows marked dead-lettered: the mark stays until a replay resets it.
+    dead: BTreeSet<Uuid>,
+    /// An ordered subscription's deferrals: what was delivered, and what
+    /// took effect or was skipped, so far.
+    delivered: BTreeSet<Uuid>,
+    settled_for_good: BTreeSet<Uuid>,
+}
+
+fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
+    let mut b: Budget<'a> = Budget::default();
     for (at, e) in ctx.events {
         let at = Some(*at);
         match e {
             Event::Delivered { message_id, .. } => {
-                delivered.extend(ctx.model.event_of(message_id.as_deref()));
+                b.delivered
+                    .extend(ctx.model.event_of(message_id.as_deref()));
             }
             Event::InboxCommitted { effects, .. } => {
-                settled_for_good.extend(effects.iter().map(|(_, id)| *id));
+                b.settled_for_good.extend(effects.iter().map(|(_, id)| *id));
             }
-            Event::InboxSkipped { events, .. } => settled_for_good.extend(events.iter().copied()),
+            Event::InboxSkipped { events, .. } => b.settled_for_good.extend(events.iter().copied()),
             Event::InboxDeleted { ids } => {
                 for id in ids {
-                    settled_for_good.remove(id);
+                    b.settled_for_good.remove(id);
                 }
             }
             Event::HandlerRan {
                 event_id,
                 result: HandlerResult::Failed | HandlerResult::Overran,
                 ..
-            } => *handler_failures.entry(*event_id).or_insert(0) += 1,
+            } => *b.handler_failures.entry(*event_id).or_insert(0) += 1,
             // The handler's work cannot commit: its data breaks a deferred
             // constraint (its `Ok` notwithstanding).
             Event::ConstraintFailed { events, .. } => {
                 for id in events {
-                    *handler_failures.entry(*id).or_insert(0) += 1;
+                    *b.handler_failures.entry(*id).or_insert(0) += 1;
                 }
             }
             // A replay's reset: the next failure that client records of the
             // row is the replay's (a budget of one), not a delivery's.
             Event::InboxReset { client, ids } => {
                 for id in ids {
-                    replaying.insert((client.as_str(), *id));
-                    dead.remove(id);
+                    b.replaying.insert((client.as_str(), *id));
+                    b.dead.remove(id);
                 }
             }
             Event::Replayed {
@@ -264,7 +271,7 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
             | Event::ReplayReleased {
                 client, event_id, ..
             } => {
-                replaying.remove(&(client.as_str(), *event_id));
+                b.replaying.remove(&(client.as_str(), *event_id));
             }
             Event::InboxFailure {
                 client,
@@ -272,66 +279,112 @@ fn budget(ctx: &Context<'_>, out: &mut Findings) {
                 attempts,
                 dead_lettered,
             } => {
-                match handler_failures.get_mut(event_id).filter(|n| **n > 0) {
-                    Some(n) => *n -= 1,
-                    None => out.add(
-                        Invariant::AttemptOnlyOnHandlerFailure,
-                        at,
-                        format!("{client} recorded attempt {attempts} of {event_id} without a handler failure"),
-                    ),
-                }
-                let was_dead = if *dead_lettered {
-                    !dead.insert(*event_id)
-                } else {
-                    dead.contains(event_id)
-                };
-                if replaying.remove(&(client.as_str(), *event_id)) {
-                    continue; // a replay's budget is one (see `replay`)
-                }
-                if *dead_lettered != (*attempts as u32 >= max || was_dead) {
-                    out.add(
-                        Invariant::DeadLetterAtBudget,
-                        at,
-                        format!("{event_id} recorded at attempt {attempts} of a budget of {max} with dead_lettered = {dead_lettered} (dead-lettered before: {was_dead})"),
-                    );
-                }
-                let r = records.entry((consumer_of(client), *event_id)).or_default();
-                if *dead_lettered {
-                    r.at_budget += 1;
-                } else {
-                    r.below_budget += 1;
-                }
+                let failure = (client.as_str(), *event_id, *attempts, *dead_lettered);
+                b.failure(ctx, at, failure, out);
             }
             Event::Settled {
                 client,
                 message_id,
                 settle,
-            } => {
-                let Some(event) = ctx.model.event_of(message_id.as_deref()) else {
-                    continue;
-                };
-                let r = records.entry((client.as_str(), event)).or_default();
-                if let Err(what) = r.answer(*settle) {
-                    // Requeued behind an earlier event of its key.
-                    if *settle == Settle::Requeue
-                        && super::ordered::deferral_justified(
-                            ctx,
-                            event,
-                            &delivered,
-                            &settled_for_good,
-                        )
-                    {
-                        continue;
-                    }
-                    out.add(
-                        Invariant::DeadLetterAtBudget,
-                        at,
-                        format!("{client} {what} {event} without a failure record {} the budget of {max}", if *settle == Settle::Requeue { "below" } else { "reaching" }),
-                    );
-                }
-            }
+            } => b.settled(
+                ctx,
+                at,
+                client.as_str(),
+                message_id.as_deref(),
+                *settle,
+                out,
+            ),
             _ => {}
         }
+    }
+}
+
+impl<'e> Budget<'e> {
+    /// A failure recorded in the inbox: a handler's failure answers it, and
+    /// it is dead-lettered exactly at the budget.
+    fn failure(
+        &mut self,
+        ctx: &Context<'_>,
+        at: Option<Duration>,
+        (client, event_id, attempts, dead_lettered): (&'e str, Uuid, i32, bool),
+        out: &mut Findings,
+    ) {
+        let max = ctx.limits.consumer_max_attempts;
+        match self.handler_failures.get_mut(&event_id).filter(|n| **n > 0) {
+            Some(n) => *n -= 1,
+            None => out.add(
+                Invariant::AttemptOnlyOnHandlerFailure,
+                at,
+                format!(
+                    "{client} recorded attempt {attempts} of {event_id} without a handler failure"
+                ),
+            ),
+        }
+        let was_dead = if dead_lettered {
+            !self.dead.insert(event_id)
+        } else {
+            self.dead.contains(&event_id)
+        };
+        if self.replaying.remove(&(client, event_id)) {
+            return; // a replay's budget is one (see `replay`)
+        }
+        if dead_lettered != (attempts as u32 >= max || was_dead) {
+            out.add(
+                Invariant::DeadLetterAtBudget,
+                at,
+                format!("{event_id} recorded at attempt {attempts} of a budget of {max} with dead_lettered = {dead_lettered} (dead-lettered before: {was_dead})"),
+            );
+        }
+        let r = self
+            .records
+            .entry((consumer_of(client), event_id))
+            .or_default();
+        if dead_lettered {
+            r.at_budget += 1;
+        } else {
+            r.below_budget += 1;
+        }
+    }
+
+    /// A settlement: a requeue or a dead-letter answers a failure record.
+    fn settled(
+        &mut self,
+        ctx: &Context<'_>,
+        at: Option<Duration>,
+        client: &'e str,
+        message_id: Option<&str>,
+        settle: Settle,
+        out: &mut Findings,
+    ) {
+        let max = ctx.limits.consumer_max_attempts;
+        let Some(event) = ctx.model.event_of(message_id) else {
+            return;
+        };
+        let r = self.records.entry((client, event)).or_default();
+        let Err(what) = r.answer(settle) else {
+            return;
+        };
+        // Requeued behind an earlier event of its key.
+        if settle == Settle::Requeue
+            && super::ordered::deferral_justified(
+                ctx,
+                event,
+                &self.delivered,
+                &self.settled_for_good,
+            )
+        {
+            return;
+        }
+        let side = if settle == Settle::Requeue {
+            "below"
+        } else {
+            "reaching"
+        };
+        out.add(
+            Invariant::DeadLetterAtBudget,
+            at,
+            format!("{client} {what} {event} without a failure record {side} the budget of {max}"),
+        );
     }
 }
 
@@ -568,8 +621,18 @@ fn every_failure_counted(ctx: &Context<'_>, out: &mut Findings) {
             _ => {}
         }
     }
-    // A failure whose delivery was not settled when the run stopped was
-    // still being worked on: not judged here.
+    unmatched_failures(ctx, &trouble, pending, out);
+}
+
+/// The failures no record matched, each settled with no database trouble
+/// in between. A failure whose delivery was not settled when the run
+/// stopped was still being worked on: not judged here.
+fn unmatched_failures(
+    ctx: &Context<'_>,
+    trouble: &Trouble,
+    pending: BTreeMap<(String, Uuid), VecDeque<Unmatched>>,
+    out: &mut Findings,
+) {
     for ((client, id), q) in pending {
         for (at, until) in q.into_iter().filter_map(|(at, s, _)| Some((at, s?))) {
             // Trouble during the run counts too (it lasts the deadline at
@@ -885,6 +948,19 @@ fn rejected(ctx: &Context<'_>, out: &mut Findings) {
             _ => {}
         }
     }
+    rejected_at_end(model, fin, &refused, &deliveries, out);
+}
+
+/// At the end: each rejected delivery is in the dead-letter queue, the
+/// inbox was asked to store it at most once per delivery, and it has no
+/// inbox row.
+fn rejected_at_end(
+    model: &Model,
+    fin: &ConsumerFinal,
+    refused: &BTreeMap<Uuid, u32>,
+    deliveries: &BTreeMap<&str, u32>,
+    out: &mut Findings,
+) {
     for (mid, (kind, envelope)) in model.hostile.iter().filter(|(_, (k, _))| !k.applies()) {
         if !fin.dead_letters.contains_key(&Some(mid.clone())) {
             out.add(

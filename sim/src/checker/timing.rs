@@ -147,7 +147,6 @@ struct Batch<'a> {
 /// Every claim as its replica received it, with what became of its rows;
 /// a publish after the deadline is reported as it is seen.
 fn batches<'a>(ctx: &Context<'a>, out: &mut Findings) -> Vec<Batch<'a>> {
-    let timeout = ctx.limits.confirm_timeout;
     let mut batches: Vec<Batch<'_>> = Vec::new();
     // A replica can hold a row under two claims (its own lease expired while
     // it stalled, and it claimed the row again): oldest first.
@@ -172,30 +171,13 @@ fn batches<'a>(ctx: &Context<'a>, out: &mut Findings) -> Vec<Batch<'a>> {
             }
             Event::PublishSent {
                 client, message_id, ..
-            } => {
-                let claims = open.get(&(client.as_str(), *message_id));
-                let first = claims.and_then(|q| {
-                    q.iter()
-                        .copied()
-                        .find(|b| !batches[*b].published.contains(message_id))
-                });
-                if let Some(b) = first {
-                    let batch = &mut batches[b];
-                    batch.published.insert(*message_id);
-                    if *at > batch.returned + timeout + TIMING_SLACK && !batch.late_publish {
-                        batch.late_publish = true;
-                        out.add(
-                            Invariant::Phase2Deadline,
-                            Some(*at),
-                            format!(
-                                "{client} published {message_id} {:.3}s after its claim returned (confirm_timeout {:.3}s)",
-                                (*at - batch.returned).as_secs_f64(),
-                                timeout.as_secs_f64()
-                            ),
-                        );
-                    }
-                }
-            }
+            } => published(
+                ctx,
+                &mut batches,
+                &open,
+                (*at, client.as_str(), *message_id),
+                out,
+            ),
             Event::ConfirmReceived { client, message_id } => {
                 let claims = open.get(&(client.as_str(), *message_id));
                 let first = claims.and_then(|q| {
@@ -231,6 +213,40 @@ fn batches<'a>(ctx: &Context<'a>, out: &mut Findings) -> Vec<Batch<'a>> {
         }
     }
     batches
+}
+
+/// A publish of a claimed row: its batch's, reported if it came after
+/// the batch's deadline.
+fn published(
+    ctx: &Context<'_>,
+    batches: &mut [Batch<'_>],
+    open: &BTreeMap<(&str, Uuid), VecDeque<usize>>,
+    (at, client, message_id): (Duration, &str, Uuid),
+    out: &mut Findings,
+) {
+    let timeout = ctx.limits.confirm_timeout;
+    let claims = open.get(&(client, message_id));
+    let first = claims.and_then(|q| {
+        q.iter()
+            .copied()
+            .find(|b| !batches[*b].published.contains(&message_id))
+    });
+    if let Some(b) = first {
+        let batch = &mut batches[b];
+        batch.published.insert(message_id);
+        if at > batch.returned + timeout + TIMING_SLACK && !batch.late_publish {
+            batch.late_publish = true;
+            out.add(
+                    Invariant::Phase2Deadline,
+                    Some(at),
+                    format!(
+                        "{client} published {message_id} {:.3}s after its claim returned (confirm_timeout {:.3}s)",
+                        (at - batch.returned).as_secs_f64(),
+                        timeout.as_secs_f64()
+                    ),
+                );
+        }
+    }
 }
 
 fn phase2_deadline(ctx: &Context<'_>, blocked: &Blocked<'_>, out: &mut Findings) {

@@ -113,6 +113,25 @@ impl Family {
     }
 
     fn fault(self, d: Draw, rng: &mut SmallRng) -> Fault {
+        match self {
+            Family::Blackhole
+            | Family::PartitionRabbit
+            | Family::PartitionPg
+            | Family::Crash
+            | Family::ConsumerCrash
+            | Family::ConsumerPartition => self.host_fault(d, rng),
+            Family::CrashPoint | Family::ConsumerCrashPoint | Family::Pause => {
+                self.point_fault(d, rng)
+            }
+            Family::NodeCrash | Family::NodePartition | Family::LeaderElection => {
+                self.node_fault(d, rng)
+            }
+            _ => self.service_fault(d, rng),
+        }
+    }
+
+    /// A fault of one drainer or consumer host.
+    fn host_fault(self, d: Draw, rng: &mut SmallRng) -> Fault {
         let (at_secs, for_secs) = (d.at, d.len);
         match self {
             Family::Blackhole => Fault::Blackhole {
@@ -141,6 +160,20 @@ impl Family {
                 at_secs,
                 restart_after_secs: for_secs,
             },
+            Family::ConsumerPartition => Fault::Partition {
+                a: d.consumer(rng),
+                b: if rng.random_bool(0.5) { "rabbit" } else { "pg" }.into(),
+                at_secs,
+                for_secs,
+            },
+            other => unreachable!("{other:?} is no host's fault"),
+        }
+    }
+
+    /// A crash or a pause at one point of the code.
+    fn point_fault(self, d: Draw, rng: &mut SmallRng) -> Fault {
+        let (at_secs, for_secs) = (d.at, d.len);
+        match self {
             Family::CrashPoint | Family::ConsumerCrashPoint => {
                 let points: &[Point] = if self == Family::CrashPoint {
                     &[
@@ -166,6 +199,38 @@ impl Family {
                 at_secs,
                 for_secs,
             },
+            other => unreachable!("{other:?} is no point's fault"),
+        }
+    }
+
+    /// A fault of one broker node, or of the cluster's elections.
+    fn node_fault(self, d: Draw, rng: &mut SmallRng) -> Fault {
+        let (at_secs, for_secs) = (d.at, d.len);
+        match self {
+            Family::NodeCrash => Fault::Crash {
+                target: format!("rabbit-{}", d.node(rng)),
+                at_secs,
+                restart_after_secs: for_secs,
+            },
+            Family::NodePartition => Fault::NodePartition {
+                node: d.node(rng),
+                at_secs,
+                for_secs,
+            },
+            Family::LeaderElection => Fault::LeaderElection {
+                at_secs,
+                // An election takes seconds, not the phase.
+                for_secs: for_secs.min(4.0),
+            },
+            other => unreachable!("{other:?} is no node's fault"),
+        }
+    }
+
+    /// A fault of a service as a whole: the database, the broker, the
+    /// consumer's downstream, its domain's locks, hostile publishers.
+    fn service_fault(self, d: Draw, rng: &mut SmallRng) -> Fault {
+        let (at_secs, for_secs) = (d.at, d.len);
+        match self {
             Family::Pg => Fault::Pg {
                 lose_reply_prob: 0.02,
                 fail_prob: 0.02,
@@ -189,12 +254,6 @@ impl Family {
                 at_secs,
                 for_secs,
             },
-            Family::ConsumerPartition => Fault::Partition {
-                a: d.consumer(rng),
-                b: if rng.random_bool(0.5) { "rabbit" } else { "pg" }.into(),
-                at_secs,
-                for_secs,
-            },
             Family::Downstream => Fault::Downstream { at_secs, for_secs },
             Family::DomainLock => Fault::DomainLock { at_secs, for_secs },
             Family::Hostile => Fault::Hostile {
@@ -203,21 +262,7 @@ impl Family {
                 at_secs,
                 for_secs,
             },
-            Family::NodeCrash => Fault::Crash {
-                target: format!("rabbit-{}", d.node(rng)),
-                at_secs,
-                restart_after_secs: for_secs,
-            },
-            Family::NodePartition => Fault::NodePartition {
-                node: d.node(rng),
-                at_secs,
-                for_secs,
-            },
-            Family::LeaderElection => Fault::LeaderElection {
-                at_secs,
-                // An election takes seconds, not the phase.
-                for_secs: for_secs.min(4.0),
-            },
+            other => unreachable!("{other:?} is no service's fault"),
         }
     }
 }

@@ -75,90 +75,101 @@ async fn write(spec: Workload, seed: u64, trace: Trace, name: String, share: Vec
         let rollback = rng.random_bool(spec.rollback_ratio);
         let mut rows = Vec::with_capacity(count as usize);
         for k in 0..count {
-            let poison = spec.poison_ratio > 0.0 && rng.random_bool(spec.poison_ratio);
-            let unique = (!poison && spec.unique_ratio > 0.0 && rng.random_bool(spec.unique_ratio))
-                .then(|| {
-                    let prefix = if rng.random_bool(0.5) {
-                        UNIQUE_PREFIX
-                    } else {
-                        TRIGGER_PREFIX
-                    };
-                    format!("{prefix}{}", rng.random_range(0..UNIQUE_KEYS))
-                });
-            let key = match &unique {
-                Some(key) => key.as_str(),
-                None if poison => "poison.event",
-                None => "domain.event",
-            };
-            let mut env = envelope(&mut rng, key, n, k);
-            if spec.ordering_keys > 0 && rng.random_bool(spec.keyed_ratio) {
-                let key = rng.random_range(0..spec.ordering_keys);
-                env.ordering_key = Some(format!("key-{key}"));
-            }
-            if let Some((traceparent, tracestate)) = trace_context_of(&env) {
-                trace.now(Event::Traced {
-                    id: env.id,
-                    traceparent: traceparent.clone(),
-                    tracestate: tracestate.clone(),
-                });
-                env.headers.insert("traceparent".into(), traceparent);
-                if let Some(state) = tracestate {
-                    env.headers.insert("tracestate".into(), state);
-                }
-            }
-            if let Some(key) = &unique {
-                trace.now(Event::UniqueKeyed {
-                    id: env.id,
-                    key: key.clone(),
-                });
-            }
-            // Now and then the longest routing key a broker accepts.
-            if !poison && unique.is_none() && rng.random_bool(0.02) {
-                env.routing_key = format!(
-                    "domain.{}",
-                    "k".repeat(ROUTING_KEY_MAX_BYTES - "domain.".len())
-                );
-            }
-            let unpublishable =
-                spec.unpublishable_ratio > 0.0 && rng.random_bool(spec.unpublishable_ratio);
-            let encoded = if unpublishable {
-                // Written by hand, bypassing publish_tx's validation.
-                env.routing_key = if rng.random_bool(0.5) {
-                    String::new()
-                } else {
-                    "x".repeat(300)
-                };
-                trace.now(Event::Unpublishable { id: env.id });
-                serde_json::to_string(&env).expect("envelopes encode")
-            } else {
-                env.encode(&EnvelopeLimits::default())
-                    .expect("workload envelopes are valid")
-            };
-            rows.push(NewRow {
-                id: env.id,
-                routing_key: env.routing_key,
-                body: encoded,
-                ordering_key: env.ordering_key,
-            });
+            rows.push(row(&spec, &mut rng, &trace, n, k));
         }
-        // One INSERT for the transaction's envelopes, as publish_many_tx.
-        let body = vec![PgRequest::Insert { rows }];
-        for _ in 0..TX_RETRIES_MAX {
-            let result = if rollback {
-                rolled_back(&pg, body.clone()).await
-            } else {
-                pg.in_tx(body.clone()).await.map(drop)
-            };
-            match result {
-                Ok(()) => break,
-                // In doubt or refused: try the same envelopes again; a
-                // duplicate id (the commit did apply) ends the retries.
-                Err(outbox::StoreError::Statement(e)) if e.contains("duplicate key") => break,
-                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-            }
-        }
+        commit(&pg, rows, rollback).await;
         let pause = rng.random_range(spec.interval_ms[0]..=spec.interval_ms[1]);
         tokio::time::sleep_until(started + Duration::from_millis(pause)).await;
+    }
+}
+
+/// Envelope `k` of transaction `n`: poison, unique-keyed, keyed, traced,
+/// with the longest routing key, or unpublishable, as the workload draws.
+fn row(spec: &Workload, rng: &mut SmallRng, trace: &Trace, n: u32, k: u32) -> NewRow {
+    let poison = spec.poison_ratio > 0.0 && rng.random_bool(spec.poison_ratio);
+    let unique =
+        (!poison && spec.unique_ratio > 0.0 && rng.random_bool(spec.unique_ratio)).then(|| {
+            let prefix = if rng.random_bool(0.5) {
+                UNIQUE_PREFIX
+            } else {
+                TRIGGER_PREFIX
+            };
+            format!("{prefix}{}", rng.random_range(0..UNIQUE_KEYS))
+        });
+    let key = match &unique {
+        Some(key) => key.as_str(),
+        None if poison => "poison.event",
+        None => "domain.event",
+    };
+    let mut env = envelope(rng, key, n, k);
+    if spec.ordering_keys > 0 && rng.random_bool(spec.keyed_ratio) {
+        let key = rng.random_range(0..spec.ordering_keys);
+        env.ordering_key = Some(format!("key-{key}"));
+    }
+    if let Some((traceparent, tracestate)) = trace_context_of(&env) {
+        trace.now(Event::Traced {
+            id: env.id,
+            traceparent: traceparent.clone(),
+            tracestate: tracestate.clone(),
+        });
+        env.headers.insert("traceparent".into(), traceparent);
+        if let Some(state) = tracestate {
+            env.headers.insert("tracestate".into(), state);
+        }
+    }
+    if let Some(key) = &unique {
+        trace.now(Event::UniqueKeyed {
+            id: env.id,
+            key: key.clone(),
+        });
+    }
+    // Now and then the longest routing key a broker accepts.
+    if !poison && unique.is_none() && rng.random_bool(0.02) {
+        env.routing_key = format!(
+            "domain.{}",
+            "k".repeat(ROUTING_KEY_MAX_BYTES - "domain.".len())
+        );
+    }
+    let unpublishable = spec.unpublishable_ratio > 0.0 && rng.random_bool(spec.unpublishable_ratio);
+    let encoded = if unpublishable {
+        // Written by hand, bypassing publish_tx's validation.
+        env.routing_key = if rng.random_bool(0.5) {
+            String::new()
+        } else {
+            "x".repeat(300)
+        };
+        trace.now(Event::Unpublishable { id: env.id });
+        serde_json::to_string(&env).expect("envelopes encode")
+    } else {
+        env.encode(&EnvelopeLimits::default())
+            .expect("workload envelopes are valid")
+    };
+    NewRow {
+        id: env.id,
+        routing_key: env.routing_key,
+        body: encoded,
+        ordering_key: env.ordering_key,
+    }
+}
+
+/// One transaction's envelopes in one INSERT (as `publish_many_tx`),
+/// committed or rolled back, retried while in doubt or refused.
+async fn commit(pg: &PgClient, rows: Vec<NewRow>, rollback: bool) {
+    // One INSERT for the transaction's envelopes, as publish_many_tx.
+    let body = vec![PgRequest::Insert { rows }];
+    for _ in 0..TX_RETRIES_MAX {
+        let result = if rollback {
+            rolled_back(pg, body.clone()).await
+        } else {
+            pg.in_tx(body.clone()).await.map(drop)
+        };
+        match result {
+            Ok(()) => break,
+            // In doubt or refused: try the same envelopes again; a
+            // duplicate id (the commit did apply) ends the retries.
+            Err(outbox::StoreError::Statement(e)) if e.contains("duplicate key") => break,
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
     }
 }
 

@@ -156,28 +156,7 @@ impl Env {
             Event::FaultEnd { kind }
         });
         match fault {
-            Fault::Blackhole { target, .. } => {
-                for h in self.hosts(target) {
-                    for node in self.mq.node_hosts() {
-                        if start {
-                            sim.hold(h.as_str(), node.as_str());
-                        } else {
-                            sim.release(h.as_str(), node.as_str());
-                        }
-                    }
-                }
-            }
-            Fault::Partition { a, b, .. } => {
-                for h in self.hosts(a) {
-                    for other in self.hosts(b) {
-                        if start {
-                            sim.partition(h.as_str(), other.as_str());
-                        } else {
-                            sim.repair(h.as_str(), other.as_str());
-                        }
-                    }
-                }
-            }
+            Fault::Blackhole { .. } | Fault::Partition { .. } => self.cut_links(sim, fault, start),
             Fault::NodePartition { node, .. } => self.isolate_node(sim, *node, start),
             Fault::LeaderElection { .. } => self.mq.block_elections(start, crate::sim_now()),
             Fault::Crash { target, .. } => {
@@ -207,6 +186,49 @@ impl Env {
                     hooks.set_pause(*point, p, Duration::from_millis(*ms));
                 }
             }
+            Fault::Pg { .. } | Fault::Mq { .. } => self.set_service_faults(fault, start),
+            Fault::Hostile { per_sec, .. } => {
+                self.hostile.retain(|(i, _, _)| *i != index);
+                if start {
+                    let per_step = (per_sec * STEP.as_secs_f64()).min(1.0);
+                    self.hostile.push((index, per_step, fault.hostile_kinds()));
+                }
+            }
+        }
+    }
+
+    /// A black-hole or a partition between hosts, begun or healed.
+    fn cut_links(&mut self, sim: &mut crate::engine::Sim, fault: &Fault, start: bool) {
+        match fault {
+            Fault::Blackhole { target, .. } => {
+                for h in self.hosts(target) {
+                    for node in self.mq.node_hosts() {
+                        if start {
+                            sim.hold(h.as_str(), node.as_str());
+                        } else {
+                            sim.release(h.as_str(), node.as_str());
+                        }
+                    }
+                }
+            }
+            Fault::Partition { a, b, .. } => {
+                for h in self.hosts(a) {
+                    for other in self.hosts(b) {
+                        if start {
+                            sim.partition(h.as_str(), other.as_str());
+                        } else {
+                            sim.repair(h.as_str(), other.as_str());
+                        }
+                    }
+                }
+            }
+            other => unreachable!("{other:?} cuts no link"),
+        }
+    }
+
+    /// The fake services' own fault rates, set or cleared.
+    fn set_service_faults(&mut self, fault: &Fault, start: bool) {
+        match fault {
             Fault::Pg {
                 lose_reply_prob,
                 fail_prob,
@@ -241,13 +263,7 @@ impl Env {
                     MqFaults::default()
                 };
             }
-            Fault::Hostile { per_sec, .. } => {
-                self.hostile.retain(|(i, _, _)| *i != index);
-                if start {
-                    let per_step = (per_sec * STEP.as_secs_f64()).min(1.0);
-                    self.hostile.push((index, per_step, fault.hostile_kinds()));
-                }
-            }
+            other => unreachable!("{other:?} is no service's fault"),
         }
     }
 

@@ -31,6 +31,7 @@
 mod foreground;
 mod p10;
 mod p3;
+mod sections;
 
 use std::time::{Duration, Instant};
 
@@ -1035,303 +1036,66 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = fresh_database(&args.database_url, DATABASE, 16).await?;
     let conn = benches::chaos::connect_any(&args.amqp_url).await?;
     broker_topology(&conn).await?;
-    let n = args.rows;
-    let mut table = vec![
-        "| measure | value | ratio | target |".to_owned(),
-        "|---|---|---|---|".to_owned(),
-    ];
-    let mut json = serde_json::Map::new();
-    json.insert("rows".into(), n.into());
-
-    eprintln!("ceiling: raw publish+confirm of {n} messages at depth {DEPTH} ...");
-    let ceiling = ceiling(&conn, n).await?;
-    purge(&conn).await?;
-    table.push(format!(
-        "| ceiling: raw publish+confirm, depth {DEPTH} | {ceiling:.0} msg/s | 1.00 | — |"
-    ));
-    json.insert("ceiling_msgs_per_sec".into(), ceiling.into());
-
-    let mut p1_rate = None;
+    let mut s = sections::Sheet::new(&args, pool, conn).await?;
     if want("p1") {
-        let mut p1 = Vec::new();
-        for replicas in [1, 2] {
-            eprintln!("P1: prefilling {n} rows, draining with {replicas} replica(s) ...");
-            prefill(&pool, n).await?;
-            let run = drain(&pool, &args.amqp_url, n, replicas).await?;
-            let rate = run.rows_per_sec;
-            purge(&conn).await?;
-            table.push(format!(
-                "| P1 drain rate, {n} rows, {replicas} replica(s), defaults | {rate:.0} rows/s | {:.2}× ceiling | ≥ 0.9× (1 replica) |",
-                rate / ceiling
-            ));
-            if replicas == 1 {
-                p1_rate = Some(rate);
-                json.insert("p1_ratio".into(), (rate / ceiling).into());
-                json.insert(
-                    "p8_wal_bytes_per_event".into(),
-                    run.wal_bytes_per_row.into(),
-                );
-                table.push(format!(
-                    "| P8 drainer WAL per event drained (1 replica, defaults) | {:.0} bytes | — | ≤ ½ of the first measurement |",
-                    run.wal_bytes_per_row
-                ));
-            }
-            p1.push(serde_json::json!({
-                "replicas": replicas, "rows_per_sec": rate, "ratio_to_ceiling": rate / ceiling,
-                "wal_bytes_per_row": run.wal_bytes_per_row
-            }));
-        }
-        json.insert("p1".into(), p1.into());
-        eprintln!("P1: the same with one replica into a quorum queue ...");
-        sink(&conn, QueueType::Quorum).await?;
-        prefill(&pool, n).await?;
-        let quorum = drain(&pool, &args.amqp_url, n, 1).await?.rows_per_sec;
-        sink(&conn, QueueType::Classic).await?;
-        let classic = p1_rate.expect("measured above");
-        table.push(format!(
-            "| P1 drain rate into a quorum queue against a classic one ({classic:.0} rows/s), 1 replica | {quorum:.0} rows/s | {:.2}× classic | ≥ 0.7× |",
-            quorum / classic
-        ));
-        json.insert("p1_quorum_vs_classic".into(), (quorum / classic).into());
+        sections::p1(&mut s).await?;
     }
-
     if want("p7") {
-        eprintln!("P7: consume ceiling and the subscriber over {n} deliveries (4 runs) ...");
-        let [ceiling7, defaults, duplicates, single, wal, on_classic] =
-            p7(&conn, &pool, &args.amqp_url, n).await?;
-        table.push(format!(
-            "| P7 consume ceiling: raw lapin consume + ack, prefetch as the subscriber's | {ceiling7:.0} msg/s | 1.00 | — |"
-        ));
-        let vs_p1 = p1_rate.map(|r| defaults / r);
-        table.push(format!(
-            "| P7 subscriber, defaults, {n} fresh events | {defaults:.0} events/s | {:.2}× consume ceiling{} | ≥ 0.6× ceiling, ≥ 1.0× one drainer |",
-            defaults / ceiling7,
-            vs_p1.map_or(String::new(), |r| format!(", {r:.2}× one drainer"))
-        ));
-        table.push(format!(
-            "| P7 subscriber, defaults, 25 % duplicates | {duplicates:.0} deliveries/s | {:.2}× defaults | ≥ 0.9× defaults |",
-            duplicates / defaults
-        ));
-        table.push(format!(
-            "| P7 subscriber, batches of one (one transaction per delivery) | {single:.0} events/s | {:.2}× defaults | contrast |",
-            single / defaults
-        ));
-        table.push(format!(
-            "| P8 inbox WAL per event applied (defaults) | {wal:.0} bytes | — | — |"
-        ));
-        table.push(format!(
-            "| P7 subscriber, defaults, quorum queue against a classic one ({on_classic:.0} events/s) | {defaults:.0} events/s | {:.2}× classic | ≥ 0.7× |",
-            defaults / on_classic
-        ));
-        json.insert(
-            "p7_quorum_vs_classic".into(),
-            (defaults / on_classic).into(),
-        );
-        json.insert("p7_consume_ceiling_msgs_per_sec".into(), ceiling7.into());
-        json.insert("p7_subscriber_events_per_sec".into(), defaults.into());
-        json.insert(
-            "p7_subscriber_events_per_sec_25pct_duplicates".into(),
-            duplicates.into(),
-        );
-        json.insert(
-            "p7_subscriber_batch_of_one_events_per_sec".into(),
-            single.into(),
-        );
-        json.insert("p7_vs_ceiling".into(), (defaults / ceiling7).into());
-        if let Some(r) = vs_p1 {
-            json.insert("p7_vs_p1".into(), r.into());
-        }
-        json.insert(
-            "p7_duplicates_vs_defaults".into(),
-            (duplicates / defaults).into(),
-        );
-        json.insert("p8_inbox_wal_bytes_per_event".into(), wal.into());
+        sections::p7_section(&mut s).await?;
     }
-
     if want("beside") {
-        let pace = p1_rate.unwrap_or(ceiling * 0.6);
-        eprintln!("ceiling beside the database work of a drain at {pace:.0} rows/s ...");
-        let beside = ceiling_beside_database(&conn, &pool, n, pace).await?;
-        purge(&conn).await?;
-        table.push(format!(
-            "| ceiling beside claim+mark at {pace:.0} rows/s on the same cores | {beside:.0} msg/s | {:.2}× ceiling | — |",
-            beside / ceiling
-        ));
-        json.insert(
-            "ceiling_beside_database".into(),
-            serde_json::json!({ "msgs_per_sec": beside, "claim_mark_rows_per_sec": pace }),
-        );
+        sections::beside(&mut s).await?;
     }
-
     if want("phases") {
-        eprintln!("P1 phases: one replica's ticks back to back over {n} rows ...");
-        let (rate, [claim, publish, mark]) = phases(&pool, &args.amqp_url, n).await?;
-        purge(&conn).await?;
-        table.push(format!(
-            "| P1 phases, `Drainer::tick` back to back | {rate:.0} rows/s; per tick of 100: claim {:.2} ms, publish+confirm {:.2} ms, mark {:.2} ms | {:.2}× ceiling | — |",
-            ms(claim),
-            ms(publish),
-            ms(mark),
-            rate / ceiling
-        ));
-        json.insert(
-            "p1_phases".into(),
-            serde_json::json!({
-                "rows_per_sec": rate, "claim_ms": ms(claim), "publish_ms": ms(publish), "mark_ms": ms(mark)
-            }),
-        );
+        sections::phases_section(&mut s).await?;
     }
-
     if want("antipattern") {
-        eprintln!("antipattern: the pre-#478 drainer over {n} rows ...");
-        let rate = antipattern(&pool, &args.amqp_url, n).await?;
-        purge(&conn).await?;
-        table.push(format!(
-            "| antipattern (pre-#478: one tx across the batch, confirm per row) | {rate:.0} rows/s | {:.2}× ceiling | contrast |",
-            rate / ceiling
-        ));
-        json.insert("antipattern_rows_per_sec".into(), rate.into());
+        sections::antipattern_section(&mut s).await?;
     }
-
     if want("p2") && args.p2_rows > 0 {
-        eprintln!(
-            "P2: claim + mark at 10k and {} rows (minutes) ...",
-            args.p2_rows
-        );
-        let [small, large, behind] = claim_scaling(&pool, 10_000, args.p2_rows).await?;
-        table.push(format!(
-            "| P2 claim+mark, 10k unpublished rows | {small:.0} rows/s | 1.00 | — |"
-        ));
-        table.push(format!(
-            "| P2 claim+mark, {} unpublished rows | {large:.0} rows/s | {:.2}× 10k | ≥ 0.8× |",
-            args.p2_rows,
-            large / small
-        ));
-        table.push(format!(
-            "| P2 claim+mark, 10k unpublished behind {} published | {behind:.0} rows/s | {:.2}× 10k | — |",
-            args.p2_rows,
-            behind / small
-        ));
-        json.insert(
-            "p2_rows_per_sec".into(),
-            serde_json::json!({
-                "small_10k": small, "large": large, "large_rows": args.p2_rows, "behind_published": behind
-            }),
-        );
+        sections::p2(&mut s).await?;
     }
-
     if want("p3") {
-        p3::run(&pool, &args.amqp_url, n, &mut table, &mut json).await?;
-        purge(&conn).await?;
+        sections::p3_section(&mut s).await?;
     }
-
     if want("p4") {
-        eprintln!("P4: publish cost ...");
-        let p4 = publish_cost(&pool, 500).await?;
-        let base = p4[0].0;
-        let names = [
-            "domain tx alone",
-            "domain tx + publish_tx(1)",
-            "domain tx + publish_many_tx(100)",
-        ];
-        for (name, (p50, p99)) in names.iter().zip(p4.iter()) {
-            table.push(format!(
-                "| P4 {name} | p50 {:.2} ms, p99 {:.2} ms | {:.2}× alone | — |",
-                ms(*p50),
-                ms(*p99),
-                p50.as_secs_f64() / base.as_secs_f64()
-            ));
-        }
-        table.push(format!(
-            "| P4 publish_many_tx(100) / publish_tx(1), p50 | {:.2}× | | ≤ 3× |",
-            p4[2].0.as_secs_f64() / p4[1].0.as_secs_f64()
-        ));
-        json.insert(
-            "p4_ms".into(),
-            serde_json::json!({
-                "alone": { "p50": ms(p4[0].0), "p99": ms(p4[0].1) },
-                "publish_tx_1": { "p50": ms(p4[1].0), "p99": ms(p4[1].1) },
-                "publish_many_tx_100": { "p50": ms(p4[2].0), "p99": ms(p4[2].1) },
-            }),
-        );
+        sections::p4(&mut s).await?;
     }
-
     if want("p9") {
-        p9(&pool, &args.amqp_url, n, &mut table, &mut json).await?;
-        purge(&conn).await?;
-        p9_subscriber(&conn, &pool, &args.amqp_url, n, &mut table, &mut json).await?;
+        sections::p9_section(&mut s).await?;
     }
-
     if want("p9f") {
-        p9_failing(&conn, &pool, &args.amqp_url, n, &mut table, &mut json).await?;
+        sections::p9f(&mut s).await?;
     }
-
     if want("p5") {
-        eprintln!("P5: end-to-end latency at 100 events/s for 20 s ...");
-        let (p50, p99, max) = end_to_end(&pool, &args.amqp_url, 100, 20).await?;
-        purge(&conn).await?;
-        table.push(format!(
-            "| P5 commit → marked published, 100 events/s | p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms | | p50 ≤ 20 ms, p99 ≤ 100 ms |",
-            ms(p50),
-            ms(p99),
-            ms(max)
-        ));
-        json.insert(
-            "p5_ms".into(),
-            serde_json::json!({ "p50": ms(p50), "p99": ms(p99), "max": ms(max) }),
-        );
+        sections::p5(&mut s).await?;
     }
-
     // P10 loads tens of millions of rows: only when asked for by name.
     if args.only.iter().any(|s| s == "p10") {
-        for &layout in args.p10_layouts() {
-            let (rows_from, keys_before) = (table.len(), json.clone());
-            if layout == "partitioned" {
-                let name = "harness_partitioned";
-                let p = benches::fresh_database(&args.database_url, name, 16).await?;
-                outbox::migrate::partition(&p, None).await?;
-                p10::partition_past_days(&p).await?;
-                p10::run(&p, &args.amqp_url, args.p10_rows, &mut table, &mut json).await?;
-                p.close().await;
-                benches::drop_database(&args.database_url, name)
-                    .await
-                    .map_err(|e| e.to_string())?;
-            } else {
-                p10::run(&pool, &args.amqp_url, args.p10_rows, &mut table, &mut json).await?;
-            }
-            purge(&conn).await?;
-            // Each layout's rows and keys say which layout they measured.
-            for row in &mut table[rows_from..] {
-                *row = row.replacen("| P10 ", &format!("| P10 ({layout}) "), 1);
-            }
-            let added: Vec<String> = json
-                .keys()
-                .filter(|k| k.starts_with("p10_") && !keys_before.contains_key(*k))
-                .cloned()
-                .collect();
-            for k in added {
-                let v = json.remove(&k).expect("listed");
-                json.insert(k.replacen("p10_", &format!("p10_{layout}_"), 1), v);
-            }
-        }
+        sections::p10_section(&mut s).await?;
     }
+    finish(s).await
+}
 
-    let ch = conn.create_channel().await?;
+/// Removes the harness's queues and exchange, prints the table and writes
+/// the JSON.
+async fn finish(s: sections::Sheet<'_>) -> Result<(), Box<dyn std::error::Error>> {
+    let ch = s.conn.create_channel().await?;
     for q in [QUEUE, p10::QUEUE, p10::DLQ] {
         ch.queue_delete(q.into(), QueueDeleteOptions::default())
             .await?;
     }
     ch.exchange_delete(EXCHANGE.into(), Default::default())
         .await?;
-    for line in &table {
+    for line in &s.table {
         println!("{line}");
     }
     std::fs::write(
-        &args.json,
-        serde_json::to_string_pretty(&serde_json::Value::Object(json))?,
+        &s.args.json,
+        serde_json::to_string_pretty(&serde_json::Value::Object(s.json))?,
     )?;
-    eprintln!("written {}", args.json);
-    pool.close().await;
-    let _ = tokio::time::timeout(Duration::from_secs(5), conn.close(200, "OK".into())).await;
+    eprintln!("written {}", s.args.json);
+    s.pool.close().await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.conn.close(200, "OK".into())).await;
     Ok(())
 }

@@ -187,6 +187,17 @@ pub async fn run(
         json.insert(format!("{key}_drain_rows_per_sec"), rate.into());
     }
 
+    steady_cost(pool, amqp_url, table, json).await
+}
+
+/// The steady foreground without a drainer, then with one: what the drain
+/// adds per event, and the foreground's latency either way.
+async fn steady_cost(
+    pool: &PgPool,
+    amqp_url: &str,
+    table: &mut Vec<String>,
+    json: &mut serde_json::Map<String, serde_json::Value>,
+) -> BoxResult<()> {
     eprintln!(
         "P3: a foreground at {STEADY_RATE} tx/s for {STEADY_SECS} s, without a drainer, then with one ..."
     );

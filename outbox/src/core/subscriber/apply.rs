@@ -314,6 +314,20 @@ where
                 }
             }
         }
+        self.commit_applied(tx, items, applied, handler_wrote_last, last_ok)
+            .await
+    }
+
+    /// Commits an applied batch: first, if a handler wrote last, a check
+    /// that its work can commit.
+    async fn commit_applied(
+        &self,
+        mut tx: S::Tx,
+        items: &[&Item<'_>],
+        applied: Vec<Applied>,
+        handler_wrote_last: bool,
+        last_ok: Option<usize>,
+    ) -> Result<Vec<Applied>, BatchFailure> {
         // A handler's statement that failed, its error swallowed, leaves
         // the transaction aborted, and PostgreSQL answers its COMMIT with a
         // rollback and no error: never take that for committed. Any later

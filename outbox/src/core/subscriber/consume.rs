@@ -343,7 +343,32 @@ where
             .iter()
             .map(|p| p.decoded.as_ref().err().cloned())
             .collect();
-        let mut items: Vec<Item<'_>> = prepared
+        let mut items = self.items(&prepared);
+        // Event-id order (UUID v7: creation order): every batch takes its
+        // inbox row locks in the same order, so two batches holding the
+        // same events (a redelivery storm) never wait on each other in a
+        // cycle. Found by the simulation (producer_and_consumer_swarm,
+        // seed 0: two workers' batches deadlocked on two duplicated events).
+        items.sort_by_key(|i| i.entry.event_id);
+        self.apply_until_decided(&items, &mut outcomes, shutdown)
+            .await;
+        drop(items);
+        let settled: Vec<DeliveryOutcome> = outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or(DeliveryOutcome::Requeued))
+            .collect();
+        self.settle_all(consumer, &prepared, &settled).await;
+        for (p, outcome) in prepared.iter().zip(&settled) {
+            p.span.record("outbox.inbox.outcome", outcome.label());
+            self.counters.count(outcome, queue);
+        }
+        settled
+    }
+
+    /// The deliveries that decoded, as the inbox entries to apply.
+    fn items<'p>(&'p self, prepared: &'p [Prepared]) -> Vec<Item<'p>> {
+        let queue = &self.settings.spec.queue;
+        prepared
             .iter()
             .enumerate()
             .filter_map(|(slot, p)| {
@@ -367,26 +392,22 @@ where
                     overran: AtomicBool::new(false),
                 })
             })
-            .collect();
-        // Event-id order (UUID v7: creation order): every batch takes its
-        // inbox row locks in the same order, so two batches holding the
-        // same events (a redelivery storm) never wait on each other in a
-        // cycle. Found by the simulation (producer_and_consumer_swarm,
-        // seed 0: two workers' batches deadlocked on two duplicated events).
-        items.sort_by_key(|i| i.entry.event_id);
-        self.apply_until_decided(&items, &mut outcomes, shutdown)
-            .await;
-        drop(items);
-        let settled: Vec<DeliveryOutcome> = outcomes
-            .into_iter()
-            .map(|o| o.unwrap_or(DeliveryOutcome::Requeued))
-            .collect();
+            .collect()
+    }
+
+    /// Acks and nacks a batch's deliveries as their outcomes say.
+    async fn settle_all(
+        &self,
+        consumer: &B::Consumer,
+        prepared: &[Prepared],
+        settled: &[DeliveryOutcome],
+    ) {
         // The nacks (rare) all at once, then the acks in one call: on a
         // worker's own channel, one `basic.ack multiple` frame.
         JoinAll {
             futures: prepared
                 .iter()
-                .zip(&settled)
+                .zip(settled)
                 .filter(|(_, outcome)| !outcome.acks())
                 .map(|(p, outcome)| {
                     Box::pin(
@@ -399,7 +420,7 @@ where
         .await;
         let acks: Vec<u64> = prepared
             .iter()
-            .zip(&settled)
+            .zip(settled)
             .filter(|(_, outcome)| outcome.acks())
             .map(|(p, _)| p.delivery.tag)
             .collect();
@@ -408,11 +429,6 @@ where
         {
             self.settle_lost(&e);
         }
-        for (p, outcome) in prepared.iter().zip(&settled) {
-            p.span.record("outbox.inbox.outcome", outcome.label());
-            self.counters.count(outcome, queue);
-        }
-        settled
     }
 
     /// Decodes a delivery, opens its span and logs what is wrong with it.
@@ -430,6 +446,24 @@ where
             EventEnvelope::decode_delivery(&delivery.body)
                 .map_err(|reason| DeliveryOutcome::Undecodable { reason })
         };
+        let span = self.span_of(&delivery, &decoded);
+        span.in_scope(|| self.log_prepared(&delivery, &decoded));
+        Prepared {
+            delivery,
+            span,
+            decoded,
+        }
+    }
+
+    /// The delivery's `process <queue>` span, its parent the trace context
+    /// the delivery carries (its AMQP headers, else its envelope's).
+    fn span_of(
+        &self,
+        delivery: &Delivery,
+        decoded: &Result<EventEnvelope, DeliveryOutcome>,
+    ) -> tracing::Span {
+        let spec = &self.settings.spec;
+        let queue = &spec.queue;
         let span = tracing::info_span!(
             "process",
             otel.name = %format_args!("process {queue}"),
@@ -456,8 +490,13 @@ where
                 span.record("messaging.message.id", envelope.id.to_string());
             }
         }
-        let _entered = span.enter();
-        match &decoded {
+        span
+    }
+
+    /// Logs what is wrong with a delivery, or odd about it.
+    fn log_prepared(&self, delivery: &Delivery, decoded: &Result<EventEnvelope, DeliveryOutcome>) {
+        let queue = &self.settings.spec.queue;
+        match decoded {
             Err(rejected) => {
                 self.marks.hit(match rejected {
                     DeliveryOutcome::TooLarge { .. } => Mark::TooLarge,
@@ -497,12 +536,6 @@ where
                     );
                 }
             }
-        }
-        drop(_entered);
-        Prepared {
-            delivery,
-            span,
-            decoded,
         }
     }
 

@@ -231,29 +231,7 @@ impl Escalation {
                 Next::Again
             }
             BatchFailure::Culpable { error, failures } => {
-                // It did not commit: what it met is known, and no delivery's
-                // work is trusted any more.
-                self.failed.extend(failures);
-                self.trusted.clear();
-                match (self.level, group) {
-                    (Level::Optimistic, _) => {
-                        marks.hit(Mark::BatchRerunWithSavepoints);
-                        self.level = Level::Savepoints;
-                    }
-                    (_, [_, _, ..]) => {
-                        marks.hit(Mark::BatchRerunAlone);
-                        self.level = Level::Alone;
-                    }
-                    (_, [one]) if !self.failed.contains_key(&one.slot) => {
-                        marks.hit(Mark::HandlerTxCannotCommit);
-                        let e = StoreError::Statement(error);
-                        self.failed.insert(one.slot, cannot_commit(&e));
-                    }
-                    // Not even its failure record commits: not the
-                    // delivery's doing.
-                    _ => return Next::RetryInPlace(StoreError::Statement(error)),
-                }
-                Next::Again
+                self.culpable(group, error, failures, marks)
             }
             BatchFailure::Store {
                 e,
@@ -280,5 +258,40 @@ impl Escalation {
                 Next::RetryInPlace(e)
             }
         }
+    }
+
+    /// The transaction failed by a delivery's doing, not known whose: the
+    /// next pass is finer (savepoints, then each delivery alone), and a
+    /// delivery alone whose work cannot commit fails.
+    fn culpable(
+        &mut self,
+        group: &[&Item<'_>],
+        error: String,
+        failures: Vec<(usize, String)>,
+        marks: &Marks,
+    ) -> Next {
+        // It did not commit: what it met is known, and no delivery's
+        // work is trusted any more.
+        self.failed.extend(failures);
+        self.trusted.clear();
+        match (self.level, group) {
+            (Level::Optimistic, _) => {
+                marks.hit(Mark::BatchRerunWithSavepoints);
+                self.level = Level::Savepoints;
+            }
+            (_, [_, _, ..]) => {
+                marks.hit(Mark::BatchRerunAlone);
+                self.level = Level::Alone;
+            }
+            (_, [one]) if !self.failed.contains_key(&one.slot) => {
+                marks.hit(Mark::HandlerTxCannotCommit);
+                let e = StoreError::Statement(error);
+                self.failed.insert(one.slot, cannot_commit(&e));
+            }
+            // Not even its failure record commits: not the
+            // delivery's doing.
+            _ => return Next::RetryInPlace(StoreError::Statement(error)),
+        }
+        Next::Again
     }
 }

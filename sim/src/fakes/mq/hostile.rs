@@ -30,7 +30,7 @@ use uuid::Uuid;
 
 use super::queues::QueuedMessage;
 use crate::trace::HostileKind;
-use crate::wire::WireBody;
+use crate::wire::{WireBody, WireTrace};
 
 /// One hostile message and what the checker needs to know of it.
 #[derive(Debug, Clone)]
@@ -45,9 +45,34 @@ pub struct Hostile {
 /// `max_body_bytes`.
 pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
     let routing_key = format!("hostile.{kind:?}").to_lowercase();
-    // The AMQP trace headers: none, but for a foreign trace context.
     let mut trace = None;
-    let (body, message_id, envelope_id) = match kind {
+    let (body, message_id, envelope_id) = body_of(kind, rng, &routing_key, limit, &mut trace);
+    Hostile {
+        kind,
+        message: QueuedMessage {
+            message_id,
+            routing_key,
+            body,
+            redelivered: false,
+            trace,
+            ordering: None,
+            bucket: None,
+        },
+        envelope_id,
+    }
+}
+
+/// A hostile message's body, `message_id` and envelope id; `trace` gets
+/// the AMQP trace headers it carries (none, but for a foreign trace
+/// context).
+fn body_of(
+    kind: HostileKind,
+    rng: &mut SmallRng,
+    routing_key: &str,
+    limit: usize,
+    trace: &mut Option<WireTrace>,
+) -> (WireBody, Option<String>, Option<Uuid>) {
+    match kind {
         HostileKind::NotJson => (
             WireBody::Text(format!("hostile {} {{ not json", rng.random::<u32>())),
             Some(random_v4(rng).to_string()),
@@ -63,13 +88,13 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
             )
         }
         HostileKind::NotV7 => {
-            let mut e = envelope(rng, &routing_key, 0);
+            let mut e = envelope(rng, routing_key, 0);
             e.id = random_v4(rng);
             let body = serde_json::to_string(&e).expect("envelopes encode");
             (WireBody::Text(body), Some(e.id.to_string()), Some(e.id))
         }
         HostileKind::ForeignMessageId => {
-            let e = envelope(rng, &routing_key, 0);
+            let e = envelope(rng, routing_key, 0);
             let message_id = match rng.random_range(0..3) {
                 0 => Some(random_v4(rng).to_string()),
                 1 => Some(format!("not-a-uuid-{}", rng.random::<u32>())),
@@ -83,15 +108,15 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
                 1 => format!("not-w3c-{}", rng.random::<u32>()),
                 _ => "f".repeat(300),
             };
-            let e = envelope(rng, &routing_key, 0)
+            let e = envelope(rng, routing_key, 0)
                 .with_header("traceparent", garbage.clone())
                 .with_header("tracestate", "a=\u{1}b");
             let body = serde_json::to_string(&e).expect("envelopes encode");
-            trace = Some((garbage, Some("a=\n".to_owned())));
+            *trace = Some((garbage, Some("a=\n".to_owned())));
             (WireBody::Text(body), Some(e.id.to_string()), Some(e.id))
         }
         HostileKind::NulEscape | HostileKind::LoneSurrogate | HostileKind::NumberOutOfRange => {
-            let e = envelope(rng, &routing_key, 0);
+            let e = envelope(rng, routing_key, 0);
             let extra = match kind {
                 HostileKind::NulEscape => r#""note":"\u0000""#,
                 HostileKind::LoneSurrogate => r#""note":"\ud800""#,
@@ -110,26 +135,13 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
             } else {
                 limit
             };
-            let e = sized_envelope(rng, &routing_key, len);
+            let e = sized_envelope(rng, routing_key, len);
             (
                 WireBody::Text(encode(&e)),
                 Some(e.id.to_string()),
                 Some(e.id),
             )
         }
-    };
-    Hostile {
-        kind,
-        message: QueuedMessage {
-            message_id,
-            routing_key,
-            body,
-            redelivered: false,
-            trace,
-            ordering: None,
-            bucket: None,
-        },
-        envelope_id,
     }
 }
 

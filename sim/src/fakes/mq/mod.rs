@@ -430,8 +430,43 @@ impl Conn {
 
     /// Applies one request.
     fn handle(&mut self, req: MqRequest, now: Duration) -> Next {
-        let (state, conn) = (&self.state, self.id);
         let reply = match req {
+            MqRequest::Publish {
+                channel,
+                exchange,
+                routing_key,
+                message_id,
+                body,
+                trace,
+                ordering,
+                bucket,
+            } => {
+                let p = Publish {
+                    channel,
+                    exchange,
+                    routing_key,
+                    message_id,
+                    body,
+                    trace,
+                    ordering,
+                    bucket,
+                };
+                return self.publish(p, now);
+            }
+            MqRequest::DeclareSubscription { .. } => self.declare(req, now),
+            MqRequest::Qos { .. }
+            | MqRequest::Consume { .. }
+            | MqRequest::Ack { .. }
+            | MqRequest::Nack { .. } => self.consumer_request(req, now),
+            other => self.channel_request(other, now),
+        };
+        Next::Go(reply)
+    }
+
+    /// The connection's and its channels' own requests.
+    fn channel_request(&mut self, req: MqRequest, now: Duration) -> Option<MqReply> {
+        let (state, conn) = (&self.state, self.id);
+        match req {
             MqRequest::Hello { client } => {
                 self.client = client;
                 None
@@ -453,37 +488,54 @@ impl Conn {
                 state.with_queues(now, |q| q.close(conn, Some(channel)));
                 None
             }
-            MqRequest::DeclareSubscription {
-                channel,
-                queue,
-                exchange,
-                bindings,
-                quorum,
-                partitions,
-                partition,
-            } => {
-                let kind = if quorum {
-                    outbox::QueueType::Quorum
-                } else {
-                    outbox::QueueType::Classic
-                };
-                let node = self.node;
-                let topology = queues::Topology {
-                    queue: &queue,
-                    exchange: &exchange,
-                    bindings: &bindings,
-                    kind,
-                    partitions,
-                    partition,
-                };
-                match state.with_queues(now, |q| q.declare_subscription(&topology, node)) {
-                    Ok(()) => Some(MqReply::Ok { channel }),
-                    Err(reason) => {
-                        self.channels.remove(&channel);
-                        Some(closed(channel, &reason))
-                    }
-                }
+            other => unreachable!("{other:?} is not a channel request"),
+        }
+    }
+
+    /// A subscription's queue, dead-letter queue and bindings declared.
+    fn declare(&mut self, req: MqRequest, now: Duration) -> Option<MqReply> {
+        let MqRequest::DeclareSubscription {
+            channel,
+            queue,
+            exchange,
+            bindings,
+            quorum,
+            partitions,
+            partition,
+        } = req
+        else {
+            unreachable!("only a declaration comes here");
+        };
+        let kind = if quorum {
+            outbox::QueueType::Quorum
+        } else {
+            outbox::QueueType::Classic
+        };
+        let node = self.node;
+        let topology = queues::Topology {
+            queue: &queue,
+            exchange: &exchange,
+            bindings: &bindings,
+            kind,
+            partitions,
+            partition,
+        };
+        match self
+            .state
+            .with_queues(now, |q| q.declare_subscription(&topology, node))
+        {
+            Ok(()) => Some(MqReply::Ok { channel }),
+            Err(reason) => {
+                self.channels.remove(&channel);
+                Some(closed(channel, &reason))
             }
+        }
+    }
+
+    /// A consumer's requests: prefetch, consume, ack and nack.
+    fn consumer_request(&mut self, req: MqRequest, now: Duration) -> Option<MqReply> {
+        let (state, conn) = (&self.state, self.id);
+        match req {
             MqRequest::Qos { channel, prefetch } => {
                 state.with_queues(now, |q| q.qos(conn, channel, prefetch));
                 Some(MqReply::Ok { channel })
@@ -518,32 +570,8 @@ impl Conn {
                     Some(self.unknown_tag(channel, tag, now))
                 }
             }
-            MqRequest::Publish {
-                channel,
-                exchange,
-                routing_key,
-                message_id,
-                body,
-                trace,
-                ordering,
-                bucket,
-            } => {
-                return self.publish(
-                    Publish {
-                        channel,
-                        exchange,
-                        routing_key,
-                        message_id,
-                        body,
-                        trace,
-                        ordering,
-                        bucket,
-                    },
-                    now,
-                );
-            }
-        };
-        Next::Go(reply)
+            other => unreachable!("{other:?} is not a consumer's request"),
+        }
     }
 
     /// Stores and routes a publish (or nacks it, or drops the connection
@@ -579,44 +607,7 @@ impl Conn {
         let confirm = self.channels.get(&p.channel).is_some_and(|c| c.confirm);
         let delay = Duration::from_millis(faults.confirm_delay_ms);
         if ack {
-            let message = queues::QueuedMessage {
-                message_id: Some(p.message_id.to_string()),
-                routing_key: p.routing_key.clone(),
-                body: p.body,
-                redelivered: false,
-                trace: p.trace,
-                ordering: p.ordering,
-                bucket: p.bucket,
-            };
-            let held = queues::HeldConfirm {
-                client: client.clone(),
-                message_id: p.message_id,
-                routing_key: p.routing_key.clone(),
-                channel: p.channel,
-                seq,
-                out: confirm.then(|| self.out.clone()),
-                delay,
-            };
-            let node = self.node;
-            let waits = state.with_queues(now, |q| {
-                let routed = q.route(node, &p.exchange, message.clone());
-                if routed.held.is_empty() {
-                    Some((routed.dropped, held))
-                } else {
-                    // Neither ack nor nack until every quorum queue has it.
-                    q.hold(message, routed, held);
-                    None
-                }
-            });
-            match waits {
-                None => {}
-                Some((dropped, _)) if dropped => {
-                    // Acked, and kept nowhere.
-                    self.trace_confirmed(p.message_id, true);
-                    self.send_confirm(confirm, now + delay, p.channel, seq, true);
-                }
-                Some((_, held)) => state.confirm_held(held, now),
-            }
+            self.store(p, seq, confirm, delay, now);
         } else {
             state.trace.now(Event::Fault {
                 kind: FaultKind::MqNack,
@@ -633,6 +624,50 @@ impl Conn {
             return Next::Close;
         }
         Next::Go(None)
+    }
+
+    /// Stores and routes an acked publish: confirmed once every quorum
+    /// queue it routes to has it (at once if none).
+    fn store(&self, p: Publish, seq: u64, confirm: bool, delay: Duration, now: Duration) {
+        let state = &self.state;
+        let message = queues::QueuedMessage {
+            message_id: Some(p.message_id.to_string()),
+            routing_key: p.routing_key.clone(),
+            body: p.body,
+            redelivered: false,
+            trace: p.trace,
+            ordering: p.ordering,
+            bucket: p.bucket,
+        };
+        let held = queues::HeldConfirm {
+            client: self.client.clone(),
+            message_id: p.message_id,
+            routing_key: p.routing_key.clone(),
+            channel: p.channel,
+            seq,
+            out: confirm.then(|| self.out.clone()),
+            delay,
+        };
+        let node = self.node;
+        let waits = state.with_queues(now, |q| {
+            let routed = q.route(node, &p.exchange, message.clone());
+            if routed.held.is_empty() {
+                Some((routed.dropped, held))
+            } else {
+                // Neither ack nor nack until every quorum queue has it.
+                q.hold(message, routed, held);
+                None
+            }
+        });
+        match waits {
+            None => {}
+            Some((dropped, _)) if dropped => {
+                // Acked, and kept nowhere.
+                self.trace_confirmed(p.message_id, true);
+                self.send_confirm(confirm, now + delay, p.channel, seq, true);
+            }
+            Some((_, held)) => state.confirm_held(held, now),
+        }
     }
 
     fn trace_confirmed(&self, message_id: Uuid, ack: bool) {

@@ -534,27 +534,7 @@ impl Inbox {
                 key: k,
                 after,
                 limit,
-            } => {
-                let mut rows: Vec<&InboxRow> = self
-                    .rows
-                    .values()
-                    .filter(|r| {
-                        r.processed_ms.is_none()
-                            && r.held_ms.is_some()
-                            && r.subscription == *subscription
-                            && r.ordering
-                                .as_ref()
-                                .is_some_and(|(x, n)| x == k && n > after)
-                    })
-                    .collect();
-                rows.sort_by_key(|r| r.ordering.as_ref().map(|o| o.1));
-                PgReply::InboxRows(
-                    rows.iter()
-                        .take(*limit as usize)
-                        .map(|r| r.wire())
-                        .collect(),
-                )
-            }
+            } => self.held_after(subscription, k, *after, *limit),
             PgRequest::InboxSkip { subscription, ids } => self.skip(subscription, ids, now, caller),
             PgRequest::InboxReleasable {
                 subscription,
@@ -563,6 +543,25 @@ impl Inbox {
             _ => return None,
         };
         Some(reply)
+    }
+
+    /// The held rows of `subscription`'s key `k` numbered after `after`,
+    /// in key order, at most `limit`.
+    fn held_after(&self, subscription: &str, k: &str, after: i64, limit: u32) -> PgReply {
+        let mut rows: Vec<&InboxRow> = self
+            .rows
+            .values()
+            .filter(|r| {
+                r.processed_ms.is_none()
+                    && r.held_ms.is_some()
+                    && r.subscription == *subscription
+                    && r.ordering
+                        .as_ref()
+                        .is_some_and(|(x, n)| x == k && *n > after)
+            })
+            .collect();
+        rows.sort_by_key(|r| r.ordering.as_ref().map(|o| o.1));
+        PgReply::InboxRows(rows.iter().take(limit as usize).map(|r| r.wire()).collect())
     }
 
     /// The statements of a handler's transaction.
@@ -602,19 +601,7 @@ impl Inbox {
                 event_id,
                 unique_key,
             } => {
-                if let Some(k) = unique_key {
-                    *self
-                        .uncommitted_keys
-                        .entry(k.clone())
-                        .or_default()
-                        .entry(caller.session)
-                        .or_insert(0) += 1;
-                }
-                tx.effects.push(EffectRow {
-                    subscription: subscription.clone(),
-                    event_id: *event_id,
-                    unique_key: unique_key.clone(),
-                });
+                self.effect(tx, caller, subscription, *event_id, unique_key.as_ref());
                 PgReply::Ok
             }
             PgRequest::InboxCheck => {
@@ -651,6 +638,31 @@ impl Inbox {
             },
             other => unreachable!("{other:?} is no handler statement"),
         }
+    }
+
+    /// A handler's effect row, its unique key held by the session until
+    /// its transaction ends.
+    fn effect(
+        &mut self,
+        tx: &mut InboxTx,
+        caller: &Caller<'_>,
+        subscription: &str,
+        event_id: Uuid,
+        unique_key: Option<&String>,
+    ) {
+        if let Some(k) = unique_key {
+            *self
+                .uncommitted_keys
+                .entry(k.clone())
+                .or_default()
+                .entry(caller.session)
+                .or_insert(0) += 1;
+        }
+        tx.effects.push(EffectRow {
+            subscription: subscription.to_owned(),
+            event_id,
+            unique_key: unique_key.cloned(),
+        });
     }
 
     /// `ROLLBACK TO SAVEPOINT canopy_handler`: releases what the work since

@@ -789,7 +789,6 @@ fn outbox_statement(
     req: &PgRequest,
     before: &mut Vec<Row>,
 ) -> PgReply {
-    let (trace, session, now) = (at.trace, at.session, at.now);
     if tx.is_none() {
         let ids: Vec<Uuid> = match req {
             PgRequest::MarkPublished { ids, .. } | PgRequest::Release { ids, .. } => ids.clone(),
@@ -802,45 +801,70 @@ fn outbox_statement(
         before.extend(ids.iter().filter_map(|id| table.row(id).cloned()));
     }
     match req {
-        PgRequest::Insert { rows } => insert(tx, table, rows, session, now),
+        PgRequest::Insert { rows } => insert(tx, table, rows, at.session, at.now),
         PgRequest::KeyWindow {
             after,
             limit,
             lease_ttl_ms,
-        } => PgReply::KeyWindow(table.key_window(after, *limit, *lease_ttl_ms, now)),
-        PgRequest::Claim {
-            replica,
-            batch_size,
-            lease_ttl_ms,
-            key_heads,
-        } => {
-            // In a transaction its row locks last until the transaction
-            // ends; alone (the drainer's own sessions), until it returns.
-            let mut alone = Vec::new();
-            let claimed = tx.as_mut().map_or(&mut alone, |tx| &mut tx.claimed);
-            let rows = table.claim(
-                claimed,
-                session,
-                replica,
-                *batch_size,
-                *lease_ttl_ms,
-                key_heads,
-                now,
-            );
-            table.unlock(&alone);
-            for (id, claimed_ms, claimed_by) in alone {
-                if let Some(mut row) = table.row(&id).cloned() {
-                    (row.claimed_ms, row.claimed_by) = (claimed_ms, claimed_by);
-                    before.push(row);
-                }
-            }
-            trace.now(Event::Claimed {
-                replica: replica.clone(),
-                ids: rows.iter().map(|r| r.id).collect(),
-                attempts: rows.iter().map(|r| r.attempts).collect(),
-            });
-            PgReply::Rows(rows)
+        } => PgReply::KeyWindow(table.key_window(after, *limit, *lease_ttl_ms, at.now)),
+        PgRequest::Claim { .. } => claim(at, tx, table, req, before),
+        PgRequest::MarkPublished { .. }
+        | PgRequest::MarkFailed { .. }
+        | PgRequest::Release { .. } => mark(at, table, req),
+        PgRequest::Stats => table.stats(at.now),
+        other => janitor_or_operator(at, table, other),
+    }
+}
+
+/// The drainer's claim (Phase 1).
+fn claim(
+    at: &At<'_>,
+    tx: &mut Option<Tx>,
+    table: &mut OutboxTable,
+    req: &PgRequest,
+    before: &mut Vec<Row>,
+) -> PgReply {
+    let PgRequest::Claim {
+        replica,
+        batch_size,
+        lease_ttl_ms,
+        key_heads,
+    } = req
+    else {
+        unreachable!("only a claim comes here");
+    };
+    // In a transaction its row locks last until the transaction ends;
+    // alone (the drainer's own sessions), until it returns.
+    let mut alone = Vec::new();
+    let claimed = tx.as_mut().map_or(&mut alone, |tx| &mut tx.claimed);
+    let rows = table.claim(
+        claimed,
+        at.session,
+        replica,
+        *batch_size,
+        *lease_ttl_ms,
+        key_heads,
+        at.now,
+    );
+    table.unlock(&alone);
+    for (id, claimed_ms, claimed_by) in alone {
+        if let Some(mut row) = table.row(&id).cloned() {
+            (row.claimed_ms, row.claimed_by) = (claimed_ms, claimed_by);
+            before.push(row);
         }
+    }
+    at.trace.now(Event::Claimed {
+        replica: replica.clone(),
+        ids: rows.iter().map(|r| r.id).collect(),
+        attempts: rows.iter().map(|r| r.attempts).collect(),
+    });
+    PgReply::Rows(rows)
+}
+
+/// The drainer's marks (Phase 3) and releases, guarded by `claimed_by`.
+fn mark(at: &At<'_>, table: &mut OutboxTable, req: &PgRequest) -> PgReply {
+    let (trace, session, now) = (at.trace, at.session, at.now);
+    match req {
         PgRequest::MarkPublished { replica, ids } => {
             let ids = table.mark_published(session, replica, ids, now);
             let n = ids.len() as u64;
@@ -876,7 +900,14 @@ fn outbox_statement(
             });
             PgReply::Count(n)
         }
-        PgRequest::Stats => table.stats(now),
+        other => unreachable!("{} is not a mark", request_name(other)),
+    }
+}
+
+/// The retention janitor's and the operator's statements.
+fn janitor_or_operator(at: &At<'_>, table: &mut OutboxTable, req: &PgRequest) -> PgReply {
+    let (trace, now) = (at.trace, at.now);
+    match req {
         PgRequest::DeletePublished {
             older_than_ms,
             limit,
@@ -1002,6 +1033,12 @@ impl Session {
         }
         self.end_local();
         batch_ended(&self.state, self.id, &self.client, &tx.inbox, true);
+        self.apply_commit(tx);
+        PgReply::Ok
+    }
+
+    /// Makes a transaction that passed its checks durable and visible.
+    fn apply_commit(&mut self, tx: Tx) {
         let now = tx.began_ms;
         let trace = &self.state.trace;
         let mut db = self.state.lock();
@@ -1022,34 +1059,7 @@ impl Session {
         if !tx.inbox.is_empty() {
             let done = db.inbox.commit(tx.inbox, now, self.id);
             self.state.unlocked.notify_waiters();
-            if !done.reset.is_empty() {
-                trace.now(Event::InboxReset {
-                    client: self.client.clone(),
-                    ids: done.reset,
-                });
-            }
-            if !done.held.is_empty() {
-                trace.now(Event::InboxHeld {
-                    client: self.client.clone(),
-                    events: done.held,
-                });
-            }
-            for (event_id, attempts, dead_lettered) in done.failures {
-                trace.now(Event::InboxFailure {
-                    client: self.client.clone(),
-                    event_id,
-                    attempts,
-                    dead_lettered,
-                });
-            }
-            if !done.processed.is_empty() || !done.effects.is_empty() {
-                trace.now(Event::InboxCommitted {
-                    client: self.client.clone(),
-                    began: Duration::from_millis(now - CLOCK_OFFSET_MS),
-                    processed: done.processed,
-                    effects: done.effects,
-                });
-            }
+            self.trace_inbox_commit(done, now);
         }
         db.outbox.unlock(&tx.claimed);
         if db.outbox.end_key_locks(self.id, true) {
@@ -1065,7 +1075,39 @@ impl Session {
             }
             self.state.notify.bump();
         }
-        PgReply::Ok
+    }
+
+    /// What an inbox transaction's commit did, in the trace.
+    fn trace_inbox_commit(&self, done: inbox::Committed, now: u64) {
+        let trace = &self.state.trace;
+        if !done.reset.is_empty() {
+            trace.now(Event::InboxReset {
+                client: self.client.clone(),
+                ids: done.reset,
+            });
+        }
+        if !done.held.is_empty() {
+            trace.now(Event::InboxHeld {
+                client: self.client.clone(),
+                events: done.held,
+            });
+        }
+        for (event_id, attempts, dead_lettered) in done.failures {
+            trace.now(Event::InboxFailure {
+                client: self.client.clone(),
+                event_id,
+                attempts,
+                dead_lettered,
+            });
+        }
+        if !done.processed.is_empty() || !done.effects.is_empty() {
+            trace.now(Event::InboxCommitted {
+                client: self.client.clone(),
+                began: Duration::from_millis(now - CLOCK_OFFSET_MS),
+                processed: done.processed,
+                effects: done.effects,
+            });
+        }
     }
 
     /// Undoes the open transaction: inserts vanish, claimed leases return to
