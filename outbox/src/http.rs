@@ -33,6 +33,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Query, State};
@@ -53,7 +54,7 @@ pub use console::{ACTION_BATCH, ACTION_MAX, ConsoleSettings};
 use crate::PgOutboxStore;
 use crate::admin;
 use crate::core::ports::{
-    Clock, ConsumerBroker, InboxFilter, InboxRow, InboxStore, UnparkSelector,
+    Clock, ConsumerBroker, InboxCounts, InboxFilter, InboxRow, InboxStore, UnparkSelector,
 };
 use crate::core::ports::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 use crate::core::stats::Readiness;
@@ -187,6 +188,8 @@ pub trait ReplayTarget: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<InboxRow>, StoreError>>;
     /// Its counters since it started.
     fn stats(&self) -> SubscriberStats;
+    /// How its inbox stands (see [`Subscriber::inbox_counts`]).
+    fn counts(&self, window: Duration, cap: u32) -> BoxFuture<'_, Result<InboxCounts, StoreError>>;
 }
 
 impl<S, B, C, H> ReplayTarget for Subscriber<S, B, C, H>
@@ -220,6 +223,10 @@ where
 
     fn stats(&self) -> SubscriberStats {
         self.counters().snapshot()
+    }
+
+    fn counts(&self, window: Duration, cap: u32) -> BoxFuture<'_, Result<InboxCounts, StoreError>> {
+        Box::pin(Subscriber::inbox_counts(self, window, cap))
     }
 }
 

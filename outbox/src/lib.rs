@@ -57,9 +57,9 @@ pub use config::{DrainerConfig, DrainerConfigBuilder};
 pub use core::drainer::{Drainer, TickReport};
 pub use core::janitor::InboxJanitorSettings;
 pub use core::ports::{
-    InboxCursor, InboxFilter, InboxRow, KeySeq, OutboxStats, ParkedRow, PartitionsRetired,
-    QUORUM_DELIVERY_LIMIT, QueueType, SUBSCRIBER_MAX_ATTEMPTS_MAX, SubscriptionSpec, TxBounds,
-    UnparkSelector,
+    InboxCounts, InboxCursor, InboxFilter, InboxRow, KeySeq, OutboxStats, ParkedRow,
+    PartitionsRetired, QUORUM_DELIVERY_LIMIT, QueueType, SUBSCRIBER_MAX_ATTEMPTS_MAX,
+    SubscriptionSpec, TxBounds, UnparkSelector,
 };
 pub use core::stats::{OutboxHealth, Readiness, UnreadyReason};
 pub use core::subscriber::{

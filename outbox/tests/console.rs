@@ -397,11 +397,35 @@ async fn hostile_rows_render_as_text(pool: PgPool) {
     assert!(bad.body.contains("from must be an RFC 3339 time"));
 }
 
+/// The overview's row of the subscription: processed in the last hour,
+/// retrying, dead-lettered (the cells' text, links taken off).
+async fn subscription_counts(r: &axum::Router, session: &str) -> [String; 3] {
+    let overview = send(r, "GET", "/admin", Some(session), None).await;
+    let row = overview
+        .body
+        .split("<tr>")
+        .find(|row| row.starts_with(&format!("<td>{SUBSCRIPTION}</td>")))
+        .unwrap_or_else(|| panic!("no row of {SUBSCRIPTION}: {}", overview.body));
+    let cells: Vec<String> = row
+        .split("<td>")
+        .skip(2)
+        .map(|cell| {
+            let cell = cell.split("</td>").next().unwrap_or("");
+            // The text of a cell that is a link.
+            cell.rsplit_once("\">")
+                .map_or(cell, |(_, text)| text.trim_end_matches("</a>"))
+                .to_owned()
+        })
+        .collect();
+    [cells[0].clone(), cells[1].clone(), cells[2].clone()]
+}
+
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default()).await;
     let (parked, dead) = seed(&pool).await;
     let (session, csrf) = sign_in(&r).await;
+    assert_eq!(subscription_counts(&r, &session).await, ["0", "0", "3"]);
     // Everything matching a filter: one parked row of two.
     let confirm = post(
         &r,
@@ -465,6 +489,9 @@ async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) 
         "{}",
         run.body
     );
+    // The overview counts from the database: one processed, two still
+    // dead-lettered.
+    assert_eq!(subscription_counts(&r, &session).await, ["1", "0", "2"]);
     // Everything matching a payload field: the two events of customer c-2.
     let confirm = post(
         &r,

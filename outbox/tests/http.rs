@@ -418,6 +418,20 @@ impl outbox::http::ReplayTarget for EchoTarget {
     fn stats(&self) -> outbox::SubscriberStats {
         outbox::SubscriberStats::default()
     }
+
+    fn counts(
+        &self,
+        _window: std::time::Duration,
+        _cap: u32,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<outbox::InboxCounts, outbox::StoreError>>
+                + Send
+                + '_,
+        >,
+    > {
+        Box::pin(async { Ok(outbox::InboxCounts::default()) })
+    }
 }
 
 #[tokio::test]

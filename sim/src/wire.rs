@@ -290,6 +290,13 @@ pub enum PgRequest {
     },
     /// `inbox_ping` (`SELECT 1`): answers `Ok`.
     Ping,
+    /// `inbox_counts.sql`: a subscription's rows processed within the
+    /// window, retried and dead-lettered, each up to `cap`.
+    InboxCounts {
+        subscription: String,
+        window_ms: u64,
+        cap: u32,
+    },
 }
 
 /// `SET LOCAL` settings of one transaction; `None` leaves one as it was.
@@ -430,6 +437,12 @@ pub enum PgReply {
     /// The statement failed (duplicate key, no transaction, refused data,
     /// injected failure).
     Error(PgError),
+    /// `inbox_counts.sql`'s counts.
+    InboxCounts {
+        processed_recently: u64,
+        retrying: u64,
+        dead_lettered: u64,
+    },
 }
 
 /// `PartitionsRetired` on the wire.

@@ -494,6 +494,21 @@ pub struct AttemptRecord {
     pub dead_lettered: bool,
 }
 
+/// How one subscription's inbox stands, for the operator console's
+/// overview ([`InboxStore::inbox_counts`]). Each count stops at the cap it
+/// was asked with (a count equal to the cap means "at least"), so asking
+/// costs no more than the cap's rows however large the table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct InboxCounts {
+    /// Rows processed (or skipped) within the window before now.
+    pub processed_recently: u64,
+    /// Unprocessed rows with a failure recorded and not dead-lettered: a
+    /// delivery retried.
+    pub retrying: u64,
+    /// Dead-lettered rows, not yet replayed or skipped.
+    pub dead_lettered: u64,
+}
+
 /// An inbox row, for operators and replay.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct InboxRow {
@@ -744,6 +759,15 @@ pub trait InboxStore: Send + Sync + 'static {
         &self,
         filter: &InboxFilter,
     ) -> impl Future<Output = Result<Vec<InboxRow>, StoreError>> + Send;
+
+    /// `subscription`'s rows processed within `window` before the store's
+    /// now, retried and dead-lettered, each counted up to `cap`.
+    fn inbox_counts(
+        &self,
+        subscription: &str,
+        window: Duration,
+        cap: u32,
+    ) -> impl Future<Output = Result<InboxCounts, StoreError>> + Send;
 
     /// Deletes at most `limit` rows processed more than `older_than` ago;
     /// never an unprocessed row. Returns how many it deleted. On the

@@ -7,7 +7,8 @@ use uuid::Uuid;
 
 use super::{STORE_CALL_TIMEOUT, bounded, delete_expired, map_err, sql};
 use crate::core::ports::{
-    AttemptRecord, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome, KeySeq, TxBounds,
+    AttemptRecord, InboxCounts, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome,
+    KeySeq, TxBounds,
 };
 use crate::error::StoreError;
 
@@ -548,6 +549,30 @@ impl InboxStore for PgInboxStore {
         older_than: Duration,
     ) -> Result<crate::core::ports::PartitionsRetired, StoreError> {
         super::partitions::retire(&self.pool, super::partitions::INBOX, older_than).await
+    }
+
+    async fn inbox_counts(
+        &self,
+        subscription: &str,
+        window: Duration,
+        cap: u32,
+    ) -> Result<InboxCounts, StoreError> {
+        bounded(async {
+            let r = sqlx::query(sql::INBOX_COUNTS)
+                .bind(subscription)
+                .bind(window.as_secs_f64())
+                .bind(i64::from(cap))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(map_err)?;
+            let count = |name: &str| u64::try_from(r.get::<i64, _>(name)).unwrap_or(0);
+            Ok(InboxCounts {
+                processed_recently: count("processed_recently"),
+                retrying: count("retrying"),
+                dead_lettered: count("dead_lettered"),
+            })
+        })
+        .await
     }
 
     async fn inbox_ping(&self) -> Result<(), StoreError> {

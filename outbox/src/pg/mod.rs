@@ -53,6 +53,7 @@ pub(crate) mod sql {
     pub const INBOX_ROLLBACK_HANDLER: &str = include_str!("sql/inbox_rollback_handler.sql");
     pub const INBOX_RECORD_FAILURE: &str = include_str!("sql/inbox_record_failure.sql");
     pub const INBOX_LIST_UNPROCESSED: &str = include_str!("sql/inbox_list_unprocessed.sql");
+    pub const INBOX_COUNTS: &str = include_str!("sql/inbox_counts.sql");
     pub const INBOX_RESET_ATTEMPTS: &str = include_str!("sql/inbox_reset_attempts.sql");
     pub const INBOX_DELETE_PROCESSED: &str = include_str!("sql/inbox_delete_processed.sql");
     pub const INBOX_PING: &str = include_str!("sql/inbox_ping.sql");

@@ -23,7 +23,8 @@ use std::time::Duration;
 
 use outbox::StoreError;
 use outbox::core::ports::{
-    AttemptRecord, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome, TxBounds,
+    AttemptRecord, InboxCounts, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome,
+    TxBounds,
 };
 use time::OffsetDateTime;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -625,6 +626,31 @@ impl InboxStore for SimInboxStore {
             after: f.after.map(|c| (sim_ms(c.received_at), c.event_id)),
         })
         .await
+    }
+
+    async fn inbox_counts(
+        &self,
+        subscription: &str,
+        window: Duration,
+        cap: u32,
+    ) -> Result<InboxCounts, StoreError> {
+        let req = PgRequest::InboxCounts {
+            subscription: subscription.to_owned(),
+            window_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
+            cap,
+        };
+        match self.side_call(req).await? {
+            PgReply::InboxCounts {
+                processed_recently,
+                retrying,
+                dead_lettered,
+            } => Ok(InboxCounts {
+                processed_recently,
+                retrying,
+                dead_lettered,
+            }),
+            other => Err(unexpected(other)),
+        }
     }
 
     async fn inbox_held(

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use outbox::core::janitor::{InboxJanitorSettings, sweep_inbox};
 use outbox::core::ports::{
-    AttemptRecord, InboxEntry, InboxFilter, InboxStore, InsertOutcome, TxBounds,
+    AttemptRecord, InboxCounts, InboxEntry, InboxFilter, InboxStore, InsertOutcome, TxBounds,
 };
 use outbox::{EventEnvelope, HandlerError, PgInboxStore, PgInboxTx, StoreError};
 use sim::adapters::{PgClient, SimInboxStore, SimTx};
@@ -491,6 +491,54 @@ async fn a_replays_fresh_budget_takes_effect_only_with_its_commit<A: InboxArm>(a
     );
     assert!(s.inbox_list_unprocessed(&dead).await.unwrap().is_empty());
     assert_eq!(arm.effects(e.id).await, 1);
+}
+
+async fn the_counts_say_what_was_processed_recently_is_retried_and_dead_lettered<A: InboxArm>(
+    arm: A,
+) {
+    let s = arm.store();
+    let hour = Duration::from_secs(3600);
+    let counts = |window, cap| async move { s.inbox_counts("q", window, cap).await.unwrap() };
+    assert_eq!(counts(hour, 100).await, InboxCounts::default());
+    let (a, b, c, d) = (event("k"), event("k"), event("k"), event("k"));
+    assert_eq!(apply(&arm, s, &a).await, InsertOutcome::Inserted);
+    assert_eq!(apply(&arm, s, &b).await, InsertOutcome::Inserted);
+    assert!(!fail(&arm, s, &c, "k", 5).await.dead_lettered);
+    assert!(fail(&arm, s, &d, "k", 1).await.dead_lettered);
+    // Another subscription's rows are its own.
+    let other = apply_entry(&arm, s, &entry_of("other", &c, "k")).await;
+    assert_eq!(other, InsertOutcome::Inserted);
+    let all = InboxCounts {
+        processed_recently: 2,
+        retrying: 1,
+        dead_lettered: 1,
+    };
+    assert_eq!(counts(hour, 100).await, all);
+    // Each count stops at the cap.
+    let capped = InboxCounts {
+        processed_recently: 1,
+        ..all
+    };
+    assert_eq!(counts(hour, 1).await, capped);
+    // A row processed before the window is not recent; the rest stay.
+    arm.backdate_processed(a.id, 7200).await;
+    let recent = InboxCounts {
+        processed_recently: 1,
+        ..all
+    };
+    assert_eq!(counts(hour, 100).await, recent);
+    // A replayed dead letter that succeeds leaves the dead-lettered count.
+    let replay = InboxEntry {
+        fresh_budget: true,
+        ..entry(&d, "k")
+    };
+    apply_entry(&arm, s, &replay).await;
+    let replayed = InboxCounts {
+        processed_recently: 2,
+        dead_lettered: 0,
+        ..all
+    };
+    assert_eq!(counts(hour, 100).await, replayed);
 }
 
 async fn two_subscriptions_each_take_an_events_effect<A: InboxArm>(arm: A) {
@@ -1573,6 +1621,7 @@ conformance!(postgres: with_real, fake: with_fake,
 
     a_committed_event_is_already_processed_the_second_time,
     two_subscriptions_each_take_an_events_effect,
+    the_counts_say_what_was_processed_recently_is_retried_and_dead_lettered,
     a_replays_fresh_budget_takes_effect_only_with_its_commit,
     a_rolled_back_attempt_leaves_only_its_recorded_failure,
     a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome,

@@ -71,7 +71,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::marks::Marks;
-use super::ports::{Clock, ConsumerBroker, InboxFilter, InboxRow, InboxStore, SubscriptionSpec};
+use super::ports::{
+    Clock, ConsumerBroker, InboxCounts, InboxFilter, InboxRow, InboxStore, SubscriptionSpec,
+};
 use crate::envelope::EventEnvelope;
 use crate::error::{HandlerError, StoreError};
 
@@ -185,6 +187,18 @@ where
         filter: &InboxFilter,
     ) -> Result<Vec<InboxRow>, StoreError> {
         self.store.inbox_list_unprocessed(filter).await
+    }
+
+    /// How its subscription's inbox stands: rows processed within
+    /// `window`, retried and dead-lettered, each counted up to `cap` (every
+    /// replica's, from the database).
+    pub async fn inbox_counts(
+        &self,
+        window: Duration,
+        cap: u32,
+    ) -> Result<InboxCounts, StoreError> {
+        let queue = &self.settings.spec.queue;
+        self.store.inbox_counts(queue, window, cap).await
     }
 
     /// Its counters (shared; they keep counting).

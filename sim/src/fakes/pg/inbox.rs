@@ -540,9 +540,45 @@ impl Inbox {
                 subscription,
                 limit,
             } => self.releasable(subscription, *limit),
+            PgRequest::InboxCounts {
+                subscription,
+                window_ms,
+                cap,
+            } => self.counts(subscription, now.saturating_sub(*window_ms), *cap),
             _ => return None,
         };
         Some(reply)
+    }
+
+    /// `inbox_counts.sql`: `subscription`'s rows processed after `since`,
+    /// retried and dead-lettered, each up to `cap`.
+    fn counts(&self, subscription: &str, since: u64, cap: u32) -> PgReply {
+        let mine = || {
+            self.rows
+                .values()
+                .filter(|r| r.subscription == subscription)
+        };
+        let count = |n: usize| (n as u64).min(u64::from(cap));
+        let unprocessed = |r: &&InboxRow| r.processed_ms.is_none();
+        PgReply::InboxCounts {
+            processed_recently: count(
+                mine()
+                    .filter(|r| r.processed_ms.is_some_and(|at| at > since))
+                    .count(),
+            ),
+            retrying: count(
+                mine()
+                    .filter(unprocessed)
+                    .filter(|r| r.dead_lettered_ms.is_none() && r.attempts > 0)
+                    .count(),
+            ),
+            dead_lettered: count(
+                mine()
+                    .filter(unprocessed)
+                    .filter(|r| r.dead_lettered_ms.is_some())
+                    .count(),
+            ),
+        }
     }
 
     /// The held rows of `subscription`'s key `k` numbered after `after`,

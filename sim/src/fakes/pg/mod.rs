@@ -765,6 +765,7 @@ fn writes(req: &PgRequest) -> bool {
             | PgRequest::InboxList { .. }
             | PgRequest::InboxHeld { .. }
             | PgRequest::InboxReleasable { .. }
+            | PgRequest::InboxCounts { .. }
             | PgRequest::Ping
     )
 }
@@ -1215,5 +1216,6 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::InboxReleasable { .. } => "inbox_releasable",
         PgRequest::InboxDeleteProcessed { .. } => "inbox_delete_processed",
         PgRequest::InboxRetirePartitions { .. } => "inbox_retire_partitions",
+        PgRequest::InboxCounts { .. } => "inbox_counts",
     }
 }
