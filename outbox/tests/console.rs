@@ -67,11 +67,12 @@ async fn router(pool: &PgPool, settings: ConsoleSettings) -> axum::Router {
 async fn seed(pool: &PgPool) -> (Vec<Uuid>, Vec<Uuid>) {
     let publisher = Publisher::new(pool.clone());
     let mut parked = Vec::new();
-    for (key, error) in [
-        ("orders.created", "broker nack"),
-        ("billing.charged", HOSTILE),
+    for (key, error, note) in [
+        ("orders.created", "broker nack", "plain"),
+        ("billing.charged", HOSTILE, HOSTILE),
     ] {
-        let e = EventEnvelope::new(key, serde_json::json!({ "n": 1 }));
+        let e = EventEnvelope::new(key, serde_json::json!({ "n": 1, "note": note }))
+            .with_header("tenant", note);
         publisher.publish(&e).await.unwrap();
         sqlx::query("UPDATE event_outbox SET parked_at = now(), attempts = 10, last_error = $2 WHERE id = $1")
             .bind(e.id)
@@ -352,6 +353,7 @@ async fn hostile_rows_render_as_text(pool: PgPool) {
         format!("/admin/dead/{SUBSCRIPTION}/{}", dead[1]),
         format!("/admin/dead?error={}", "%3Cscript%3E"),
         format!("/admin/dead?path=note&value={}", "%3Cscript%3E%22"),
+        format!("/admin/parked?path=note&value={}", "%3Cscript%3E%22"),
     ];
     for page in &pages {
         let a = send(&r, "GET", page, Some(&session), None).await;
@@ -366,6 +368,35 @@ async fn hostile_rows_render_as_text(pool: PgPool) {
         );
         assert!(a.body.contains("&lt;script&gt;"), "{page} shows the text");
     }
+    // A parked row in full: its envelope and headers, as text.
+    let a = send(
+        &r,
+        "GET",
+        &format!("/admin/parked/{}", parked[1]),
+        Some(&session),
+        None,
+    )
+    .await;
+    assert!(
+        a.body.contains("tenant: &lt;script&gt;") && a.body.contains("&quot;note&quot;"),
+        "{}",
+        a.body
+    );
+    // A parked row's payload field filters the list.
+    let a = send(
+        &r,
+        "GET",
+        "/admin/parked?path=note&value=plain",
+        Some(&session),
+        None,
+    )
+    .await;
+    assert!(
+        a.body.contains("1 matching") && a.body.contains("orders.created"),
+        "{}",
+        a.body
+    );
+    assert!(!a.body.contains("billing.charged"), "{}", a.body);
     let a = send(&r, "GET", "/admin/parked", Some(&session), None).await;
     let csp = "default-src 'none'";
     assert!(a.body.contains("orders.created") && a.body.contains("billing.charged"));

@@ -398,6 +398,8 @@ pub struct WireParked {
     pub enqueued_ms: u64,
     pub parked_ms: u64,
     pub ordering: Option<WireOrdering>,
+    /// The envelope as written.
+    pub envelope: String,
 }
 
 /// A reply from the fake PostgreSQL.

@@ -233,6 +233,9 @@ pub struct ParkedRow {
     /// Its ordering key and number, if it has a key: while it is parked,
     /// its key's later events wait.
     pub ordering: Option<KeySeq>,
+    /// The envelope the drainer publishes for it (JSON, as `publish_tx`
+    /// encoded it): its payload and headers, for an operator to read.
+    pub envelope: String,
 }
 
 /// Which parked rows to unpark or skip.

@@ -422,6 +422,7 @@ impl OutboxStore for PgOutboxStore {
                         enqueued_at: r.try_get("enqueued_at").map_err(map_err)?,
                         parked_at: r.try_get("parked_at").map_err(map_err)?,
                         ordering: key_seq(&r)?,
+                        envelope: r.try_get("envelope").map_err(map_err)?,
                     })
                 })
                 .collect()

@@ -335,6 +335,7 @@ impl OutboxStore for SimStore {
                     enqueued_at: epoch + Duration::from_millis(r.enqueued_ms),
                     parked_at: epoch + Duration::from_millis(r.parked_ms),
                     ordering: r.ordering.map(|(key, seq)| KeySeq { key, seq }),
+                    envelope: r.envelope,
                 })
                 .collect()),
             other => Err(unexpected(other)),

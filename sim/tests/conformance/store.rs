@@ -416,6 +416,7 @@ async fn marks_and_releases_are_guarded_by_claimed_by<A: StoreArm>(arm: A) {
 
 async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm>(arm: A) {
     let ids = arm.insert(2, "k").await;
+    let mut published_body = Vec::new();
     for round in 1..=3 {
         let rows = arm
             .store()
@@ -427,6 +428,7 @@ async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm
             "round {round}: the failing row is claimed first"
         );
         assert_eq!(rows[0].attempts, round - 1);
+        published_body = rows[0].body.clone();
         let f = arm
             .store()
             .outbox_mark_failed(
@@ -459,6 +461,8 @@ async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm
     assert_eq!(parked.len(), 1);
     assert_eq!((parked[0].id, parked[0].attempts), (ids[0], 3));
     assert_eq!(parked[0].last_error.as_deref(), Some("nack 3"));
+    // Its envelope, as the drainer publishes it, for an operator to read.
+    assert_eq!(parked[0].envelope.as_bytes(), published_body);
     assert_eq!(
         arm.store()
             .outbox_unpark(&UnparkSelector::Ids(vec![ids[1]]))

@@ -145,13 +145,12 @@ impl Filter {
         after && before
     }
 
-    /// Whether a parked row matches (a parked row's payload is not listed:
-    /// a payload filter matches none).
+    /// Whether a parked row matches (its payload: the envelope's).
     pub fn parked(&self, row: &ParkedRow) -> bool {
-        self.path.is_none()
-            && self.routing_key_matches(&row.routing_key)
+        self.routing_key_matches(&row.routing_key)
             && self.error_matches(row.last_error.as_deref())
             && self.time_matches(Some(row.parked_at))
+            && self.payload_matches(row.envelope.as_bytes())
     }
 
     /// Whether a dead-lettered inbox row matches.

@@ -435,6 +435,7 @@ pub(super) async fn parked_row(
             "No parked row has that id (it may have been unparked).",
         );
     };
+    let (headers, envelope) = envelope_cells(r.envelope.as_bytes());
     let mut body = table(
         &["field", "value"],
         &[
@@ -453,6 +454,8 @@ pub(super) async fn parked_row(
             ],
             vec!["enqueued".into(), when(r.enqueued_at)],
             vec!["parked".into(), when(r.parked_at)],
+            vec!["headers".into(), headers],
+            vec!["envelope".into(), envelope],
         ],
     );
     body.push_str(&super::actions::one_row_form(
@@ -558,10 +561,10 @@ pub(super) async fn dead_row(
     )
 }
 
-/// One dead-lettered row in full: the envelope decoded when it is one,
-/// its bytes as text when it is not.
-fn dead_row_table(r: &InboxRow) -> String {
-    let (envelope, headers) = match EventEnvelope::decode(&r.payload) {
+/// An envelope's headers and the envelope itself, as two cells: decoded
+/// when it is one, its bytes as text when it is not.
+fn envelope_cells(bytes: &[u8]) -> (String, String) {
+    match EventEnvelope::decode(bytes) {
         Ok(e) => {
             let headers: Vec<String> = e
                 .headers
@@ -569,17 +572,22 @@ fn dead_row_table(r: &InboxRow) -> String {
                 .map(|(k, v)| format!("{}: {}", esc(k), esc(v)))
                 .collect();
             let pretty = serde_json::to_string_pretty(&e).unwrap_or_default();
-            (format!("<pre>{}</pre>", esc(&pretty)), headers.join("<br>"))
+            (headers.join("<br>"), format!("<pre>{}</pre>", esc(&pretty)))
         }
         Err(why) => (
+            String::new(),
             format!(
                 "<p class=bad>not an envelope: {}</p><pre>{}</pre>",
                 esc(&why.to_string()),
-                esc_bytes(&r.payload)
+                esc_bytes(bytes)
             ),
-            String::new(),
         ),
-    };
+    }
+}
+
+/// One dead-lettered row in full: its envelope and headers too.
+fn dead_row_table(r: &InboxRow) -> String {
+    let (headers, envelope) = envelope_cells(&r.payload);
     let mut rows = vec![
         vec!["event id".into(), r.event_id.to_string()],
         vec!["subscription".into(), esc(&r.subscription)],

@@ -562,6 +562,7 @@ impl OutboxTable {
                     enqueued_ms: r.enqueued_ms,
                     parked_ms: p,
                     ordering: r.ordering.clone(),
+                    envelope: r.body.clone(),
                 })
             })
             .collect();
