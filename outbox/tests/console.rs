@@ -560,6 +560,67 @@ async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) 
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn an_actions_page_shows_each_batch_as_it_is_done(pool: PgPool) {
+    let r = router(&pool, ConsoleSettings::default()).await;
+    let publisher = Publisher::new(pool.clone());
+    let mut ids = Vec::new();
+    for n in 0..150 {
+        let e = EventEnvelope::new("orders.created", serde_json::json!({ "n": n }));
+        publisher.publish(&e).await.unwrap();
+        ids.push(e.id);
+    }
+    sqlx::query("UPDATE event_outbox SET parked_at = now(), attempts = 10")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (session, csrf) = sign_in(&r).await;
+    let form = ids.iter().fold(
+        format!("csrf={csrf}&kind=parked&action=unpark"),
+        |form, id| format!("{form}&id={id}"),
+    );
+    let resp = r
+        .clone()
+        .oneshot(
+            Request::post("/admin/run")
+                .header(header::COOKIE, &session)
+                .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+                .body(Body::from(form))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    // The page arrives in pieces: the frame, then a line per batch as the
+    // batch is done, then what each row became.
+    let mut chunks = Vec::new();
+    let mut stream = resp.into_body().into_data_stream();
+    while let Some(chunk) = futures_lite::StreamExt::next(&mut stream).await {
+        chunks.push(String::from_utf8(chunk.unwrap().to_vec()).unwrap());
+    }
+    let at = |needle: &str| {
+        chunks
+            .iter()
+            .position(|c| c.contains(needle))
+            .unwrap_or_else(|| panic!("{needle:?} not in {chunks:?}"))
+    };
+    let (first, second, report) = (
+        at("batch 1 of 2: 100 of 100 row(s) changed"),
+        at("batch 2 of 2: 50 of 50 row(s) changed"),
+        at("<table>"),
+    );
+    assert!(
+        at("<h1>") < first && first < second && second < report,
+        "{chunks:?}"
+    );
+    let parked = count(
+        &pool,
+        "SELECT count(*) FROM event_outbox WHERE parked_at IS NOT NULL",
+    )
+    .await;
+    assert_eq!(parked, 0);
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn a_read_only_console_shows_rows_and_takes_no_action(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default().read_only(true)).await;
     let (parked, _) = seed(&pool).await;

@@ -6,10 +6,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
+use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use super::filter::{Filter, Form};
@@ -320,50 +321,93 @@ pub(super) async fn run(
         Ok(x) => x,
         Err(r) => return *r,
     };
-    let report = match action.kind() {
-        "parked" => run_parked(&console, action, &ids).await,
-        _ => run_dead(&console, action, &ids).await,
-    };
-    tracing::info!(
-        action = action.verb(),
-        list = action.kind(),
-        rows = ids.len(),
-        "console action run"
-    );
-    let mut body = String::new();
-    for line in &report.progress {
-        let _ = write!(body, "<p class=note>{}</p>", esc(line));
-    }
-    if let Some(stopped) = &report.stopped {
-        let _ = write!(body, "<p class=bad>{}</p>", esc(stopped));
-    }
-    let rows: Vec<Vec<String>> = report
-        .rows
-        .iter()
-        .map(|(id, became)| vec![esc(id), esc(became)])
-        .collect();
-    body.push_str(&table(&["row", "became"], &rows));
-    let _ = write!(
-        body,
-        "<p><a href=/admin/{}>back to the list</a></p>",
-        action.kind()
-    );
-    html(
-        StatusCode::OK,
-        page("Done", Some(&session.csrf), None, &body),
-    )
+    // The page goes out as the action runs: a line per batch as it is done
+    // (no script needed: a browser shows a page as it arrives), then what
+    // each row became. The action runs to its end on a task of its own, so
+    // an operator who leaves the page leaves no batch half done.
+    let shell = page("Action", Some(&session.csrf), None, PROGRESS_HERE);
+    let (head, tail) = shell
+        .split_once(PROGRESS_HERE)
+        .map(|(h, t)| (h.to_owned(), t.to_owned()))
+        .unwrap_or_default();
+    let (out, chunks) = mpsc::channel(4);
+    tokio::spawn(async move {
+        let _ = out.send(head).await;
+        let report = match action.kind() {
+            "parked" => run_parked(&console, action, &ids, &out).await,
+            _ => run_dead(&console, action, &ids, &out).await,
+        };
+        tracing::info!(
+            action = action.verb(),
+            list = action.kind(),
+            rows = ids.len(),
+            "console action run"
+        );
+        let _ = out.send(report.html(action)).await;
+        let _ = out.send(tail).await;
+    });
+    super::secured(Response::new(Body::from_stream(Chunks(chunks))))
 }
 
-/// What an action did: a line per batch, each row's outcome, and why it
-/// stopped early, if it did (rows not listed are as they were).
+/// Where the action's page takes its progress and its report.
+const PROGRESS_HERE: &str = "\u{1}progress\u{1}";
+
+/// An action's page, chunk by chunk as it is written.
+struct Chunks(mpsc::Receiver<String>);
+
+impl futures_core::Stream for Chunks {
+    type Item = Result<String, std::convert::Infallible>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx).map(|chunk| chunk.map(Ok))
+    }
+}
+
+/// What an action did: each row's outcome, and why it stopped early, if it
+/// did (rows not listed are as they were). Its progress, a line per batch,
+/// went out as it went.
 #[derive(Default)]
 struct Report {
-    progress: Vec<String>,
     rows: Vec<(String, String)>,
     stopped: Option<String>,
 }
 
-async fn run_parked(console: &Console, action: Action, ids: &[String]) -> Report {
+impl Report {
+    /// The report's end of the page.
+    fn html(&self, action: Action) -> String {
+        let mut body = String::new();
+        if let Some(stopped) = &self.stopped {
+            let _ = write!(body, "<p class=bad>{}</p>", esc(stopped));
+        }
+        let rows: Vec<Vec<String>> = self
+            .rows
+            .iter()
+            .map(|(id, became)| vec![esc(id), esc(became)])
+            .collect();
+        body.push_str(&table(&["row", "became"], &rows));
+        let _ = write!(
+            body,
+            "<p><a href=/admin/{}>back to the list</a></p>",
+            action.kind()
+        );
+        body
+    }
+}
+
+/// Sends a batch's line of progress.
+async fn progress(out: &mpsc::Sender<String>, line: String) {
+    let _ = out.send(format!("<p class=note>{}</p>", esc(&line))).await;
+}
+
+async fn run_parked(
+    console: &Console,
+    action: Action,
+    ids: &[String],
+    out: &mpsc::Sender<String>,
+) -> Report {
     let mut report = Report::default();
     let Some(store) = &console.app.outbox else {
         report.stopped = Some("No outbox is mounted here.".into());
@@ -399,11 +443,12 @@ async fn run_parked(console: &Console, action: Action, ids: &[String]) -> Report
                 return report;
             }
         };
-        report.progress.push(format!(
+        let line = format!(
             "batch {} of {batches}: {n} of {} row(s) changed",
             i + 1,
             batch.len()
-        ));
+        );
+        progress(out, line).await;
         let became = if action == Action::Unpark {
             "unparked: queued for publishing"
         } else {
@@ -432,7 +477,12 @@ fn outcome(o: &ReplayOutcome) -> String {
     }
 }
 
-async fn run_dead(console: &Console, action: Action, ids: &[String]) -> Report {
+async fn run_dead(
+    console: &Console,
+    action: Action,
+    ids: &[String],
+    out: &mpsc::Sender<String>,
+) -> Report {
     let mut by_sub: BTreeMap<String, Vec<Uuid>> = BTreeMap::new();
     for id in ids {
         if let Ok((Some(sub), u)) = parse_id(action, id) {
@@ -476,10 +526,11 @@ async fn run_dead(console: &Console, action: Action, ids: &[String]) -> Report {
                     return report;
                 }
             };
-            report.progress.push(format!(
+            let line = format!(
                 "batch {batch_no} of {batches} ({sub}): {} row(s)",
                 batch.len()
-            ));
+            );
+            progress(out, line).await;
             let done: BTreeMap<Uuid, String> = page
                 .results
                 .iter()

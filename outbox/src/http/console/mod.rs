@@ -89,7 +89,12 @@ pub(super) fn routes(app: AppState, settings: ConsoleSettings) -> Router {
 /// An HTML answer with the console's headers: no caching, no framing, no
 /// script, nothing from elsewhere.
 fn html(status: StatusCode, body: String) -> Response {
-    let mut r = (status, body).into_response();
+    secured((status, body).into_response())
+}
+
+/// `r` with the console's headers: HTML, not cached, not framed, and a CSP
+/// that lets nothing but the console's own style sheet load.
+fn secured(mut r: Response) -> Response {
     let h = r.headers_mut();
     let set = [
         (header::CONTENT_TYPE, "text/html; charset=utf-8"),
