@@ -58,6 +58,28 @@ fn an_address_without_its_scheme_does_not_show_its_password() {
 }
 
 #[test]
+fn a_password_holding_a_comma_is_refused_without_showing_it() {
+    // Found by fuzzing redact_url (issue 30): a list is split on commas, so
+    // a password `Zq7,,Xw9` was cut into pieces and `Zq7` went into the
+    // error.
+    for list in [
+        "amqp://svc:Zq7,,Xw9@h",
+        "amqp://a@h,amqp://svc:Zq7,Xw9@h",
+        "amqp://svc:Zq7,Xw9,Kp4@h:5672/%2f",
+    ] {
+        let e = outbox::LapinBroker::from_list(list)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("holds a comma in its user or password"), "{e}");
+        for fragment in ["Zq7", "Xw9", "Kp4"] {
+            assert!(!e.contains(fragment), "{fragment:?} in {e}");
+        }
+    }
+    // Percent-encoded, it is an address like any other.
+    assert!(outbox::LapinBroker::from_list("amqp://svc:Zq7%2C%2CXw9@h").is_ok());
+}
+
+#[test]
 fn every_address_shape_sqlx_and_lapin_accept_is_redacted() {
     let s = SECRET;
     for (address, expected) in [
