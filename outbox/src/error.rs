@@ -115,7 +115,8 @@ pub enum StoreError {
     Statement(String),
     /// The database refused the data itself (SQLSTATE class 22, data
     /// exception): a `\u0000` or a lone surrogate in a `jsonb` string, a
-    /// number beyond `jsonb`'s range, text that is not UTF-8. Retrying cannot
+    /// number beyond `jsonb`'s range, text that is not UTF-8, a value nested
+    /// past the server's stack (SQLSTATE 54001). Retrying cannot
     /// help; the input is to blame.
     #[error("store refused the data: {0}")]
     Refused(String),
@@ -153,7 +154,9 @@ impl StoreError {
     pub fn from_sqlstate(code: &str, message: String) -> Self {
         let class = code.get(..2).unwrap_or("");
         match (class, code) {
-            ("22", _) => Self::Refused(message),
+            // Data the server will not store: a data exception, or a
+            // value nested past its stack (`jsonb`, 54001).
+            ("22", _) | (_, "54001") => Self::Refused(message),
             (_, "25P02") => Self::Aborted(message),
             ("08" | "53", _)
             | (

@@ -860,6 +860,25 @@ async fn the_inbox_refuses_what_postgresql_refuses<A: InboxArm>(arm: A) {
         (with(r#""note":1e-20000"#), "k", true),
         (e.payload.clone(), "k\u{0}", true),
         (with(r#""note":"\ud83d\ude00","n":1e131071"#), "k", false),
+        // Nested past any stack PostgreSQL is given (54001), and well within.
+        (
+            with(&format!(
+                r#""note":{}{}"#,
+                "[".repeat(20_000),
+                "]".repeat(20_000)
+            )),
+            "k",
+            true,
+        ),
+        (
+            with(&format!(
+                r#""note":{}{}"#,
+                "[".repeat(2_000),
+                "]".repeat(2_000)
+            )),
+            "k",
+            false,
+        ),
         (e.payload.clone(), "k", false),
     ];
     let s = arm.store();

@@ -18,6 +18,11 @@
 //!   non-ASCII bytes is one bad token: 22P02, whatever its size; and so is
 //!   an out-of-range number followed by a bad token (PostgreSQL lexes the
 //!   next token before it converts a number).
+//! - nesting deeper than its stack allows: 54001 "stack depth limit
+//!   exceeded" (at the default `max_stack_depth` of 2 MB, past 14 543
+//!   nested arrays). The fake refuses past [`DEPTH_MAX`], earlier: the
+//!   boundary depends on the server's stack, and a fake may be unkinder
+//!   than the real server, never kinder.
 
 /// A refusal: PostgreSQL's SQLSTATE and message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +42,10 @@ const NUL_ESCAPE: Refusal = Refusal {
 const NUMERIC_OVERFLOW: Refusal = Refusal {
     code: "22003",
     message: "value overflows numeric format",
+};
+const STACK_DEPTH: Refusal = Refusal {
+    code: "54001",
+    message: "stack depth limit exceeded",
 };
 const NUL_BYTE: Refusal = Refusal {
     code: "22021",
@@ -64,17 +73,19 @@ pub fn jsonb_refusal(text: &str) -> Option<Refusal> {
         b: text.as_bytes(),
         i: 0,
     };
-    p.ws();
-    if let Err(r) = p.value(0) {
+    if let Err(r) = p.document() {
         return Some(r);
     }
     p.ws();
     (p.i != p.b.len()).then(|| p.unexpected())
 }
 
-/// Nesting PostgreSQL accepts before its stack check gives up; far beyond
-/// anything the fake is sent, it only keeps this recursion bounded.
-const DEPTH_MAX: usize = 4096;
+/// The most containers the fake lets one document nest. PostgreSQL's
+/// recursive parser gives up where its stack does (see the module's
+/// notes); the fake's parser keeps its open containers on a heap stack, so
+/// no nesting overflows the thread it runs on (a fuzzing finding, issue
+/// 30: a 4 000-deep array overflowed a test thread's stack).
+pub const DEPTH_MAX: usize = 10_000;
 
 struct Parser<'a> {
     b: &'a [u8],
@@ -110,13 +121,78 @@ impl Parser<'_> {
         }
     }
 
-    fn value(&mut self, depth: usize) -> Result<(), Refusal> {
-        if depth > DEPTH_MAX {
-            return Err(SYNTAX);
+    /// One JSON value and all it holds. `open` holds the containers the
+    /// parser is inside, innermost last (`{` or `[`).
+    fn document(&mut self) -> Result<(), Refusal> {
+        let mut open: Vec<u8> = Vec::new();
+        loop {
+            // A value is due.
+            self.ws();
+            let c = self.peek().ok_or(SYNTAX)?;
+            let close = match c {
+                b'{' => Some(b'}'),
+                b'[' => Some(b']'),
+                _ => None,
+            };
+            if let Some(close) = close {
+                if open.len() == DEPTH_MAX {
+                    return Err(STACK_DEPTH);
+                }
+                self.i += 1;
+                self.ws();
+                if self.peek() == Some(close) {
+                    self.i += 1;
+                } else {
+                    open.push(c);
+                    if c == b'{' {
+                        self.member_key()?;
+                    }
+                    continue;
+                }
+            } else {
+                self.scalar(c)?;
+            }
+            // A value ended: close the containers it ends, then go on to
+            // the next value, or end.
+            if !self.after_value(&mut open)? {
+                return Ok(());
+            }
         }
-        match self.peek().ok_or(SYNTAX)? {
-            b'{' => self.object(depth),
-            b'[' => self.array(depth),
+    }
+
+    /// After a value: closes each container that ends here, up to a `,`
+    /// (then another value is due: true) or the outermost (false).
+    fn after_value(&mut self, open: &mut Vec<u8>) -> Result<bool, Refusal> {
+        while let Some(&c) = open.last() {
+            self.ws();
+            match self.peek() {
+                Some(b',') => {
+                    self.i += 1;
+                    if c == b'{' {
+                        self.member_key()?;
+                    }
+                    return Ok(true);
+                }
+                Some(b'}') if c == b'{' => self.i += 1,
+                Some(b']') if c == b'[' => self.i += 1,
+                _ => return Err(self.unexpected()),
+            }
+            open.pop();
+        }
+        Ok(false)
+    }
+
+    /// An object member's key and its colon.
+    fn member_key(&mut self) -> Result<(), Refusal> {
+        self.ws();
+        self.string()?;
+        self.ws();
+        self.eat(b':')
+    }
+
+    /// A string, a number or a word, starting with `c`.
+    fn scalar(&mut self, c: u8) -> Result<(), Refusal> {
+        match c {
             b'"' => self.string(),
             b'-' | b'0'..=b'9' => self.number(),
             _ => self.literal(),
@@ -134,54 +210,6 @@ impl Parser<'_> {
         match &self.b[start..self.i] {
             b"true" | b"false" | b"null" => Ok(()),
             _ => Err(SYNTAX),
-        }
-    }
-
-    fn object(&mut self, depth: usize) -> Result<(), Refusal> {
-        self.eat(b'{')?;
-        self.ws();
-        if self.peek() == Some(b'}') {
-            self.i += 1;
-            return Ok(());
-        }
-        loop {
-            self.ws();
-            self.string()?;
-            self.ws();
-            self.eat(b':')?;
-            self.ws();
-            self.value(depth + 1)?;
-            self.ws();
-            match self.peek() {
-                Some(b',') => self.i += 1,
-                Some(b'}') => {
-                    self.i += 1;
-                    return Ok(());
-                }
-                _ => return Err(self.unexpected()),
-            }
-        }
-    }
-
-    fn array(&mut self, depth: usize) -> Result<(), Refusal> {
-        self.eat(b'[')?;
-        self.ws();
-        if self.peek() == Some(b']') {
-            self.i += 1;
-            return Ok(());
-        }
-        loop {
-            self.ws();
-            self.value(depth + 1)?;
-            self.ws();
-            match self.peek() {
-                Some(b',') => self.i += 1,
-                Some(b']') => {
-                    self.i += 1;
-                    return Ok(());
-                }
-                _ => return Err(self.unexpected()),
-            }
         }
     }
 
@@ -423,6 +451,32 @@ mod tests {
         let zeros = "0".repeat(16_384);
         assert_eq!(code(&format!("{{\"a\":1.{zeros}}}")), Some("22003"));
         assert_eq!(code(&format!("{{\"a\":1.{}}}", &zeros[1..])), None);
+    }
+
+    #[test]
+    fn nesting_is_held_on_the_heap_and_refused_past_the_depth_bound() {
+        let nested = |n: usize, open: &str, close: &str| open.repeat(n) + &close.repeat(n);
+        // Deeper than a test thread's stack would take recursively.
+        assert_eq!(code(&nested(DEPTH_MAX, "[", "]")), None);
+        assert_eq!(
+            code(&nested(DEPTH_MAX, "{\"a\":", "}").replace(":}", ":1}")),
+            None
+        );
+        assert_eq!(code(&nested(DEPTH_MAX + 1, "[", "]")), Some("54001"));
+        assert_eq!(code(&nested(1_000_000, "[", "]")), Some("54001"));
+        // Inside, the grammar still holds.
+        assert_eq!(
+            code(&format!("{}1,]{}", "[".repeat(500), "]".repeat(499))),
+            Some("22P02")
+        );
+        assert_eq!(
+            code(&format!("{}{}", "[".repeat(500), "]".repeat(499))),
+            Some("22P02")
+        );
+        assert_eq!(code("[[1,2],{\"a\":[{}]},[]]"), None);
+        assert_eq!(code("{\"a\" 1}"), Some("22P02"));
+        assert_eq!(code("[1 2]"), Some("22P02"));
+        assert_eq!(code("{\"a\":1,}"), Some("22P02"));
     }
 
     #[test]
