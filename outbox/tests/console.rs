@@ -621,6 +621,47 @@ async fn an_actions_page_shows_each_batch_as_it_is_done(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_dead_letter_list_reads_past_its_first_thousand_rows(pool: PgPool) {
+    let r = router(&pool, ConsoleSettings::default()).await;
+    // 1 200 dead-lettered rows, oldest first; the last 100 the only
+    // `late.*` ones: past the first page of 1 000 the list reads.
+    sqlx::query(
+        "INSERT INTO event_inbox (event_id, subscription, routing_key, payload, attempts, last_error, dead_lettered_at, received_at)
+         SELECT gen_random_uuid(), $1, CASE WHEN n > 1100 THEN 'late.x' ELSE 'early.x' END,
+                '{}'::jsonb, 3, 'failed', now(), now() - make_interval(secs => 2000 - n)
+         FROM generate_series(1, 1200) AS n",
+    )
+    .bind(SUBSCRIPTION)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let (session, csrf) = sign_in(&r).await;
+    let list = send(
+        &r,
+        "GET",
+        "/admin/dead?routing_key=late.*",
+        Some(&session),
+        None,
+    )
+    .await;
+    assert!(list.body.contains("100 matching"), "{}", list.body);
+    let all = send(&r, "GET", "/admin/dead", Some(&session), None).await;
+    assert!(all.body.contains("1200 matching"), "{}", all.body);
+    let confirm = post(
+        &r,
+        &session,
+        "/admin/confirm",
+        &format!("csrf={csrf}&kind=dead&op=skip:all&routing_key=late.*"),
+    )
+    .await;
+    assert!(
+        confirm.body.contains("100 dead-lettered event(s)"),
+        "{}",
+        confirm.body
+    );
+}
+
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn a_read_only_console_shows_rows_and_takes_no_action(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default().read_only(true)).await;
     let (parked, _) = seed(&pool).await;

@@ -14,14 +14,19 @@ use uuid::Uuid;
 use super::filter::{Filter, Form};
 use super::html::{esc, esc_bytes, input, page, table, url};
 use super::session::Session;
-use super::{Console, html, problem, signed_in};
+use super::{ACTION_MAX, Console, html, problem, signed_in};
 use crate::admin;
-use crate::core::ports::{InboxFilter, InboxRow, OutboxStore, ParkedRow};
+use crate::core::ports::{InboxCursor, InboxFilter, InboxRow, OutboxStore, ParkedRow};
 use crate::envelope::EventEnvelope;
 
-/// Most rows a list reads per outbox or subscription; filters and actions
-/// on "everything matching" apply to these (the oldest first).
+/// Most parked rows the parked list reads; its filters and "everything
+/// matching" apply to these (the oldest first). Also the page size the
+/// dead-lettered lists are read in.
 pub const LIST_WINDOW: u32 = 1000;
+/// Most dead-lettered rows a list reads of one subscription, a page of
+/// [`LIST_WINDOW`] at a time, oldest first; it stops sooner once more rows
+/// match than one action may touch ([`ACTION_MAX`]).
+pub const SCAN_MAX: usize = 100_000;
 /// Rows on one page of a list.
 pub const PAGE_ROWS: usize = 50;
 /// What a page says when the database failed (the error is logged).
@@ -184,18 +189,35 @@ pub(super) async fn parked_matching(
 }
 
 /// The dead-lettered events a filter matches, oldest first, with their
-/// subscriptions.
+/// subscriptions: each subscription read a page at a time (at most
+/// [`SCAN_MAX`] rows), until more match than [`ACTION_MAX`].
 pub(super) async fn dead_matching(console: &Console, f: &Filter) -> Result<Vec<InboxRow>, String> {
     let mut rows = Vec::new();
     for (name, target) in console.app.targets.iter() {
         if f.subscription.as_ref().is_some_and(|s| s != name) {
             continue;
         }
-        let listed = target.list(&dead_filter(Some(name))).await.map_err(|e| {
-            tracing::warn!(error = %e, "console: listing dead-lettered rows failed");
-            UNAVAILABLE.to_owned()
-        })?;
-        rows.extend(listed.into_iter().filter(|r| f.dead(r)));
+        let (mut after, mut scanned) = (None, 0);
+        while scanned < SCAN_MAX && rows.len() <= ACTION_MAX {
+            let page = InboxFilter {
+                after,
+                ..dead_filter(Some(name))
+            };
+            let listed = target.list(&page).await.map_err(|e| {
+                tracing::warn!(error = %e, "console: listing dead-lettered rows failed");
+                UNAVAILABLE.to_owned()
+            })?;
+            scanned += listed.len();
+            let full = listed.len() >= LIST_WINDOW as usize;
+            after = listed.last().map(|r| InboxCursor {
+                received_at: r.received_at,
+                event_id: r.event_id,
+            });
+            rows.extend(listed.into_iter().filter(|r| f.dead(r)));
+            if !full {
+                break;
+            }
+        }
     }
     rows.sort_by_key(|r| (r.received_at, r.event_id));
     Ok(rows)
@@ -251,7 +273,12 @@ fn pager(base: &str, f: &Filter, page_no: usize, total: usize) -> String {
     if !query.is_empty() {
         query.push('&');
     }
-    let mut out = format!("<p>{total} matching; page {} of {pages}", page_no + 1);
+    let shown = if total > ACTION_MAX {
+        format!("more than {ACTION_MAX}")
+    } else {
+        total.to_string()
+    };
+    let mut out = format!("<p>{shown} matching; page {} of {pages}", page_no + 1);
     if page_no > 0 {
         let _ = write!(
             out,
@@ -270,7 +297,9 @@ fn pager(base: &str, f: &Filter, page_no: usize, total: usize) -> String {
     }
     let _ = write!(
         out,
-        "</p><p class=note>Filters apply to the oldest {LIST_WINDOW} rows of each list.</p>"
+        "</p><p class=note>Filters apply to the oldest {LIST_WINDOW} parked rows, and to the \
+         oldest {SCAN_MAX} dead-lettered rows of each subscription (stopping past {ACTION_MAX} \
+         matches).</p>"
     );
     out
 }
