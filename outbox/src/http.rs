@@ -565,7 +565,7 @@ async fn list_parked(
         Ok(Query(q)) => q.limit.unwrap_or(100),
         Err(r) => return error(StatusCode::BAD_REQUEST, &r.body_text()),
     };
-    match admin::list_parked(store, limit).await {
+    match admin::list_parked(store, limit, None).await {
         Ok(rows) => Json(serde_json::json!({ "parked": rows })).into_response(),
         Err(e) => store_error(&e),
     }

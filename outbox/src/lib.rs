@@ -57,7 +57,7 @@ pub use config::{DrainerConfig, DrainerConfigBuilder};
 pub use core::drainer::{Drainer, TickReport};
 pub use core::janitor::InboxJanitorSettings;
 pub use core::ports::{
-    InboxCounts, InboxCursor, InboxFilter, InboxRow, KeySeq, OutboxStats, ParkedRow,
+    InboxCounts, InboxCursor, InboxFilter, InboxRow, KeySeq, OutboxStats, ParkedCursor, ParkedRow,
     PartitionsRetired, QUORUM_DELIVERY_LIMIT, QueueType, SUBSCRIBER_MAX_ATTEMPTS_MAX,
     SubscriptionSpec, TxBounds, UnparkSelector,
 };

@@ -621,7 +621,7 @@ async fn an_actions_page_shows_each_batch_as_it_is_done(pool: PgPool) {
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
-async fn a_dead_letter_list_reads_past_its_first_thousand_rows(pool: PgPool) {
+async fn the_lists_read_past_their_first_thousand_rows(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default()).await;
     // 1 200 dead-lettered rows, oldest first; the last 100 the only
     // `late.*` ones: past the first page of 1 000 the list reads.
@@ -659,6 +659,25 @@ async fn a_dead_letter_list_reads_past_its_first_thousand_rows(pool: PgPool) {
         "{}",
         confirm.body
     );
+    // And the parked list, by its own cursor.
+    sqlx::query(
+        "INSERT INTO event_outbox (id, routing_key, payload, attempts, last_error, parked_at)
+         SELECT gen_random_uuid(), CASE WHEN n > 1100 THEN 'late.x' ELSE 'early.x' END,
+                '{}'::jsonb, 10, 'nack', now() - make_interval(secs => 2000 - n)
+         FROM generate_series(1, 1200) AS n",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let list = send(
+        &r,
+        "GET",
+        "/admin/parked?routing_key=late.*",
+        Some(&session),
+        None,
+    )
+    .await;
+    assert!(list.body.contains("100 matching"), "{}", list.body);
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]

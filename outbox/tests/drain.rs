@@ -336,8 +336,9 @@ impl OutboxStore for StuckMark {
     async fn outbox_list_parked(
         &self,
         l: u32,
+        a: Option<outbox::ParkedCursor>,
     ) -> Result<Vec<outbox::ParkedRow>, outbox::StoreError> {
-        self.0.outbox_list_parked(l).await
+        self.0.outbox_list_parked(l, a).await
     }
     async fn outbox_unpark(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
         self.0.outbox_unpark(s).await
@@ -576,7 +577,7 @@ async fn unpublishable_rows_park_at_the_budget_and_unpark_gives_a_fresh_one(pool
     // Parked: no longer claimed.
     assert_eq!(d.tick().await.unwrap().claimed, 0);
     let store = PgOutboxStore::new(pool.clone());
-    let parked = outbox::admin::list_parked(&store, 10).await.unwrap();
+    let parked = outbox::admin::list_parked(&store, 10, None).await.unwrap();
     assert_eq!(
         (parked.len(), parked[0].id, parked[0].attempts),
         (1, bad.id, 3)

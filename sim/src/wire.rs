@@ -176,6 +176,8 @@ pub enum PgRequest {
         older_than_ms: u64,
     },
     ListParked {
+        /// Rows after this one (parked ms, id) only.
+        after: Option<(u64, Uuid)>,
         limit: u32,
     },
     /// `None`: every parked row.

@@ -238,6 +238,26 @@ pub struct ParkedRow {
     pub envelope: String,
 }
 
+/// Where a listing of parked rows goes on: after this row (the order is
+/// `parked_at`, then `id`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParkedCursor {
+    /// When the row parked.
+    pub parked_at: OffsetDateTime,
+    /// Its id.
+    pub id: Uuid,
+}
+
+impl ParkedCursor {
+    /// The cursor after `row`.
+    pub fn after(row: &ParkedRow) -> Self {
+        Self {
+            parked_at: row.parked_at,
+            id: row.id,
+        }
+    }
+}
+
 /// Which parked rows to unpark or skip.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UnparkSelector {
@@ -322,10 +342,12 @@ pub trait OutboxStore: Send + Sync + 'static {
         older_than: Duration,
     ) -> impl Future<Output = Result<PartitionsRetired, StoreError>> + Send;
 
-    /// Lists up to `limit` parked rows, oldest first.
+    /// Lists up to `limit` parked rows, oldest parked first, after `after`
+    /// (a page's last row) if given.
     fn outbox_list_parked(
         &self,
         limit: u32,
+        after: Option<ParkedCursor>,
     ) -> impl Future<Output = Result<Vec<ParkedRow>, StoreError>> + Send;
 
     /// Unparks rows: clears `parked_at` and the lease and resets `attempts`

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use crate::core::ports::{
     ClaimParams, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats, OutboxStore,
-    ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
+    ParkedCursor, ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
 };
 use crate::error::StoreError;
 use crate::trace_context::TraceContext;
@@ -405,10 +405,16 @@ impl OutboxStore for PgOutboxStore {
         partitions::retire(&self.pool, partitions::OUTBOX, older_than).await
     }
 
-    async fn outbox_list_parked(&self, limit: u32) -> Result<Vec<ParkedRow>, StoreError> {
+    async fn outbox_list_parked(
+        &self,
+        limit: u32,
+        after: Option<ParkedCursor>,
+    ) -> Result<Vec<ParkedRow>, StoreError> {
         bounded(async {
             let rows = sqlx::query(sql::LIST_PARKED)
                 .bind(i64::from(limit))
+                .bind(after.map(|c| c.parked_at))
+                .bind(after.map(|c| c.id))
                 .fetch_all(&self.pool)
                 .await
                 .map_err(map_err)?;

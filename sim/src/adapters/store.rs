@@ -13,7 +13,7 @@ use std::time::Duration;
 use outbox::StoreError;
 use outbox::core::ports::{
     ClaimParams, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats, OutboxStore,
-    ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
+    ParkedCursor, ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
 };
 use outbox::trace_context::TraceContext;
 use uuid::Uuid;
@@ -322,9 +322,17 @@ impl OutboxStore for SimStore {
         }
     }
 
-    async fn outbox_list_parked(&self, limit: u32) -> Result<Vec<ParkedRow>, StoreError> {
+    async fn outbox_list_parked(
+        &self,
+        limit: u32,
+        after: Option<ParkedCursor>,
+    ) -> Result<Vec<ParkedRow>, StoreError> {
         let epoch = time::OffsetDateTime::UNIX_EPOCH;
-        match self.pg.call(PgRequest::ListParked { limit }).await? {
+        let after = after.map(|c| {
+            let ms = (c.parked_at - epoch).whole_milliseconds();
+            (u64::try_from(ms).unwrap_or(0), c.id)
+        });
+        match self.pg.call(PgRequest::ListParked { limit, after }).await? {
             PgReply::Parked(rows) => Ok(rows
                 .into_iter()
                 .map(|r| ParkedRow {

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use outbox::core::janitor;
-use outbox::core::ports::{ClaimParams, OutboxStore, RowFailure, UnparkSelector};
+use outbox::core::ports::{ClaimParams, OutboxStore, ParkedCursor, RowFailure, UnparkSelector};
 use outbox::trace_context::TraceContext;
 use outbox::{DrainerConfig, EventEnvelope, PgOutboxStore, Publisher};
 use sim::adapters::{Hooks, PgClient, SimStore};
@@ -414,6 +414,43 @@ async fn marks_and_releases_are_guarded_by_claimed_by<A: StoreArm>(arm: A) {
     );
 }
 
+async fn parked_rows_list_a_page_at_a_time<A: StoreArm>(arm: A) {
+    let ids = arm.insert(3, "k").await;
+    let rows = arm
+        .store()
+        .outbox_claim(params("a", 10, 60_000))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 3);
+    for id in &ids {
+        let failure = RowFailure {
+            id: *id,
+            error: "nack".into(),
+        };
+        let f = arm
+            .store()
+            .outbox_mark_failed("a", &[failure], 1)
+            .await
+            .unwrap();
+        assert_eq!(f.parked, 1);
+    }
+    let s = arm.store();
+    let all = s.outbox_list_parked(10, None).await.unwrap();
+    assert_eq!(all.len(), 3);
+    let first = s.outbox_list_parked(2, None).await.unwrap();
+    assert_eq!(first, all[..2]);
+    let rest = s
+        .outbox_list_parked(10, Some(ParkedCursor::after(&first[1])))
+        .await
+        .unwrap();
+    assert_eq!(rest, all[2..]);
+    let past = s
+        .outbox_list_parked(10, Some(ParkedCursor::after(&all[2])))
+        .await
+        .unwrap();
+    assert!(past.is_empty());
+}
+
 async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm>(arm: A) {
     let ids = arm.insert(2, "k").await;
     let mut published_body = Vec::new();
@@ -457,7 +494,7 @@ async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm
     assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), [ids[1]]);
     let stats = arm.store().outbox_stats().await.unwrap();
     assert_eq!((stats.pending, stats.parked), (1, 1));
-    let parked = arm.store().outbox_list_parked(10).await.unwrap();
+    let parked = arm.store().outbox_list_parked(10, None).await.unwrap();
     assert_eq!(parked.len(), 1);
     assert_eq!((parked[0].id, parked[0].attempts), (ids[0], 3));
     assert_eq!(parked[0].last_error.as_deref(), Some("nack 3"));
@@ -846,6 +883,7 @@ conformance!(postgres: with_real, fake: with_fake_store,
     an_expired_lease_is_reclaimed_without_a_bump,
     marks_and_releases_are_guarded_by_claimed_by,
     failures_bump_attempts_park_at_the_budget_and_unpark_resets,
+    parked_rows_list_a_page_at_a_time,
     the_retention_sweep_deletes_only_old_published_rows,
     one_sweep_deletes_every_expired_row_however_many_statements,
     two_concurrent_claimers_never_share_a_row,

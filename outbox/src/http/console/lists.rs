@@ -16,16 +16,16 @@ use super::html::{esc, esc_bytes, input, page, table, url};
 use super::session::Session;
 use super::{ACTION_MAX, Console, html, problem, signed_in};
 use crate::admin;
-use crate::core::ports::{InboxCursor, InboxFilter, InboxRow, OutboxStore, ParkedRow};
+use crate::core::ports::{
+    InboxCursor, InboxFilter, InboxRow, OutboxStore, ParkedCursor, ParkedRow,
+};
 use crate::envelope::EventEnvelope;
 
-/// Most parked rows the parked list reads; its filters and "everything
-/// matching" apply to these (the oldest first). Also the page size the
-/// dead-lettered lists are read in.
+/// The page size the lists read their rows in (oldest first).
 pub const LIST_WINDOW: u32 = 1000;
-/// Most dead-lettered rows a list reads of one subscription, a page of
-/// [`LIST_WINDOW`] at a time, oldest first; it stops sooner once more rows
-/// match than one action may touch ([`ACTION_MAX`]).
+/// Most rows a list reads of the outbox or of one subscription, a page of
+/// [`LIST_WINDOW`] at a time; it stops sooner once more rows match than
+/// one action may touch ([`ACTION_MAX`]).
 pub const SCAN_MAX: usize = 100_000;
 /// Rows on one page of a list.
 pub const PAGE_ROWS: usize = 50;
@@ -171,7 +171,8 @@ fn dead_filter(subscription: Option<&str>) -> InboxFilter {
     }
 }
 
-/// The parked rows a filter matches, oldest first.
+/// The parked rows a filter matches, oldest first: read a page at a time
+/// (at most [`SCAN_MAX`] rows), until more match than [`ACTION_MAX`].
 pub(super) async fn parked_matching(
     console: &Console,
     f: &Filter,
@@ -179,11 +180,22 @@ pub(super) async fn parked_matching(
     let Some(store) = &console.app.outbox else {
         return Err("No outbox is mounted here.".into());
     };
-    let mut rows = admin::list_parked(store, LIST_WINDOW).await.map_err(|e| {
-        tracing::warn!(error = %e, "console: listing parked rows failed");
-        UNAVAILABLE.to_owned()
-    })?;
-    rows.retain(|r| f.parked(r));
+    let (mut rows, mut after, mut scanned) = (Vec::new(), None, 0);
+    while scanned < SCAN_MAX && rows.len() <= ACTION_MAX {
+        let listed = admin::list_parked(store, LIST_WINDOW, after)
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "console: listing parked rows failed");
+                UNAVAILABLE.to_owned()
+            })?;
+        scanned += listed.len();
+        let full = listed.len() >= LIST_WINDOW as usize;
+        after = listed.last().map(ParkedCursor::after);
+        rows.extend(listed.into_iter().filter(|r| f.parked(r)));
+        if !full {
+            break;
+        }
+    }
     rows.sort_by_key(|r| (r.enqueued_at, r.id));
     Ok(rows)
 }
@@ -297,9 +309,8 @@ fn pager(base: &str, f: &Filter, page_no: usize, total: usize) -> String {
     }
     let _ = write!(
         out,
-        "</p><p class=note>Filters apply to the oldest {LIST_WINDOW} parked rows, and to the \
-         oldest {SCAN_MAX} dead-lettered rows of each subscription (stopping past {ACTION_MAX} \
-         matches).</p>"
+        "</p><p class=note>Filters apply to the oldest {SCAN_MAX} rows of the outbox and of \
+         each subscription (stopping past {ACTION_MAX} matches).</p>"
     );
     out
 }

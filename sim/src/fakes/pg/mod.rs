@@ -927,7 +927,9 @@ fn janitor_or_operator(at: &At<'_>, table: &mut OutboxTable, req: &PgRequest) ->
             }
             reply
         }
-        PgRequest::ListParked { limit } => PgReply::Parked(table.list_parked(*limit)),
+        PgRequest::ListParked { limit, after } => {
+            PgReply::Parked(table.list_parked(*limit, *after))
+        }
         PgRequest::Unpark { ids } => {
             let ids = table.unpark(ids.as_deref());
             let n = ids.len() as u64;

@@ -547,8 +547,8 @@ impl OutboxTable {
         (PgReply::Retired(retired), gone.into_iter().collect())
     }
 
-    /// `outbox_list_parked.sql`.
-    pub fn list_parked(&self, limit: u32) -> Vec<WireParked> {
+    /// `outbox_list_parked.sql`: after `after` (parked ms, id) if given.
+    pub fn list_parked(&self, limit: u32, after: Option<(u64, Uuid)>) -> Vec<WireParked> {
         let mut parked: Vec<WireParked> = self
             .rows
             .values()
@@ -566,6 +566,7 @@ impl OutboxTable {
                 })
             })
             .collect();
+        parked.retain(|p| after.is_none_or(|a| (p.parked_ms, p.id) > a));
         parked.sort_by_key(|p| (p.parked_ms, p.id));
         parked.truncate(limit as usize);
         parked
