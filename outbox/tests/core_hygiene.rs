@@ -35,20 +35,10 @@ const FORBIDDEN: &[(&str, &str)] = &[
     ("crate::runtime", "nothing: the runtime spawns the core"),
 ];
 
-/// Every `.rs` file under `dir`, its folders included, in path order.
-fn rust_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            files.extend(rust_files(&path));
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            files.push(path);
-        }
-    }
-    files.sort();
-    files
-}
+#[path = "common/sources.rs"]
+mod sources;
+
+use sources::rust_files;
 
 #[test]
 fn the_core_names_no_clock_randomness_driver_or_unordered_map() {

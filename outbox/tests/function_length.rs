@@ -7,24 +7,14 @@
 //! character literals blanked out: from the line with `fn name` to the line
 //! with the body's closing brace, both counted.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const LIMIT: usize = 80;
 
-/// Every `.rs` file under `dir`, its folders included, in path order.
-fn rust_files(dir: &Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            files.extend(rust_files(&path));
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            files.push(path);
-        }
-    }
-    files.sort();
-    files
-}
+#[path = "common/sources.rs"]
+mod sources;
+
+use sources::rust_files;
 
 fn is_ident(c: char) -> bool {
     c.is_alphanumeric() || c == '_'
