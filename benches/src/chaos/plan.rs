@@ -285,6 +285,13 @@ fn fault_named(
     let node = |rng: &mut Rng| 1 + rng.below(u64::from(nodes.max(1))) as u16;
     let pick = |rng: &mut Rng, from: &[String]| from[rng.below(from.len() as u64) as usize].clone();
     let everyone: Vec<String> = drainers.iter().chain(subscribers).cloned().collect();
+    let either_service = |rng: &mut Rng| {
+        if rng.below(2) == 0 {
+            Service::Postgres
+        } else {
+            Service::Rabbit
+        }
+    };
     match name {
         "rabbitmq_restart" => Fault::RestartBroker {
             down: rng.between(Duration::from_secs(2), Duration::from_secs(5)),
@@ -326,20 +333,12 @@ fn fault_named(
         },
         "blackhole" => Fault::Blackhole {
             target: pick(rng, &everyone),
-            service: if rng.below(2) == 0 {
-                Service::Postgres
-            } else {
-                Service::Rabbit
-            },
+            service: either_service(rng),
             held: rng.between(Duration::from_secs(3), Duration::from_secs(9)),
         },
         "cut" => Fault::Cut {
             target: pick(rng, &everyone),
-            service: if rng.below(2) == 0 {
-                Service::Postgres
-            } else {
-                Service::Rabbit
-            },
+            service: either_service(rng),
         },
         _ => Fault::TerminateBackends,
     }

@@ -249,8 +249,8 @@ pub struct ParkedCursor {
 }
 
 impl ParkedCursor {
-    /// The cursor after `row`.
-    pub fn after(row: &ParkedRow) -> Self {
+    /// The place of `row`.
+    pub fn of(row: &ParkedRow) -> Self {
         Self {
             parked_at: row.parked_at,
             id: row.id,

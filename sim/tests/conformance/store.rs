@@ -440,12 +440,12 @@ async fn parked_rows_list_a_page_at_a_time<A: StoreArm>(arm: A) {
     let first = s.outbox_list_parked(2, None).await.unwrap();
     assert_eq!(first, all[..2]);
     let rest = s
-        .outbox_list_parked(10, Some(ParkedCursor::after(&first[1])))
+        .outbox_list_parked(10, Some(ParkedCursor::of(&first[1])))
         .await
         .unwrap();
     assert_eq!(rest, all[2..]);
     let past = s
-        .outbox_list_parked(10, Some(ParkedCursor::after(&all[2])))
+        .outbox_list_parked(10, Some(ParkedCursor::of(&all[2])))
         .await
         .unwrap();
     assert!(past.is_empty());

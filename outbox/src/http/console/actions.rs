@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::filter::{Filter, Form};
 use super::html::{esc, hidden, page, table};
-use super::lists::{dead_matching, parked_matching};
+use super::lists::{dead_matching, parked_matching, parked_where};
 use super::session::{Session, same};
 use super::{ACTION_BATCH, ACTION_MAX, Console, html, problem};
 use crate::admin;
@@ -413,18 +413,21 @@ async fn run_parked(
         report.stopped = Some("No outbox is mounted here.".into());
         return report;
     };
-    let parked: BTreeSet<Uuid> = match parked_matching(console, &Filter::default()).await {
-        Ok(rows) => rows.iter().map(|r| r.id).collect(),
-        Err(m) => {
-            report.stopped = Some(m);
-            return report;
-        }
-    };
     let uuids: Vec<Uuid> = ids
         .iter()
         .filter_map(|id| parse_id(action, id).ok())
         .map(|(_, u)| u)
         .collect();
+    // Which of them are parked (the others are reported as not parked).
+    let wanted: BTreeSet<Uuid> = uuids.iter().copied().collect();
+    let parked: BTreeSet<Uuid> =
+        match parked_where(console, wanted.len(), |r| wanted.contains(&r.id)).await {
+            Ok(rows) => rows.iter().map(|r| r.id).collect(),
+            Err(m) => {
+                report.stopped = Some(m);
+                return report;
+            }
+        };
     let batches = uuids.len().div_ceil(ACTION_BATCH);
     for (i, batch) in uuids.chunks(ACTION_BATCH).enumerate() {
         let selector = UnparkSelector::Ids(batch.to_vec());

@@ -2,6 +2,7 @@
 //! dead-lettered events (lists with filters and paging, one row in full).
 
 use std::fmt::Write as _;
+use std::future::Future;
 use std::time::Duration;
 
 use axum::extract::{Path, RawQuery, State};
@@ -20,6 +21,7 @@ use crate::core::ports::{
     InboxCursor, InboxFilter, InboxRow, OutboxStore, ParkedCursor, ParkedRow,
 };
 use crate::envelope::EventEnvelope;
+use crate::error::StoreError;
 
 /// The page size the lists read their rows in (oldest first).
 pub const LIST_WINDOW: u32 = 1000;
@@ -171,65 +173,88 @@ fn dead_filter(subscription: Option<&str>) -> InboxFilter {
     }
 }
 
-/// The parked rows a filter matches, oldest first: read a page at a time
-/// (at most [`SCAN_MAX`] rows), until more match than [`ACTION_MAX`].
-pub(super) async fn parked_matching(
-    console: &Console,
-    f: &Filter,
-) -> Result<Vec<ParkedRow>, String> {
-    let Some(store) = &console.app.outbox else {
-        return Err("No outbox is mounted here.".into());
-    };
-    let (mut rows, mut after, mut scanned) = (Vec::new(), None, 0);
-    while scanned < SCAN_MAX && rows.len() <= ACTION_MAX {
-        let listed = admin::list_parked(store, LIST_WINDOW, after)
-            .await
-            .map_err(|e| {
-                tracing::warn!(error = %e, "console: listing parked rows failed");
-                UNAVAILABLE.to_owned()
-            })?;
+/// Reads a list a page of [`LIST_WINDOW`] rows at a time, oldest first,
+/// into `rows` the rows `keep` takes: `page(after)` reads the page after a
+/// row's `cursor`. It reads at most [`SCAN_MAX`] rows, and stops once
+/// `rows` holds `enough`.
+async fn scan<R, C, Fut>(
+    rows: &mut Vec<R>,
+    enough: usize,
+    mut page: impl FnMut(Option<C>) -> Fut,
+    cursor: impl Fn(&R) -> C,
+    keep: impl Fn(&R) -> bool,
+) -> Result<(), StoreError>
+where
+    Fut: Future<Output = Result<Vec<R>, StoreError>>,
+{
+    let (mut after, mut scanned) = (None, 0);
+    while scanned < SCAN_MAX && rows.len() < enough {
+        let listed = page(after).await?;
         scanned += listed.len();
         let full = listed.len() >= LIST_WINDOW as usize;
-        after = listed.last().map(ParkedCursor::after);
-        rows.extend(listed.into_iter().filter(|r| f.parked(r)));
+        after = listed.last().map(&cursor);
+        rows.extend(listed.into_iter().filter(|r| keep(r)));
         if !full {
             break;
         }
     }
+    Ok(())
+}
+
+/// The parked rows a filter matches, oldest first (see [`scan`]), until
+/// more match than [`ACTION_MAX`].
+pub(super) async fn parked_matching(
+    console: &Console,
+    f: &Filter,
+) -> Result<Vec<ParkedRow>, String> {
+    parked_where(console, ACTION_MAX + 1, |r| f.parked(r)).await
+}
+
+/// The parked rows `keep` takes, oldest first, until there are `enough`.
+pub(super) async fn parked_where(
+    console: &Console,
+    enough: usize,
+    keep: impl Fn(&ParkedRow) -> bool,
+) -> Result<Vec<ParkedRow>, String> {
+    let Some(store) = &console.app.outbox else {
+        return Err("No outbox is mounted here.".into());
+    };
+    let mut rows = Vec::new();
+    let page = |after| admin::list_parked(store, LIST_WINDOW, after);
+    scan(&mut rows, enough, page, ParkedCursor::of, keep)
+        .await
+        .map_err(|e| {
+            tracing::warn!(error = %e, "console: listing parked rows failed");
+            UNAVAILABLE.to_owned()
+        })?;
     rows.sort_by_key(|r| (r.enqueued_at, r.id));
     Ok(rows)
 }
 
 /// The dead-lettered events a filter matches, oldest first, with their
-/// subscriptions: each subscription read a page at a time (at most
-/// [`SCAN_MAX`] rows), until more match than [`ACTION_MAX`].
+/// subscriptions: each subscription read as [`scan`] reads, until more
+/// match than [`ACTION_MAX`] in all.
 pub(super) async fn dead_matching(console: &Console, f: &Filter) -> Result<Vec<InboxRow>, String> {
     let mut rows = Vec::new();
     for (name, target) in console.app.targets.iter() {
         if f.subscription.as_ref().is_some_and(|s| s != name) {
             continue;
         }
-        let (mut after, mut scanned) = (None, 0);
-        while scanned < SCAN_MAX && rows.len() <= ACTION_MAX {
-            let page = InboxFilter {
+        let page = |after| {
+            let filter = InboxFilter {
                 after,
                 ..dead_filter(Some(name))
             };
-            let listed = target.list(&page).await.map_err(|e| {
-                tracing::warn!(error = %e, "console: listing dead-lettered rows failed");
-                UNAVAILABLE.to_owned()
-            })?;
-            scanned += listed.len();
-            let full = listed.len() >= LIST_WINDOW as usize;
-            after = listed.last().map(|r| InboxCursor {
-                received_at: r.received_at,
-                event_id: r.event_id,
-            });
-            rows.extend(listed.into_iter().filter(|r| f.dead(r)));
-            if !full {
-                break;
-            }
-        }
+            async move { target.list(&filter).await }
+        };
+        scan(&mut rows, ACTION_MAX + 1, page, InboxCursor::of, |r| {
+            f.dead(r)
+        })
+        .await
+        .map_err(|e| {
+            tracing::warn!(error = %e, "console: listing dead-lettered rows failed");
+            UNAVAILABLE.to_owned()
+        })?;
     }
     rows.sort_by_key(|r| (r.received_at, r.event_id));
     Ok(rows)
@@ -464,7 +489,7 @@ pub(super) async fn parked_row(
             "That is not an event id.",
         );
     };
-    let rows = match parked_matching(&console, &Filter::default()).await {
+    let rows = match parked_where(&console, 1, |r| r.id == id).await {
         Ok(r) => r,
         Err(m) => return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), &m),
     };
