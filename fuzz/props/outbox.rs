@@ -113,9 +113,39 @@ fn password_char(c: char) -> bool {
     !matches!(c, '@' | '/' | ':' | '?' | '#' | '%' | '[' | ']' | '\\') && !c.is_whitespace()
 }
 
+/// `password` with every character but the list's separator `,` replaced
+/// by one it does not hold: the same shape to every parser (a password drawn
+/// here holds no character that ends the userinfo), other text.
+fn stand_in(password: &str) -> String {
+    let fill = ['x', 'y', 'z']
+        .into_iter()
+        .find(|c| !password.contains(*c))
+        .expect("three characters are not all in a password missing one");
+    password
+        .chars()
+        .map(|c| if c == ',' { c } else { fill })
+        .collect()
+}
+
+/// What a redacting step shows of `text`: the redacted text and the error
+/// `LapinBroker::from_list` makes of it.
+fn shown(text: &str) -> (String, Option<String>) {
+    let error = outbox::LapinBroker::from_list(text)
+        .err()
+        .map(|e| e.to_string());
+    (outbox::redact_url(text), error)
+}
+
 /// `redact_url` on any text never panics; on an AMQP URL (or a list of
 /// them) with a password, the password is in neither the redacted text nor
 /// the error `LapinBroker::from_list` makes of it.
+///
+/// Judged first by difference: what is shown of the address with its
+/// password is what is shown of it with a stand-in password of the same
+/// shape, so no character of the password reaches the text. Where the two
+/// differ (a password that changes how the address parses, which is no
+/// leak), the password, or each piece of it between the list's commas, must
+/// not be in the text unless the text around it holds it anyway.
 pub fn redact_url(data: &[u8]) {
     let whole = String::from_utf8_lossy(data);
     let _ = outbox::redact_url(&whole);
@@ -129,27 +159,34 @@ pub fn redact_url(data: &[u8]) {
     {
         return;
     }
-    let url = format!("amqp://{user}:{password}@{rest}");
-    let list = format!("{other},{url}");
-    // Only a password that is not also in the text around it can be judged
-    // (the list's own glue included: a password `,amq` is in `,amqp://`).
+    let url = |password: &str| format!("amqp://{user}:{password}@{rest}");
+    let list = |password: &str| format!("{other},{}", url(password));
     let around = [
         format!("amqp://{user}:***@{rest}"),
         format!("{other},amqp://{user}:***@{rest}"),
         format!("{other},<invalid>"),
     ];
-    if around.iter().any(|a| a.contains(&password)) {
-        return;
-    }
-    for text in [&url, &list] {
-        let redacted = outbox::redact_url(text);
-        assert!(
-            !redacted.contains(&password),
-            "{password:?} survives in {redacted:?}"
-        );
-        if let Err(e) = outbox::LapinBroker::from_list(text) {
-            let e = e.to_string();
-            assert!(!e.contains(&password), "{password:?} in the error {e:?}");
+    let pieces: Vec<&str> = password
+        .split(',')
+        .filter(|p| p.chars().count() >= 4)
+        .filter(|p| !around.iter().any(|a| a.contains(p)))
+        .collect();
+    let stand_in = stand_in(&password);
+    let texts: [&dyn Fn(&str) -> String; 2] = [&url, &list];
+    for text in texts {
+        let seen = shown(&text(&password));
+        if seen == shown(&text(&stand_in)) {
+            continue;
+        }
+        let (redacted, error) = seen;
+        for piece in &pieces {
+            assert!(
+                !redacted.contains(piece),
+                "{piece:?} of {password:?} survives in {redacted:?}"
+            );
+            if let Some(e) = &error {
+                assert!(!e.contains(piece), "{piece:?} of {password:?} in {e:?}");
+            }
         }
     }
 }
@@ -190,12 +227,67 @@ const REQUIRED_VARS: &[&str] = &[outbox::http::ADMIN_TOKEN_VAR];
 /// Variables whose values are secrets: never in an error.
 const SECRET_VARS: &[&str] = &[outbox::http::ADMIN_TOKEN_VAR];
 
+/// An environment for `from_lookup`.
+type Env = BTreeMap<&'static str, String>;
+
+/// What every settings type's `from_lookup` makes of `env`: an error's text
+/// for each that refuses it.
+fn config_errors(env: &Env) -> Vec<(&'static str, Option<ConfigError>)> {
+    let lookup = |name: &str| env.get(name).cloned();
+    vec![
+        (
+            "DrainerConfig",
+            outbox::DrainerConfig::from_lookup(lookup).err(),
+        ),
+        (
+            "SubscriberSettings",
+            outbox::SubscriberSettings::from_lookup("fuzz.queue", &["fuzz.#"], lookup)
+                .map(|s| {
+                    s.validate()
+                        .expect("settings from_lookup returns are valid")
+                })
+                .err(),
+        ),
+        (
+            "InboxJanitorSettings",
+            outbox::InboxJanitorSettings::from_lookup(lookup).err(),
+        ),
+        (
+            "AdminAuth",
+            outbox::http::AdminAuth::from_lookup(lookup).err(),
+        ),
+    ]
+}
+
+/// A secret's stand-in: the same surrounding whitespace and the same length
+/// in bytes once trimmed (all a rule may read of a secret), other text.
+fn secret_stand_in(secret: &str) -> String {
+    let trimmed = secret.trim();
+    if trimmed.is_empty() {
+        return secret.to_owned();
+    }
+    let lead = secret.len() - secret.trim_start().len();
+    let fill = if trimmed.bytes().all(|b| b == b'x') {
+        "y"
+    } else {
+        "x"
+    };
+    format!(
+        "{}{}{}",
+        &secret[..lead],
+        fill.repeat(trimmed.len()),
+        &secret[lead + trimmed.len()..]
+    )
+}
+
 /// Any values for any variables (each line: one byte choosing the
 /// variable, then its value): every `from_lookup` returns a valid
 /// configuration or an error naming a variable that was set (or a required
-/// one that was not), and a secret never reaches the error.
+/// one that was not), and a secret never reaches the error: each error is
+/// the same, to the byte, with the secret replaced by a stand-in of the
+/// same shape.
 pub fn config(data: &[u8]) {
-    let mut env: BTreeMap<&'static str, String> = BTreeMap::new();
+    let mut env = Env::new();
     for line in data.split(|b| *b == b'\n') {
         let Some((&pick, value)) = line.split_first() else {
             continue;
@@ -203,10 +295,10 @@ pub fn config(data: &[u8]) {
         let var = VARS[usize::from(pick) % VARS.len()];
         env.insert(var, String::from_utf8_lossy(value).into_owned());
     }
-    let lookup = |name: &str| env.get(name).cloned();
-    let judge = |what: &str, result: Result<(), ConfigError>| {
-        let Err(e) = result else { return };
-        let ConfigError::Invalid { var, .. } = &e else {
+    let errors = config_errors(&env);
+    for (what, e) in &errors {
+        let Some(e) = e else { continue };
+        let ConfigError::Invalid { var, .. } = e else {
             panic!("{what}: an error of a kind this property does not know: {e}")
         };
         let shown = e.to_string();
@@ -220,55 +312,24 @@ pub fn config(data: &[u8]) {
             REQUIRED_VARS.contains(var) || env.keys().any(|set| shown.contains(set)),
             "{what}: the error names no variable that was set: {e}"
         );
-        for secret in SECRET_VARS {
-            let Some(value) = env.get(secret).map(|v| v.trim()) else {
-                continue;
-            };
-            // Judged only where the secret is no part of another value.
-            let elsewhere = env
-                .iter()
-                .any(|(name, v)| name != secret && v.contains(value));
-            // Nor where it is part of a variable's name the error gives, or
-            // is made of another variable's value and the text around it
-            // (`VAR=` and a run of backslashes from the value: a fuzzing
-            // finding of the property, not of the code).
-            // Each is cut out for a mark the secret does not hold, so no new
-            // text forms where it was (a fuzzing finding of this property:
-            // cutting `�` out of `\0\0\0�\0\0` made five NULs, the token).
-            let Some(mark) = ('\u{1}'..).find(|c| !value.contains(*c)) else {
-                continue;
-            };
-            let cut = |t: String, x: &str| t.replace(x, &mark.to_string());
-            let unnamed = VARS.iter().fold(shown.clone(), |t, name| cut(t, name));
-            let unnamed = env
-                .iter()
-                .filter(|(name, v)| *name != secret && !v.trim().is_empty())
-                .fold(unnamed, |t, (_, v)| cut(cut(t, v.as_str()), v.trim()));
-            if value.len() >= 4 && !elsewhere {
-                assert!(
-                    !unnamed.contains(value),
-                    "{what}: the secret {secret} in {shown:?}"
-                );
-            }
-        }
+    }
+    let texts = |errors: Vec<(&str, Option<ConfigError>)>| -> Vec<Option<String>> {
+        errors
+            .into_iter()
+            .map(|(_, e)| e.map(|e| e.to_string()))
+            .collect()
     };
-    judge(
-        "DrainerConfig",
-        outbox::DrainerConfig::from_lookup(lookup).map(drop),
-    );
-    judge(
-        "SubscriberSettings",
-        outbox::SubscriberSettings::from_lookup("fuzz.queue", &["fuzz.#"], lookup).map(|s| {
-            s.validate()
-                .expect("settings from_lookup returns are valid");
-        }),
-    );
-    judge(
-        "InboxJanitorSettings",
-        outbox::InboxJanitorSettings::from_lookup(lookup).map(drop),
-    );
-    judge(
-        "AdminAuth",
-        outbox::http::AdminAuth::from_lookup(lookup).map(drop),
-    );
+    let errors = texts(errors);
+    for secret in SECRET_VARS {
+        let Some(value) = env.get(secret) else {
+            continue;
+        };
+        let mut other = env.clone();
+        other.insert(secret, secret_stand_in(value));
+        assert_eq!(
+            errors,
+            texts(config_errors(&other)),
+            "an error shows something of {secret}"
+        );
+    }
 }
