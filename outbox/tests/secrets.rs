@@ -66,6 +66,12 @@ fn a_password_holding_a_comma_is_refused_without_showing_it() {
         "amqp://svc:Zq7,,Xw9@h",
         "amqp://a@h,amqp://svc:Zq7,Xw9@h",
         "amqp://svc:Zq7,Xw9,Kp4@h:5672/%2f",
+        // A `://` after the host once made the tail look like an address
+        // of its own, and `Zq7` was shown.
+        "amqp://svc:Zq7,Xw9@h/a://b",
+        // No `//` after the scheme (lapin accepts it).
+        "amqp:svc:Zq7,Xw9@h",
+        "AMQPS://svc:Zq7,Kp4@h",
     ] {
         let e = outbox::LapinBroker::from_list(list)
             .unwrap_err()

@@ -254,19 +254,25 @@ fn redact_list(list: &str) -> String {
 }
 
 /// The addresses of a comma-split list whose user or password holds a
-/// comma, as spans of pieces (first, last): an address with `://` and no
-/// `@`, up to the next piece with an `@` before another address begins.
-/// Its pieces are fragments of a secret, none of them to be shown (found
-/// by fuzzing `redact_url`, issue 30: a password `x,,y` showed `x`).
+/// comma, as spans of pieces (first, last): a piece that begins an address
+/// (an `amqp:` or `amqps:` scheme) and has no `@`, up to the next piece
+/// with an `@` before another address begins. Its pieces are fragments of a
+/// secret, none of them to be shown (found by fuzzing `redact_url`, issue
+/// 30: a password `x,,y` showed `x`; and, with a `://` later in the
+/// address, `x,y@host/a://b` showed `x`).
 fn split_userinfo(pieces: &[&str]) -> Vec<(usize, usize)> {
+    let begins_address = |p: &str| {
+        let p = p.to_ascii_lowercase();
+        p.starts_with("amqp:") || p.starts_with("amqps:")
+    };
     let mut spans = Vec::new();
     for (i, p) in pieces.iter().enumerate() {
-        if !p.contains("://") || p.contains('@') {
+        if !begins_address(p) || p.contains('@') {
             continue;
         }
         let tail = pieces[i + 1..]
             .iter()
-            .take_while(|n| !n.contains("://"))
+            .take_while(|n| !begins_address(n))
             .position(|n| n.contains('@'));
         if let Some(k) = tail {
             spans.push((i, i + 1 + k));
