@@ -129,6 +129,25 @@ pub async fn claim_and_mark(
     store: &outbox::PgOutboxStore,
     replica: &str,
 ) -> Result<(Vec<uuid::Uuid>, u64), outbox::StoreError> {
+    let (ids, marked, _) = claim_and_mark_after(store, replica, None).await?;
+    Ok((ids, marked))
+}
+
+/// As [`claim_and_mark`], the claim walking unkeyed rows only past `after`
+/// (`ClaimParams::after`); also returns the last claimed row's place, where
+/// a drain's next claim would walk on from.
+pub async fn claim_and_mark_after(
+    store: &outbox::PgOutboxStore,
+    replica: &str,
+    after: Option<outbox::core::ports::ClaimPosition>,
+) -> Result<
+    (
+        Vec<uuid::Uuid>,
+        u64,
+        Option<outbox::core::ports::ClaimPosition>,
+    ),
+    outbox::StoreError,
+> {
     use outbox::core::ports::{ClaimParams, OutboxStore};
     let claimed = store
         .outbox_claim(ClaimParams {
@@ -136,11 +155,13 @@ pub async fn claim_and_mark(
             batch_size: 100,
             lease_ttl: std::time::Duration::from_secs(60),
             key_heads: &[],
+            after,
         })
         .await?;
     let ids: Vec<uuid::Uuid> = claimed.iter().map(|r| r.id).collect();
+    let place = claimed.iter().filter_map(|r| r.position).max();
     let marked = store.outbox_mark_published(replica, &ids).await?;
-    Ok((ids, marked))
+    Ok((ids, marked, place))
 }
 
 /// Declares a durable topic exchange and a durable queue of `queue_type`

@@ -936,6 +936,73 @@ async fn the_keyed_claim_finds_its_candidates_by_primary_key(pool: PgPool) {
     }
 }
 
+/// The unkeyed claim reads no row it does not claim, and finds each row it
+/// claims once: it walks `event_outbox_claim_unkeyed_idx` in claim order
+/// and stops at the batch (no sort of a larger run of rows first), and it
+/// stamps the lease on the row versions the lock took, by their address
+/// (a TID scan), not by a second lookup of each row's primary key.
+/// The backlog is one `publish_many_tx` transaction of 1 000 rows, which
+/// share their `enqueued_at`: walked through `event_outbox_unpublished_idx`
+/// with an incremental sort, a claim of 100 read all 1 000.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn the_unkeyed_claim_reads_only_the_rows_it_claims(pool: PgPool) {
+    let batch: Vec<EventEnvelope> = (0..1000)
+        .map(|i| EventEnvelope::new("plain.event", serde_json::json!({ "n": i })))
+        .collect();
+    let mut tx = pool.begin().await.unwrap();
+    Publisher::new(pool.clone())
+        .publish_many_tx(&mut tx, &batch)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query("VACUUM ANALYZE event_outbox")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // Prepared and run as the drainer's sessions run it: one generic plan
+    // (`plan_cache_mode`), whatever the batch size and the candidates.
+    let mut tx = claim_tx(&pool).await;
+    let prepare = format!(
+        "PREPARE claim(text, float8, bigint, uuid[]) AS {}",
+        include_str!("../src/pg/sql/outbox_claim.sql")
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(prepare))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let plan: serde_json::Value =
+        sqlx::query_scalar("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim('r', 60, 100, '{}')")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+    tx.rollback().await.unwrap();
+    let unkeyed = find(&plan, &|n| n["Subplan Name"] == "CTE unkeyed").expect("an unkeyed CTE");
+    let mut scans = Vec::new();
+    walk(unkeyed, &mut |n| {
+        let kind = n["Node Type"].as_str().unwrap_or("");
+        assert!(!kind.contains("Sort"), "the unkeyed claim sorts: {n}");
+        if kind.contains("Scan") {
+            scans.push((n["Index Name"].clone(), n["Actual Rows"].clone()));
+        }
+    });
+    assert_eq!(
+        scans,
+        [(
+            serde_json::json!("event_outbox_claim_unkeyed_idx"),
+            serde_json::json!(100)
+        )],
+        "the unkeyed claim's scans (index, rows read)"
+    );
+    let claimed = find(&plan, &|n| n["Subplan Name"] == "CTE claimed").expect("a claimed CTE");
+    let update = find(claimed, &|n| n["Node Type"] == "ModifyTable").expect("the update");
+    let target = update["Plans"][0]["Plans"]
+        .as_array()
+        .and_then(|p| p.iter().find(|n| n["Parent Relationship"] == "Inner"))
+        .expect("the update's row lookup");
+    assert_eq!(target["Node Type"], "Tid Scan", "{target}");
+    assert_eq!(target["Actual Loops"], 100, "{target}");
+}
+
 /// The heads of the first 100 keys, as the drainer's key window finds them.
 async fn key_heads(pool: &PgPool) -> Vec<uuid::Uuid> {
     let window = PgOutboxStore::new(pool.clone())

@@ -219,6 +219,7 @@ async fn moving_a_table_to_the_partitioned_layout_keeps_every_row(pool: sqlx::Pg
             batch_size: 100,
             lease_ttl: std::time::Duration::from_secs(60),
             key_heads: &[],
+            after: None,
         })
         .await
         .unwrap();

@@ -174,6 +174,7 @@ async fn claim_as(store: &PgOutboxStore, replica: &str, ttl: Duration) -> Vec<Uu
             lease_ttl: ttl,
             batch_size: 100,
             key_heads: &heads(store, ttl).await,
+            after: None,
         })
         .await
         .unwrap()
@@ -219,6 +220,7 @@ async fn a_claim_takes_each_keys_head_and_the_next_only_once_it_is_marked(pool: 
             lease_ttl: LEASE,
             batch_size: 100,
             key_heads: &heads(&store, LEASE).await,
+            after: None,
         })
         .await
         .unwrap();
@@ -397,6 +399,7 @@ async fn a_candidate_that_is_not_its_keys_head_is_not_claimed(pool: PgPool) {
             lease_ttl: LEASE,
             batch_size: 100,
             key_heads: &[ids[1]],
+            after: None,
         })
         .await
         .unwrap();
@@ -407,6 +410,7 @@ async fn a_candidate_that_is_not_its_keys_head_is_not_claimed(pool: PgPool) {
             lease_ttl: LEASE,
             batch_size: 100,
             key_heads: &[],
+            after: None,
         })
         .await
         .unwrap();

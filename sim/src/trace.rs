@@ -249,6 +249,9 @@ pub enum Event {
     // --- the drainer's store calls as the replica made them (the adapter) --
     /// The replica called `outbox_claim`.
     ClaimCalled { replica: String },
+    /// The replica's claim walks on from a place in claim order
+    /// (`ClaimParams::after`), not from the oldest row.
+    ClaimResumed { replica: String },
     /// A commit notification reached the replica's listener (its wakeup).
     Notified { replica: String },
     /// `outbox_claim` returned these rows to the replica (its view: the

@@ -152,6 +152,9 @@ pub enum PgRequest {
         batch_size: u32,
         lease_ttl_ms: u64,
         key_heads: Vec<Uuid>,
+        /// Unkeyed rows only past this place in claim order (microseconds,
+        /// id): `ClaimParams::after`.
+        after: Option<(i64, Uuid)>,
     },
     MarkPublished {
         replica: String,
@@ -388,6 +391,9 @@ pub struct WireRow {
     /// Simulated milliseconds since the row was written.
     pub age_ms: u64,
     pub ordering: Option<WireOrdering>,
+    /// When the row was written, in simulated microseconds: its place in
+    /// claim order with its id (`ClaimPosition`).
+    pub enqueued_us: i64,
 }
 
 /// A parked row on the wire (times in simulated milliseconds).

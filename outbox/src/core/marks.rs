@@ -82,6 +82,10 @@ marks! {
     // --- the drainer
     /// A claim came back full: the drain goes on, overlapping batches.
     ClaimFull = "claim_full",
+    /// A claim walked on from the drain's last full claim
+    /// ([`ClaimParams::after`](crate::core::ports::ClaimParams::after)), not
+    /// from the oldest row.
+    ClaimResumed = "claim_resumed",
     /// A mark found some of its rows' leases gone (another replica took them).
     LeaseLostBeforeMark = "lease_lost_before_mark",
     /// A batch's Phase 2 ran past `confirm_timeout`.

@@ -72,7 +72,35 @@ pub struct ClaimParams<'a> {
     /// each only if it is still its key's head; unkeyed rows are found by
     /// the claim itself.
     pub key_heads: &'a [Uuid],
+    /// Unkeyed rows only past this place in claim order (the last unkeyed
+    /// row of the drain's previous full claim); `None`: from the oldest.
+    /// Rows before it (in flight in this drain, published but not yet
+    /// vacuumed out of the claim's index, or claimable again) are not
+    /// walked: see [`ClaimPosition`].
+    pub after: Option<ClaimPosition>,
 }
+
+/// A row's place in claim order: its `enqueued_at` (microseconds since the
+/// Unix epoch), then its id. A drain that claims full batches walks on
+/// from the last one's place ([`ClaimParams::after`]) instead of from the
+/// oldest row each time, past every row it has in flight and every row
+/// published since the table was last vacuumed (on PostgreSQL their index
+/// entries stay until VACUUM, and each claim from the oldest row read
+/// them all again). A row that becomes claimable behind the place (a late
+/// commit, an expired lease, a released row) is taken by the next claim
+/// from the oldest row: the first of the next drain (a drain ends on a
+/// short claim), or at most [`CLAIMS_PER_WALK`] claims later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ClaimPosition {
+    /// The row's `enqueued_at`, in microseconds since the Unix epoch.
+    pub enqueued_at_micros: i64,
+    /// The row's id.
+    pub id: Uuid,
+}
+
+/// Most claims a drain makes from one walk of the claim order: after this
+/// many, the next claim starts from the oldest row again.
+pub const CLAIMS_PER_WALK: u32 = 8;
 
 /// One key's head, as [`OutboxStore::outbox_key_window`] found it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,6 +143,9 @@ pub struct ClaimedRow {
     /// Its ordering key and number, if it has a key: the store claimed it
     /// as its key's head (every earlier event of the key is published).
     pub ordering: Option<KeySeq>,
+    /// Its place in claim order (`None` if the store cannot place it: an
+    /// `enqueued_at` of ±infinity, written by hand).
+    pub position: Option<ClaimPosition>,
 }
 
 /// The AMQP header carrying an event's ordering key (a long string).

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use outbox::StoreError;
 use outbox::core::ports::{
-    ClaimParams, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats, OutboxStore,
-    ParkedCursor, ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
+    ClaimParams, ClaimPosition, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats,
+    OutboxStore, ParkedCursor, ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
 };
 use outbox::trace_context::TraceContext;
 use uuid::Uuid;
@@ -97,6 +97,7 @@ impl SimStore {
                 batch_size: p.batch_size,
                 lease_ttl_ms: p.lease_ttl.as_millis() as u64,
                 key_heads: p.key_heads.to_vec(),
+                after: p.after.map(|a| (a.enqueued_at_micros, a.id)),
             })
             .await?;
         let rows = match reply {
@@ -118,6 +119,10 @@ impl SimStore {
                 attempts: r.attempts,
                 age: Duration::from_millis(r.age_ms),
                 ordering: r.ordering.map(|(key, seq)| KeySeq { key, seq }),
+                position: Some(ClaimPosition {
+                    enqueued_at_micros: r.enqueued_us,
+                    id: r.id,
+                }),
             })
             .collect())
     }
@@ -219,6 +224,11 @@ impl OutboxStore for SimStore {
             .swap(false, std::sync::atomic::Ordering::SeqCst)
         {
             self.trace.now(Event::ClaimCalled {
+                replica: self.replica.clone(),
+            });
+        }
+        if p.after.is_some() {
+            self.trace.now(Event::ClaimResumed {
                 replica: self.replica.clone(),
             });
         }

@@ -561,6 +561,18 @@ fn timing_cases() -> Vec<(Invariant, Run)> {
             idle_polls(&[0, 150]),
         ),
         (
+            // The drain's last claim (30 ms) was short: no place to walk
+            // on from.
+            I::ClaimWalk,
+            claim_of(2).at(205, Event::ClaimResumed { replica: a() }),
+        ),
+        (
+            // Eight full claims make a walk; the ninth starts from the
+            // oldest row.
+            I::ClaimWalk,
+            full_claims(outbox::core::ports::CLAIMS_PER_WALK + 1),
+        ),
+        (
             I::ReleaseOnFailure,
             producer()
                 .at(
@@ -904,6 +916,28 @@ fn mark_lost() -> Run {
             .collect(),
         ..producer()
     }
+}
+
+/// The producer run, then `n` full claims of one drain from 200 ms, each
+/// after the first walking on from the last.
+fn full_claims(n: u32) -> Run {
+    let mut run = producer();
+    for k in 0..u64::from(n) {
+        let t = 200 + 10 * k;
+        run = run.at(t, Event::ClaimCalled { replica: s("a") });
+        if k > 0 {
+            run = run.at(t + 1, Event::ClaimResumed { replica: s("a") });
+        }
+        let first = 10 + 2 * u128::from(k);
+        run = run.at(
+            t + 2,
+            Event::ClaimReturned {
+                replica: s("a"),
+                ids: vec![id(first), id(first + 1)],
+            },
+        );
+    }
+    run
 }
 
 /// The producer run with a second claim at 200 ms returning `n` rows.

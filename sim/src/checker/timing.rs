@@ -23,6 +23,10 @@
 //!   minute, unless a commit notification reached it meanwhile. Only the
 //!   floor is checked: a late poll costs latency, and `undrained` catches
 //!   one that never comes.
+//! - **claim walk** (issue 28): a claim walks on from a place only right
+//!   after a full claim of its drain with no store failure between, and
+//!   at most `CLAIMS_PER_WALK` claims make one walk, so a row claimable
+//!   behind the place waits a bounded number of claims.
 //!
 //! A crashed replica is excused from what it did not live to do, and a
 //! replica blocked in a store call when a deadline falls (the database is
@@ -36,6 +40,7 @@ use uuid::Uuid;
 
 use super::{Context, Findings, Invariant, TIMING_SLACK, host_of};
 use outbox::core::drainer::{IDLE_TICK_FACTOR, STEADY_AFTER};
+use outbox::core::ports::CLAIMS_PER_WALK;
 
 use crate::trace::{Call, Event};
 
@@ -45,6 +50,7 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     release_before_expiry(ctx, &blocked, out);
     backoff_and_release_on_failure(ctx, out);
     poll_cadence(ctx, out);
+    claim_walk(ctx, out);
     if let Some(rate) = ctx.limits.max_rows_per_sec {
         rate_bound(ctx, rate, out);
     }
@@ -497,6 +503,63 @@ fn poll_cadence(ctx: &Context<'_>, out: &mut Findings) {
                 replicas.entry(replica).or_default().notified = Some(*at);
             }
             // A restarted replica starts a new drainer, which claims at once.
+            Event::Host { host, up: false } => {
+                replicas.retain(|replica, _| host_of(replica) != host);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// One replica's walk of the claim order, as the claim walk rule needs it.
+#[derive(Default)]
+struct WalkState {
+    /// The claim in progress walks on from a place.
+    resumed: bool,
+    /// The replica's last claim came back full, with no store failure
+    /// since.
+    last_full: bool,
+    /// Claims of the current walk so far (the first from the oldest row).
+    claims: u32,
+}
+
+fn claim_walk(ctx: &Context<'_>, out: &mut Findings) {
+    let batch = ctx.limits.batch_size as usize;
+    let mut replicas: BTreeMap<&str, WalkState> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::ClaimResumed { replica } => {
+                let w = replicas.entry(replica).or_default();
+                w.resumed = true;
+                let why = if !w.last_full {
+                    "right after a claim that was not full, or a failure"
+                } else if w.claims >= CLAIMS_PER_WALK {
+                    "past the walk's last claim"
+                } else {
+                    continue;
+                };
+                out.add(
+                    Invariant::ClaimWalk,
+                    Some(*at),
+                    format!(
+                        "{replica} walked on from a place {why} ({} claims of {CLAIMS_PER_WALK})",
+                        w.claims
+                    ),
+                );
+            }
+            Event::ClaimReturned { replica, ids } => {
+                let w = replicas.entry(replica).or_default();
+                w.claims = if std::mem::take(&mut w.resumed) {
+                    w.claims + 1
+                } else {
+                    1
+                };
+                w.last_full = ids.len() >= batch;
+            }
+            Event::StoreFailed { replica, .. } => {
+                let w = replicas.entry(replica).or_default();
+                (w.resumed, w.last_full) = (false, false);
+            }
             Event::Host { host, up: false } => {
                 replicas.retain(|replica, _| host_of(replica) != host);
             }

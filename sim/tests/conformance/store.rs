@@ -228,6 +228,7 @@ fn params(replica: &str, batch: u32, ttl_ms: u64) -> ClaimParams<'_> {
         batch_size: batch,
         lease_ttl: Duration::from_millis(ttl_ms),
         key_heads: &[],
+        after: None,
     }
 }
 
@@ -335,6 +336,49 @@ async fn claim_takes_oldest_first_stamps_the_lease_and_never_bumps<A: StoreArm>(
             .unwrap()
             .is_empty()
     );
+}
+
+/// A claim past a place (`ClaimParams::after`, a drain's walk) takes
+/// unkeyed rows only after it in claim order, whatever is claimable behind
+/// it; keyed heads are not bounded by it. Each row comes back with its
+/// place, increasing in claim order.
+async fn a_claim_past_a_place_takes_only_the_rows_after_it<A: StoreArm>(arm: A) {
+    let head = keyed("x");
+    arm.insert_envelope(&head).await;
+    let ids = arm.insert(6, "k").await;
+    let s = arm.store();
+    let first = s.outbox_claim(params("a", 3, 60_000)).await.unwrap();
+    let claimed: Vec<Uuid> = first.iter().map(|r| r.id).collect();
+    assert_eq!(claimed, ids[..3], "from the oldest, unkeyed rows only");
+    let places: Vec<_> = first.iter().map(|r| r.position.unwrap()).collect();
+    assert!(places.is_sorted() && places[0] < places[2], "{places:?}");
+    assert!(places.iter().zip(&claimed).all(|(p, id)| p.id == *id));
+    // A row claimable again behind the place is left to a claim from the
+    // oldest row.
+    assert_eq!(s.outbox_release("a", &ids[..1]).await.unwrap(), 1);
+    let after = Some(places[1]);
+    let next = s
+        .outbox_claim(ClaimParams {
+            after,
+            ..params("a", 2, 60_000)
+        })
+        .await
+        .unwrap();
+    let claimed: Vec<Uuid> = next.iter().map(|r| r.id).collect();
+    assert_eq!(claimed, ids[3..5], "past the place, in claim order");
+    let keyed_past = s
+        .outbox_claim(ClaimParams {
+            key_heads: &[head.id],
+            after: next.last().unwrap().position,
+            ..params("a", 10, 60_000)
+        })
+        .await
+        .unwrap();
+    let claimed: Vec<Uuid> = keyed_past.iter().map(|r| r.id).collect();
+    assert_eq!(claimed, [head.id, ids[5]], "a key's head is not bounded");
+    let oldest = s.outbox_claim(params("a", 10, 60_000)).await.unwrap();
+    let claimed: Vec<Uuid> = oldest.iter().map(|r| r.id).collect();
+    assert_eq!(claimed, ids[..1], "the released row, from the oldest");
 }
 
 async fn an_expired_lease_is_reclaimed_without_a_bump<A: StoreArm>(arm: A) {
@@ -880,6 +924,7 @@ conformance!(postgres: with_real, fake: with_fake_store,
     the_claim_returns_the_trace_context_and_the_age,
     the_claimed_body_is_the_envelope_as_written,
     claim_takes_oldest_first_stamps_the_lease_and_never_bumps,
+    a_claim_past_a_place_takes_only_the_rows_after_it,
     an_expired_lease_is_reclaimed_without_a_bump,
     marks_and_releases_are_guarded_by_claimed_by,
     failures_bump_attempts_park_at_the_budget_and_unpark_resets,

@@ -234,6 +234,7 @@ async fn claim_probe(
                 batch_size: 1,
                 lease_ttl: Duration::from_secs(60),
                 key_heads: &[],
+                after: None,
             })
             .await?;
         samples.0.push((t - started, t.elapsed()));

@@ -44,7 +44,8 @@ enum Drain {
     /// The production drainer, defaults.
     Drainer,
     /// The drainer's claim and mark statements alone, one after the other
-    /// on the drainer's own sessions, no broker and no overlap: the floor
+    /// on the drainer's own sessions, each claim walking on from the last
+    /// as a drain's do, no broker and no overlap: the floor
     /// of what the statements cost, against which the drainer's figure
     /// shows what its pipeline, its other statements and its neighbours
     /// add.
@@ -99,16 +100,31 @@ async fn until_drained(pool: &PgPool, meter: &mut Meter) -> BoxResult<()> {
 }
 
 /// Claims and marks batch after batch through the production store on
-/// `own` until a claim comes back empty, sampling `meter` every 100 ms.
+/// `own` until a claim from the oldest row comes back empty, sampling
+/// `meter` every 100 ms.
 async fn statements_only(own: &PgPool, meter: &mut Meter) -> BoxResult<()> {
     let store = PgOutboxStore::new(own.clone());
     let started = Instant::now();
     let mut sampled = Instant::now();
+    // Walked as a drain walks (`ClaimParams::after`): each full claim's
+    // successor past its last row, from the oldest row every
+    // `CLAIMS_PER_WALK` claims.
+    let mut walk = (None, 0);
     loop {
-        let (ids, marked) = benches::claim_and_mark(&store, "harness-p3").await?;
+        let (ids, marked, place) =
+            benches::claim_and_mark_after(&store, "harness-p3", walk.0).await?;
         if ids.is_empty() {
-            return Ok(());
+            if walk.0.is_none() {
+                return Ok(());
+            }
+            walk = (None, 0);
+            continue;
         }
+        walk = if walk.1 + 1 < outbox::core::ports::CLAIMS_PER_WALK {
+            (place, walk.1 + 1)
+        } else {
+            (None, 0)
+        };
         if marked != ids.len() as u64 {
             return Err(format!("marked {marked} of {} rows claimed", ids.len()).into());
         }

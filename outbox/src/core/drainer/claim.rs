@@ -9,7 +9,9 @@ use uuid::Uuid;
 
 use super::{Drainer, TickReport};
 use crate::core::marks::Mark;
-use crate::core::ports::{Broker, ClaimParams, ClaimedRow, Clock, Entropy, OutboxStore};
+use crate::core::ports::{
+    Broker, CLAIMS_PER_WALK, ClaimParams, ClaimPosition, ClaimedRow, Clock, Entropy, OutboxStore,
+};
 use crate::envelope::ROUTING_KEY_MAX_BYTES;
 use crate::error::{DrainError, StoreError};
 use crate::telemetry::drainer as metric;
@@ -37,6 +39,41 @@ pub(super) struct Claimed {
     pub(super) span: Span,
 }
 
+/// Where a drain's claims walk the claim order: from the oldest row, or on
+/// from the last unkeyed row of its previous full claim, at most
+/// [`CLAIMS_PER_WALK`] claims from one walk.
+#[derive(Debug, Default)]
+pub(super) struct Walk {
+    after: Option<ClaimPosition>,
+    claims: u32,
+}
+
+impl Walk {
+    /// Where the next claim starts (`None`: from the oldest row).
+    pub(super) fn after(&self) -> Option<ClaimPosition> {
+        self.after
+    }
+
+    /// Takes in a claim's rows (`full`: a whole batch). The drain's next
+    /// claim walks on from this one's last unkeyed row, or from the oldest
+    /// row again once this walk has made [`CLAIMS_PER_WALK`] claims. A
+    /// short claim ends the drain (as it always did), and the next drain
+    /// starts from the oldest row.
+    pub(super) fn next(&mut self, rows: &[ClaimedRow], full: bool) {
+        self.claims += 1;
+        if !full || self.claims >= CLAIMS_PER_WALK {
+            *self = Self::default();
+            return;
+        }
+        let last = rows
+            .iter()
+            .filter(|r| r.ordering.is_none())
+            .filter_map(|r| r.position)
+            .max();
+        self.after = self.after.max(last);
+    }
+}
+
 impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// Phase 1: one claim of up to a batch. With `max_rows_per_sec`, the
     /// claimed rows push the next claim's earliest start back by their share
@@ -45,6 +82,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         &self,
         report: &mut TickReport,
         expect_rows: bool,
+        after: Option<ClaimPosition>,
     ) -> Result<Claimed, DrainError> {
         let cfg = &self.config;
         // A claim expected to find work is the first child of its batch's
@@ -59,7 +97,10 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             (None, poll)
         };
         let t0 = self.clock.now();
-        let rows = self.claim_rows().instrument(claim_span.clone()).await;
+        if after.is_some() {
+            self.marks.hit(Mark::ClaimResumed);
+        }
+        let rows = self.claim_rows(after).instrument(claim_span.clone()).await;
         let at = self.clock.now();
         metrics::histogram!(metric::CLAIM_DURATION).record(at.saturating_sub(t0).as_secs_f64());
         let rows = rows.inspect_err(|_| {
@@ -97,8 +138,12 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     }
 
     /// The claim's statements: the next window of key heads, then the
-    /// claim of unkeyed rows and of those heads; moves the key cursor.
-    pub(super) async fn claim_rows(&self) -> Result<Vec<ClaimedRow>, StoreError> {
+    /// claim of unkeyed rows (past `place`, if given) and of those heads;
+    /// moves the key cursor.
+    pub(super) async fn claim_rows(
+        &self,
+        place: Option<ClaimPosition>,
+    ) -> Result<Vec<ClaimedRow>, StoreError> {
         let cfg = &self.config;
         let after = self.key_cursor.lock().expect("key cursor").clone();
         let mut window = self
@@ -133,6 +178,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 batch_size: cfg.batch_size,
                 lease_ttl: cfg.lease_ttl,
                 key_heads: &heads,
+                after: place,
             })
             .await?;
         if heads.iter().all(|h| rows.iter().any(|r| r.id == *h)) {
@@ -159,5 +205,62 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             outbox.nacked = Empty,
             outbox.mark_lost = Empty,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::ports::KeySeq;
+
+    fn row(at: i64, keyed: bool) -> ClaimedRow {
+        let id = Uuid::from_u128(at as u128);
+        ClaimedRow {
+            id,
+            routing_key: "k".into(),
+            body: Vec::new(),
+            attempts: 0,
+            trace: None,
+            age: Duration::ZERO,
+            ordering: keyed.then(|| KeySeq {
+                key: "k".into(),
+                seq: 1,
+            }),
+            position: Some(ClaimPosition {
+                enqueued_at_micros: at,
+                id,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_walk_goes_on_from_the_last_unkeyed_row_of_each_full_claim() {
+        let mut walk = Walk::default();
+        assert_eq!(walk.after(), None, "a drain starts from the oldest row");
+        // The keyed row is newer than every unkeyed one: not where the
+        // unkeyed walk stands.
+        walk.next(&[row(1, false), row(2, false), row(9, true)], true);
+        assert_eq!(walk.after().map(|p| p.enqueued_at_micros), Some(2));
+        // A full claim of keyed rows only leaves the place where it was.
+        walk.next(&[row(20, true)], true);
+        assert_eq!(walk.after().map(|p| p.enqueued_at_micros), Some(2));
+        walk.next(&[row(3, false)], true);
+        assert_eq!(walk.after().map(|p| p.enqueued_at_micros), Some(3));
+        // A short claim ends the walk with the drain.
+        walk.next(&[row(4, false)], false);
+        assert_eq!(walk.after(), None);
+    }
+
+    #[test]
+    fn a_walk_starts_over_after_claims_per_walk_claims() {
+        let mut walk = Walk::default();
+        for n in 1..CLAIMS_PER_WALK {
+            walk.next(&[row(i64::from(n), false)], true);
+            assert!(walk.after().is_some());
+        }
+        walk.next(&[row(99, false)], true);
+        assert_eq!(walk.after(), None, "from the oldest row again");
+        walk.next(&[row(100, false)], true);
+        assert!(walk.after().is_some(), "and on from there");
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc, watch};
 use tracing::Span;
 
-use super::claim::Claimed;
+use super::claim::{Claimed, Walk};
 use super::publish::{BatchOutcome, Sending};
 use super::{BATCHES_IN_HAND_MAX, Drainer, Stage, TickReport};
 use crate::core::marks::Mark;
@@ -27,7 +27,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         if !wait.is_zero() {
             self.clock.sleep(wait).await;
         }
-        let claimed = self.claim(&mut report, true).await?;
+        let claimed = self.claim(&mut report, true, None).await?;
         if claimed.rows.is_empty() {
             return Ok(report);
         }
@@ -120,6 +120,8 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// Claims batch after batch while they come back full, each once a
     /// place in hand is free and the send stage has taken the previous one
     /// (so a claimed batch is handed over at once, one ahead of sending).
+    /// Each full claim's successor walks on from where it stopped
+    /// ([`Walk`]).
     pub(super) async fn claim_stage<'h>(
         &self,
         hands: &'h Semaphore,
@@ -130,6 +132,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     ) -> Stage {
         let mut report = TickReport::default();
         let stopped = || stop.load(Ordering::Relaxed) || *shutdown.borrow();
+        let mut walk = Walk::default();
         loop {
             if stopped() {
                 break;
@@ -143,7 +146,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             if stopped() || !self.pace(shutdown).await || stopped() {
                 break;
             }
-            let claimed = match self.claim(&mut report, expect_rows).await {
+            let claimed = match self.claim(&mut report, expect_rows, walk.after()).await {
                 Ok(claimed) => claimed,
                 Err(e) => {
                     stop.store(true, Ordering::Relaxed);
@@ -151,6 +154,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
                 }
             };
             let full = claimed.rows.len() >= self.config.batch_size as usize;
+            walk.next(&claimed.rows, full);
             if claimed.rows.is_empty() {
                 break;
             }

@@ -830,6 +830,7 @@ fn claim(
         batch_size,
         lease_ttl_ms,
         key_heads,
+        after,
     } = req
     else {
         unreachable!("only a claim comes here");
@@ -845,6 +846,7 @@ fn claim(
         *batch_size,
         *lease_ttl_ms,
         key_heads,
+        *after,
         at.now,
     );
     table.unlock(&alone);

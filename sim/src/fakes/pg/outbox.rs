@@ -339,8 +339,10 @@ impl OutboxTable {
 
     /// `outbox_claim.sql`: up to `batch` unpublished, unparked rows that are
     /// unclaimed or whose lease expired, skipping locked ones, in claim
-    /// order: unkeyed rows, and the `key_heads` that are still their key's
-    /// head; stamps the lease and locks them for the open transaction.
+    /// order: unkeyed rows (only past `after`, microseconds and id, when
+    /// given: `sql::CLAIM_AFTER`), and the `key_heads` that are still
+    /// their key's head; stamps the lease and locks them for the open
+    /// transaction.
     #[allow(clippy::too_many_arguments)]
     pub fn claim(
         &mut self,
@@ -350,13 +352,16 @@ impl OutboxTable {
         batch: u32,
         lease_ttl_ms: u64,
         key_heads: &[Uuid],
+        after: Option<(i64, Uuid)>,
         now: u64,
     ) -> Vec<WireRow> {
         let free =
             |id: &Uuid| !self.locks.contains_key(id) && self.rows[id].lease_free(lease_ttl_ms, now);
+        let past = |(ms, id): &(u64, Uuid)| after.is_none_or(|a| (micros(*ms), *id) > a);
         let mut candidates: Vec<(u64, Uuid)> = self
             .pending
             .iter()
+            .filter(|e| past(e))
             .filter(|(_, id)| free(id))
             .take(batch as usize)
             .copied()
@@ -391,6 +396,7 @@ impl OutboxTable {
                 attempts: row.attempts,
                 age_ms: now.saturating_sub(row.enqueued_ms),
                 ordering: row.ordering.clone(),
+                enqueued_us: micros(row.enqueued_ms),
             });
             self.locks.insert(id, session);
         }
@@ -602,4 +608,9 @@ impl OutboxTable {
             trace.now(Event::Skipped { ids });
         }
     }
+}
+
+/// Simulated milliseconds as the claim order's microseconds.
+fn micros(ms: u64) -> i64 {
+    i64::try_from(ms.saturating_mul(1000)).unwrap_or(i64::MAX)
 }
