@@ -120,7 +120,7 @@ invariants! {
     RateBound = "rate_bound",
     /// After a drain that ended without failure the next claim waits the tick, four ticks once steady for a minute, unless a commit woke the replica or the drain claimed a keyed row (its key's next event is claimable once it is marked).
     PollCadence = "poll_cadence",
-    /// A drain's claim walks on from a place in claim order only right after a full claim of the same drain with no store failure between, and at most `CLAIMS_PER_WALK` claims make one walk: a row claimable behind the place waits a bounded number of claims (issue 28).
+    /// A drain's claim walks on from a place in claim order only if it was called right after a full claim of the same drain and before any store failure of that drain, and at most `CLAIMS_PER_WALK` claims make one walk: a row claimable behind the place waits a bounded number of claims (issue 28).
     ClaimWalk = "claim_walk",
     /// The outbox gauges say what the stats task's sample said (pending, oldest unpublished age, parked, ready), and readiness fails exactly past its thresholds or when the sample is stale (#1230).
     GaugesTruthful = "gauges_truthful",

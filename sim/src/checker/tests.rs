@@ -940,6 +940,41 @@ fn full_claims(n: u32) -> Run {
     run
 }
 
+#[test]
+fn a_failure_while_a_claim_walks_on_is_the_next_claims_business() {
+    // The claim was called right after a full one; a release fails while
+    // it runs (madsim seed 34 of ordering_keys_consumer_swarm), and only
+    // then does it walk on from the place: it was entitled to when called.
+    let run = full_claims(2)
+        .at(300, Event::ClaimCalled { replica: s("a") })
+        .at(
+            301,
+            Event::StoreFailed {
+                replica: s("a"),
+                call: Call::Release,
+            },
+        )
+        .at(302, Event::ClaimResumed { replica: s("a") });
+    let v = run.verdict();
+    assert!(
+        !v.broken().contains(&Invariant::ClaimWalk),
+        "{:#?}",
+        v.violations
+    );
+    // The claim after it may not.
+    let run = run
+        .at(
+            303,
+            Event::ClaimReturned {
+                replica: s("a"),
+                ids: vec![id(40), id(41)],
+            },
+        )
+        .at(310, Event::ClaimCalled { replica: s("a") })
+        .at(311, Event::ClaimResumed { replica: s("a") });
+    assert!(run.verdict().broken().contains(&Invariant::ClaimWalk));
+}
+
 /// The producer run with a second claim at 200 ms returning `n` rows.
 fn claim_of(n: u128) -> Run {
     producer()

@@ -23,10 +23,11 @@
 //!   minute, unless a commit notification reached it meanwhile. Only the
 //!   floor is checked: a late poll costs latency, and `undrained` catches
 //!   one that never comes.
-//! - **claim walk** (issue 28): a claim walks on from a place only right
-//!   after a full claim of its drain with no store failure between, and
-//!   at most `CLAIMS_PER_WALK` claims make one walk, so a row claimable
-//!   behind the place waits a bounded number of claims.
+//! - **claim walk** (issue 28): a claim walks on from a place only if it
+//!   was called right after a full claim of its drain and before any store
+//!   failure of that drain (one failing while it runs is the next claim's
+//!   business), and at most `CLAIMS_PER_WALK` claims make one walk, so a
+//!   row claimable behind the place waits a bounded number of claims.
 //!
 //! A crashed replica is excused from what it did not live to do, and a
 //! replica blocked in a store call when a deadline falls (the database is
@@ -514,13 +515,19 @@ fn poll_cadence(ctx: &Context<'_>, out: &mut Findings) {
 /// One replica's walk of the claim order, as the claim walk rule needs it.
 #[derive(Default)]
 struct WalkState {
-    /// The claim in progress walks on from a place.
-    resumed: bool,
-    /// The replica's last claim came back full, with no store failure
-    /// since.
+    /// The replica's last claim came back full.
     last_full: bool,
+    /// A store call failed since the walk began: the drain is over, and
+    /// its walk with it.
+    failed: bool,
     /// Claims of the current walk so far (the first from the oldest row).
     claims: u32,
+    /// Why the claim in progress may not walk on from a place, judged when
+    /// it was called (a failure while it runs is the next claim's
+    /// business); `None` if it may.
+    barred: Option<&'static str>,
+    /// The claim in progress walks on from a place.
+    resumed: bool,
 }
 
 fn claim_walk(ctx: &Context<'_>, out: &mut Findings) {
@@ -528,37 +535,48 @@ fn claim_walk(ctx: &Context<'_>, out: &mut Findings) {
     let mut replicas: BTreeMap<&str, WalkState> = BTreeMap::new();
     for (at, e) in ctx.events {
         match e {
+            Event::ClaimCalled { replica } => {
+                let w = replicas.entry(replica).or_default();
+                w.barred = if w.failed {
+                    Some("after a failure of its drain")
+                } else if !w.last_full {
+                    Some("right after a claim that was not full")
+                } else if w.claims >= CLAIMS_PER_WALK {
+                    Some("past the walk's last claim")
+                } else {
+                    None
+                };
+            }
             Event::ClaimResumed { replica } => {
                 let w = replicas.entry(replica).or_default();
                 w.resumed = true;
-                let why = if !w.last_full {
-                    "right after a claim that was not full, or a failure"
-                } else if w.claims >= CLAIMS_PER_WALK {
-                    "past the walk's last claim"
-                } else {
-                    continue;
-                };
-                out.add(
-                    Invariant::ClaimWalk,
-                    Some(*at),
-                    format!(
-                        "{replica} walked on from a place {why} ({} claims of {CLAIMS_PER_WALK})",
-                        w.claims
-                    ),
-                );
+                if let Some(why) = w.barred {
+                    out.add(
+                        Invariant::ClaimWalk,
+                        Some(*at),
+                        format!(
+                            "{replica} walked on from a place {why} ({} claims of {CLAIMS_PER_WALK})",
+                            w.claims
+                        ),
+                    );
+                }
             }
             Event::ClaimReturned { replica, ids } => {
                 let w = replicas.entry(replica).or_default();
                 w.claims = if std::mem::take(&mut w.resumed) {
                     w.claims + 1
                 } else {
+                    w.failed = false;
                     1
                 };
                 w.last_full = ids.len() >= batch;
             }
-            Event::StoreFailed { replica, .. } => {
+            Event::StoreFailed { replica, call } => {
                 let w = replicas.entry(replica).or_default();
-                (w.resumed, w.last_full) = (false, false);
+                w.failed = true;
+                if *call == Call::Claim {
+                    w.resumed = false;
+                }
             }
             Event::Host { host, up: false } => {
                 replicas.retain(|replica, _| host_of(replica) != host);
