@@ -129,40 +129,36 @@ pub async fn claim_and_mark(
     store: &outbox::PgOutboxStore,
     replica: &str,
 ) -> Result<(Vec<uuid::Uuid>, u64), outbox::StoreError> {
-    let (ids, marked, _) = claim_and_mark_after(store, replica, None).await?;
-    Ok((ids, marked))
+    let (rows, marked) = claim_and_mark_after(store, replica, None).await?;
+    Ok((rows.into_iter().map(|r| r.id).collect(), marked))
 }
 
 /// As [`claim_and_mark`], the claim walking unkeyed rows only past `after`
-/// (`ClaimParams::after`); also returns the last claimed row's place, where
-/// a drain's next claim would walk on from.
+/// (`ClaimParams::after`); returns the claimed rows (for a
+/// [`Walk`](outbox::core::drainer::Walk) to take in) and how many rows the
+/// mark changed.
 pub async fn claim_and_mark_after(
     store: &outbox::PgOutboxStore,
     replica: &str,
     after: Option<outbox::core::ports::ClaimPosition>,
-) -> Result<
-    (
-        Vec<uuid::Uuid>,
-        u64,
-        Option<outbox::core::ports::ClaimPosition>,
-    ),
-    outbox::StoreError,
-> {
+) -> Result<(Vec<outbox::core::ports::ClaimedRow>, u64), outbox::StoreError> {
     use outbox::core::ports::{ClaimParams, OutboxStore};
     let claimed = store
         .outbox_claim(ClaimParams {
             replica_id: replica,
-            batch_size: 100,
+            batch_size: CLAIM_BATCH,
             lease_ttl: std::time::Duration::from_secs(60),
             key_heads: &[],
             after,
         })
         .await?;
     let ids: Vec<uuid::Uuid> = claimed.iter().map(|r| r.id).collect();
-    let place = claimed.iter().filter_map(|r| r.position).max();
     let marked = store.outbox_mark_published(replica, &ids).await?;
-    Ok((ids, marked, place))
+    Ok((claimed, marked))
 }
+
+/// The batch [`claim_and_mark`] claims.
+pub const CLAIM_BATCH: u32 = 100;
 
 /// Declares a durable topic exchange and a durable queue of `queue_type`
 /// bound to all of it (`#`): the chaos run's observer and the harness's

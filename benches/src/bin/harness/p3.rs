@@ -106,27 +106,22 @@ async fn statements_only(own: &PgPool, meter: &mut Meter) -> BoxResult<()> {
     let store = PgOutboxStore::new(own.clone());
     let started = Instant::now();
     let mut sampled = Instant::now();
-    // Walked as a drain walks (`ClaimParams::after`): each full claim's
-    // successor past its last row, from the oldest row every
-    // `CLAIMS_PER_WALK` claims.
-    let mut walk = (None, 0);
+    // Walked as a drain walks (`ClaimParams::after`): the drainer's own
+    // `Walk`; a short claim ends the walk, and the loop ends on an empty
+    // claim from the oldest row.
+    let mut walk = outbox::core::drainer::Walk::default();
     loop {
-        let (ids, marked, place) =
-            benches::claim_and_mark_after(&store, "harness-p3", walk.0).await?;
-        if ids.is_empty() {
-            if walk.0.is_none() {
+        let after = walk.after();
+        let (rows, marked) = benches::claim_and_mark_after(&store, "harness-p3", after).await?;
+        walk.next(&rows, rows.len() >= benches::CLAIM_BATCH as usize);
+        if rows.is_empty() {
+            if after.is_none() {
                 return Ok(());
             }
-            walk = (None, 0);
             continue;
         }
-        walk = if walk.1 + 1 < outbox::core::ports::CLAIMS_PER_WALK {
-            (place, walk.1 + 1)
-        } else {
-            (None, 0)
-        };
-        if marked != ids.len() as u64 {
-            return Err(format!("marked {marked} of {} rows claimed", ids.len()).into());
+        if marked != rows.len() as u64 {
+            return Err(format!("marked {marked} of {} rows claimed", rows.len()).into());
         }
         if started.elapsed() > DRAIN_LIMIT {
             return Err(format!("not drained within {DRAIN_LIMIT:?}").into());

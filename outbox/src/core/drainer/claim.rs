@@ -41,16 +41,17 @@ pub(super) struct Claimed {
 
 /// Where a drain's claims walk the claim order: from the oldest row, or on
 /// from the last unkeyed row of its previous full claim, at most
-/// [`CLAIMS_PER_WALK`] claims from one walk.
+/// [`CLAIMS_PER_WALK`] claims from one walk. Public so that a harness
+/// walks exactly as a drain does.
 #[derive(Debug, Default)]
-pub(super) struct Walk {
+pub struct Walk {
     after: Option<ClaimPosition>,
     claims: u32,
 }
 
 impl Walk {
     /// Where the next claim starts (`None`: from the oldest row).
-    pub(super) fn after(&self) -> Option<ClaimPosition> {
+    pub fn after(&self) -> Option<ClaimPosition> {
         self.after
     }
 
@@ -59,7 +60,7 @@ impl Walk {
     /// row again once this walk has made [`CLAIMS_PER_WALK`] claims. A
     /// short claim ends the drain (as it always did), and the next drain
     /// starts from the oldest row.
-    pub(super) fn next(&mut self, rows: &[ClaimedRow], full: bool) {
+    pub fn next(&mut self, rows: &[ClaimedRow], full: bool) {
         self.claims += 1;
         if !full || self.claims >= CLAIMS_PER_WALK {
             *self = Self::default();

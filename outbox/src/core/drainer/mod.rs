@@ -28,6 +28,7 @@ mod publish;
 mod run;
 mod settings;
 
+pub use claim::Walk;
 pub use settings::DrainerConfig;
 
 /// After this long without work or errors the drainer polls at the idle tick.

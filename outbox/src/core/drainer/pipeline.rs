@@ -7,7 +7,8 @@ use std::time::Duration;
 use tokio::sync::{Semaphore, SemaphorePermit, mpsc, watch};
 use tracing::Span;
 
-use super::claim::{Claimed, Walk};
+use super::Walk;
+use super::claim::Claimed;
 use super::publish::{BatchOutcome, Sending};
 use super::{BATCHES_IN_HAND_MAX, Drainer, Stage, TickReport};
 use crate::core::marks::Mark;
