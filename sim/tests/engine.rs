@@ -1,7 +1,8 @@
 //! What the world relies on from an engine, on whichever this build runs:
 //! a held link delivers nothing until it is released, then what was held;
 //! two faults holding one link end only when both have; a crashed host's
-//! connections end and a restarted host runs its software again.
+//! connections end and a restarted host runs its software again; a
+//! timeout fires at its deadline however often what it bounds wakes.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -148,5 +149,64 @@ fn a_crashed_host_loses_its_connections_and_restarts_its_software() {
         *starts.lock().unwrap(),
         2,
         "the restart ran the software again"
+    );
+}
+
+/// `engine::timeout` and `engine::sleep` keep time whatever polls them:
+/// a timeout around a future woken every millisecond (on madsim, a sleep
+/// armed once per waker, not once per poll) fires at its deadline, and one
+/// around a future that finishes first returns what it returned.
+#[test]
+fn a_timeout_fires_at_its_deadline_however_often_what_it_bounds_wakes() {
+    let ends: Arc<Mutex<Vec<(bool, Duration)>>> = Arc::default();
+    let got = ends.clone();
+    engine::simulate(settings(), move |mut sim| async move {
+        sim.client("client", move || async move {
+            let bell = Arc::new(tokio::sync::Notify::new());
+            let woken = {
+                let bell = bell.clone();
+                async move {
+                    loop {
+                        bell.notified().await;
+                    }
+                }
+            };
+            let ringer = async {
+                loop {
+                    engine::sleep(Duration::from_millis(1)).await;
+                    bell.notify_one();
+                }
+            };
+            let started = engine::now();
+            let woken_out = tokio::select! {
+                r = engine::timeout(Duration::from_millis(500), woken) => r.is_err(),
+                () = ringer => false,
+            };
+            got.lock()
+                .unwrap()
+                .push((woken_out, engine::now() - started));
+            let started = engine::now();
+            let quick = engine::sleep(Duration::from_millis(300));
+            let quick_out = engine::timeout(Duration::from_millis(500), quick)
+                .await
+                .is_err();
+            got.lock()
+                .unwrap()
+                .push((quick_out, engine::now() - started));
+            Ok(())
+        });
+        while !sim.step().await.expect("the simulation runs") {}
+    });
+    let ends = ends.lock().unwrap();
+    let within =
+        |d: Duration, ms: u64| d >= Duration::from_millis(ms) && d < Duration::from_millis(ms + 20);
+    assert_eq!(ends.len(), 2, "both waits ended: {ends:?}");
+    assert!(
+        ends[0].0 && within(ends[0].1, 500),
+        "woken every ms, timed out at 500 ms: {ends:?}"
+    );
+    assert!(
+        !ends[1].0 && within(ends[1].1, 300),
+        "finished at 300 ms, before its deadline: {ends:?}"
     );
 }

@@ -197,7 +197,7 @@ impl SimBroker {
         let reader = tokio::spawn(async move {
             // A broker silent past the heartbeat timeout is gone.
             while let Ok(Ok(Some(frame))) =
-                tokio::time::timeout(HEARTBEAT_TIMEOUT, read_frame::<_, MqReply>(&mut r)).await
+                crate::engine::timeout(HEARTBEAT_TIMEOUT, read_frame::<_, MqReply>(&mut r)).await
             {
                 let mut w = reader_waiters.lock().expect("waiters");
                 w.dispatch(frame, &client, &trace);
@@ -219,7 +219,7 @@ impl SimBroker {
         let weak = Arc::downgrade(&conn);
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(HEARTBEAT_EVERY).await;
+                crate::engine::sleep(HEARTBEAT_EVERY).await;
                 let Some(conn) = weak.upgrade() else { return };
                 if conn.waiters.lock().expect("waiters").dead {
                     return;

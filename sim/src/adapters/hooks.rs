@@ -115,7 +115,7 @@ impl Hooks {
                 kind: FaultKind::Pause,
                 detail: format!("{who} paused {} ms at {point:?}", d.as_millis()),
             });
-            tokio::time::sleep(d).await;
+            crate::engine::sleep(d).await;
         }
     }
 }

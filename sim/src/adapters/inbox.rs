@@ -123,7 +123,7 @@ impl Conn {
                 .map_err(|e| CallError::Broken(format!("connection lost: {e}")))?;
             self.read().await
         };
-        let result = tokio::time::timeout(STORE_REQUEST_TIMEOUT, io)
+        let result = crate::engine::timeout(STORE_REQUEST_TIMEOUT, io)
             .await
             .unwrap_or(Err(CallError::TimedOut));
         if result.is_ok() || matches!(result, Err(CallError::Broken(_))) {
@@ -187,7 +187,7 @@ impl Pool {
                 while let Some(mut r) = rx.recv().await {
                     let pool = pool.clone();
                     tokio::spawn(async move {
-                        let back = tokio::time::timeout(RETURN_GIVE_UP, r.conn.settle(r.open))
+                        let back = crate::engine::timeout(RETURN_GIVE_UP, r.conn.settle(r.open))
                             .await
                             .unwrap_or(false);
                         if back && let Some(pool) = pool.upgrade() {
@@ -349,7 +349,7 @@ impl SimInboxStore {
     async fn checkout(&self) -> Result<SimTx, StoreError> {
         self.pool.returner();
         let permit =
-            tokio::time::timeout(ACQUIRE_TIMEOUT, self.pool.places.clone().acquire_owned())
+            crate::engine::timeout(ACQUIRE_TIMEOUT, self.pool.places.clone().acquire_owned())
                 .await
                 .map_err(|_| {
                     StoreError::Unavailable(

@@ -28,6 +28,6 @@ pub async fn listen_for_commits(replica: String, wakeup: Arc<tokio::sync::Notify
                 wakeup.notify_one();
             }
         }
-        tokio::time::sleep(outbox::runtime::LISTEN_RETRY).await;
+        crate::engine::sleep(outbox::runtime::LISTEN_RETRY).await;
     }
 }

@@ -23,7 +23,7 @@ pub(crate) async fn connect(
     host: &str,
     port: u16,
 ) -> Result<crate::engine::net::TcpStream, String> {
-    match tokio::time::timeout(CONNECT_TIMEOUT, crate::engine::net::connect(host, port)).await {
+    match crate::engine::timeout(CONNECT_TIMEOUT, crate::engine::net::connect(host, port)).await {
         Ok(Ok(s)) => Ok(s),
         Ok(Err(e)) => Err(format!("connect to {host}: {e}")),
         Err(_) => Err(format!("connect to {host}: timed out")),
@@ -190,7 +190,7 @@ pub(crate) async fn exchange(
         write_frame(s, req).await?;
         read_frame::<_, PgReply>(s).await
     };
-    match tokio::time::timeout(STORE_REQUEST_TIMEOUT, io).await {
+    match crate::engine::timeout(STORE_REQUEST_TIMEOUT, io).await {
         Ok(Ok(Some(reply))) => Ok(reply),
         Ok(Ok(None)) => Err("connection closed by the server".into()),
         Ok(Err(e)) => Err(format!("connection lost: {e}")),

@@ -61,8 +61,69 @@ impl outbox::core::ports::Clock for Clock {
     }
 
     async fn sleep(&self, d: Duration) {
-        madsim::time::sleep(d).await;
+        sleep(d).await;
     }
+}
+
+/// Waits `d`: madsim's sleep, added to the runtime's timer heap once per
+/// waker, where madsim's own adds an entry at every poll that finds it
+/// pending and its heap cannot take one back. A deadline polled at each
+/// wake of what it bounds (a request's timeout at each frame, the
+/// drainer's confirm deadline at each confirm) left an entry per poll,
+/// each later popped and fired as a spurious wake: popping them was a
+/// tenth of a madsim sweep's CPU (ARCHITECTURE.md, "Sweep speed").
+pub fn sleep(d: Duration) -> Sleep {
+    Sleep {
+        inner: madsim::time::sleep(d),
+        armed: None,
+    }
+}
+
+/// The future [`sleep`] returns.
+#[derive(Debug)]
+#[must_use = "a sleep does nothing unless awaited"]
+pub struct Sleep {
+    inner: madsim::time::Sleep,
+    /// The waker the heap's entry wakes, once one is added.
+    armed: Option<std::task::Waker>,
+}
+
+impl Future for Sleep {
+    type Output = ();
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.inner.is_elapsed() {
+            return std::task::Poll::Ready(());
+        }
+        if self.armed.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            return std::task::Poll::Pending;
+        }
+        let this = &mut *self;
+        let polled = std::pin::Pin::new(&mut this.inner).poll(cx);
+        if polled.is_pending() {
+            this.armed = Some(cx.waker().clone());
+        }
+        polled
+    }
+}
+
+/// Runs `fut` until `d` has passed (the future polled first, as tokio's
+/// `timeout` does), on [`sleep`].
+pub async fn timeout<F: Future>(d: Duration, fut: F) -> Result<F::Output, super::Elapsed> {
+    let mut fut = std::pin::pin!(fut);
+    let mut deadline = sleep(d);
+    std::future::poll_fn(|cx| {
+        if let std::task::Poll::Ready(v) = fut.as_mut().poll(cx) {
+            return std::task::Poll::Ready(Ok(v));
+        }
+        std::pin::Pin::new(&mut deadline)
+            .poll(cx)
+            .map(|()| Err(super::Elapsed))
+    })
+    .await
 }
 
 /// Where `DrainerHandle` spawns its tasks: madsim's, on the current node.

@@ -15,7 +15,8 @@
 //!   can check its own determinism (`Runtime::check_determinism`).
 //!
 //! What differs is bound here, thinly: the network's stream and listener
-//! types ([`net`]), the clock ([`now`]), the task and clock adapters the
+//! types ([`net`]), the clock ([`now`], [`sleep`], [`timeout`]), the task
+//! and clock adapters the
 //! production code is handed ([`Spawner`], [`Clock`]), and the world's
 //! control of hosts and links ([`Sim`]). Everything else (the fakes' state
 //! machines and their transport, the adapters, the checker) is the same
@@ -35,7 +36,11 @@ use self::madsim as imp;
 #[cfg(not(madsim))]
 use self::turmoil as imp;
 
-pub use imp::{Clock, NAME, Sim, Spawner};
+pub use imp::{Clock, NAME, Sim, Spawner, sleep, timeout};
+
+/// What [`timeout`] returns when its deadline passed first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Elapsed;
 
 /// What a host's software returns; an `Err` stops the run (a
 /// `SimulationError` in the trace).

@@ -30,6 +30,16 @@ pub mod net {
     }
 }
 
+/// Waits `d`: tokio's sleep, on turmoil's clock.
+pub use tokio::time::sleep;
+
+/// Runs `fut` until `d` has passed: tokio's `timeout`.
+pub async fn timeout<F: Future>(d: Duration, fut: F) -> Result<F::Output, super::Elapsed> {
+    tokio::time::timeout(d, fut)
+        .await
+        .map_err(|_| super::Elapsed)
+}
+
 thread_local! {
     /// Simulated time as the world last saw it, for code running outside a
     /// host (the world itself, drops during a crash).

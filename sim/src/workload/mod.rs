@@ -168,7 +168,7 @@ async fn commit(pg: &PgClient, rows: Vec<NewRow>, rollback: bool) {
             // In doubt or refused: try the same envelopes again; a
             // duplicate id (the commit did apply) ends the retries.
             Err(outbox::StoreError::Statement(e)) if e.contains("duplicate key") => break,
-            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            Err(_) => crate::engine::sleep(Duration::from_millis(200)).await,
         }
     }
 }

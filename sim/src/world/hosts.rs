@@ -128,7 +128,7 @@ pub fn spawn_drainer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: u
             // Runs until the host crashes or the simulation ends, asking
             // readiness every second as a `/readyz` probe would.
             loop {
-                tokio::time::sleep(READINESS_EVERY).await;
+                crate::engine::sleep(READINESS_EVERY).await;
                 let r = handle.readiness();
                 readiness_trace.now(Event::Readiness {
                     replica: replica_name.clone(),
@@ -242,7 +242,7 @@ async fn operate(
 ) {
     let mut after: Option<InboxCursor> = None;
     for round in 0u64.. {
-        tokio::time::sleep(REPLAY_EVERY).await;
+        crate::engine::sleep(REPLAY_EVERY).await;
         if !healed.load(Ordering::SeqCst) {
             continue;
         }
