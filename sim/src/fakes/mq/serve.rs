@@ -35,7 +35,7 @@ pub async fn serve_node(state: MqState, node: usize) -> HostResult {
         let ticker = state.clone();
         tokio::spawn(async move {
             loop {
-                crate::engine::sleep(ELECTION_TICK).await;
+                engine::sleep(ELECTION_TICK).await;
                 ticker.tick(engine::now());
             }
         });
@@ -64,7 +64,7 @@ async fn connection(state: MqState, stream: engine::net::TcpStream, node: usize)
             biased;
             () = close_all.changed() => break,
             () = node_down.changed() => break,
-            next = crate::engine::timeout(HEARTBEAT_TIMEOUT, read_frame::<_, MqRequest>(&mut r)) => match next {
+            next = engine::timeout(HEARTBEAT_TIMEOUT, read_frame::<_, MqRequest>(&mut r)) => match next {
                 Ok(next) => next,
                 Err(_) => {
                     conn.heartbeat_timed_out(HEARTBEAT_TIMEOUT);
@@ -93,7 +93,7 @@ where
         while let Some((not_before, frame)) = frames.recv().await {
             let now = engine::now();
             if not_before > now {
-                crate::engine::sleep(not_before - now).await;
+                engine::sleep(not_before - now).await;
             }
             if write_frame(&mut w, &frame).await.is_err() {
                 return;
@@ -107,7 +107,7 @@ where
 fn spawn_heartbeat(out: Frames) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         loop {
-            crate::engine::sleep(HEARTBEAT_EVERY).await;
+            engine::sleep(HEARTBEAT_EVERY).await;
             if out.send((Duration::ZERO, MqReply::Heartbeat)).is_err() {
                 return;
             }

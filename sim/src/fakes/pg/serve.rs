@@ -62,7 +62,7 @@ async fn connection(state: PgState, mut session: Session, stream: engine::net::T
         };
         let delay = state.reply_delay();
         if !delay.is_zero() {
-            crate::engine::sleep(delay).await;
+            engine::sleep(delay).await;
         }
         let listening = matches!((&req, &reply), (PgRequest::Listen, PgReply::Ok));
         if write_frame(&mut w, &reply).await.is_err() {
@@ -86,7 +86,7 @@ enum Next {
 async fn next_request<R: AsyncRead + Unpin>(r: &mut R, idle: Option<Duration>) -> Next {
     let read = read_frame::<_, PgRequest>(r);
     let next = match idle {
-        Some(limit) => match crate::engine::timeout(limit, read).await {
+        Some(limit) => match engine::timeout(limit, read).await {
             Ok(next) => next,
             Err(_) => return Next::IdleTimeout,
         },
@@ -183,7 +183,7 @@ fn control_terminate_again(control: &Control) {
 async fn until(ends: Option<(Duration, WaitEnd)>) -> WaitEnd {
     match ends {
         Some((at, how)) => {
-            crate::engine::sleep(at.saturating_sub(engine::now())).await;
+            engine::sleep(at.saturating_sub(engine::now())).await;
             how
         }
         None => std::future::pending().await,
