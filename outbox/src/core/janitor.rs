@@ -3,7 +3,8 @@
 //! batches once per interval. On the partitioned layout (issue 28) each
 //! sweep first creates the partitions ahead and drops whole the partitions
 //! whose every row expired ([`OutboxStore::outbox_retire_partitions`]);
-//! the row deletes then take only what no drop will. Neither touches an
+//! the row deletes then take only what no drop will, and a second pass
+//! drops what closed while they ran. Neither touches an
 //! unpublished or unprocessed row (parked, dead-lettered or not): lease
 //! recovery is the claim's job, and replay needs every unprocessed inbox
 //! row.
@@ -49,12 +50,30 @@ async fn sweep_outbox<S: OutboxStore>(
     marks: &Marks,
     shutdown: watch::Receiver<bool>,
 ) -> Result<u64, StoreError> {
-    let retired = store.outbox_retire_partitions(config.retention).await?;
-    note_partitions(Table::Outbox, &retired, marks);
-    sweep_batches(config.janitor_batch, marks, &shutdown, || {
+    let retire = || async {
+        let retired = store.outbox_retire_partitions(config.retention).await?;
+        note_partitions(Table::Outbox, &retired, marks);
+        Ok(retired.partitioned)
+    };
+    let partitioned = retire().await?;
+    let deleted = sweep_batches(config.janitor_batch, marks, &shutdown, || {
         store.outbox_delete_published(config.retention, config.janitor_batch)
     })
-    .await
+    .await?;
+    if again_after_rows(partitioned, &shutdown) {
+        retire().await?;
+    }
+    Ok(deleted)
+}
+
+/// Whether a sweep passes over the partitions again after its row
+/// statements: on the partitioned layout, unless it is shutting down. The
+/// row statements leave a closed partition that no unfinished row holds
+/// to the drop, and one that closed after the first pass (a sweep can
+/// outlast a partition's width, or start just before a boundary) would
+/// otherwise keep its expired rows until the next sweep.
+fn again_after_rows(partitioned: bool, shutdown: &watch::Receiver<bool>) -> bool {
+    partitioned && !*shutdown.borrow()
 }
 
 /// Logs and marks what a pass over the partitions did.
@@ -134,12 +153,20 @@ async fn sweep_inbox_marked<S: InboxStore>(
     marks: &Marks,
     shutdown: watch::Receiver<bool>,
 ) -> Result<u64, StoreError> {
-    let retired = store.inbox_retire_partitions(settings.retention).await?;
-    note_partitions(Table::Inbox, &retired, marks);
-    sweep_batches(settings.batch, marks, &shutdown, || {
+    let retire = || async {
+        let retired = store.inbox_retire_partitions(settings.retention).await?;
+        note_partitions(Table::Inbox, &retired, marks);
+        Ok(retired.partitioned)
+    };
+    let partitioned = retire().await?;
+    let deleted = sweep_batches(settings.batch, marks, &shutdown, || {
         store.inbox_delete_processed(settings.retention, settings.batch)
     })
-    .await
+    .await?;
+    if again_after_rows(partitioned, &shutdown) {
+        retire().await?;
+    }
+    Ok(deleted)
 }
 
 /// Sweeps the inbox every `interval` (the first sweep right away) until

@@ -2,6 +2,8 @@
 //! test) and `SimStore` on the fake PostgreSQL, the same bodies.
 
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use outbox::core::janitor;
@@ -30,6 +32,8 @@ struct RowView {
 trait StoreArm {
     type S: OutboxStore;
     fn store(&self) -> &Self::S;
+    /// The same store, to hand to what must own one.
+    fn shared(&self) -> Arc<Self::S>;
     /// Commits one envelope per transaction, in order; returns their ids.
     async fn insert(&self, n: usize, key: &str) -> Vec<Uuid> {
         let mut ids = Vec::new();
@@ -60,7 +64,7 @@ trait StoreArm {
 }
 
 struct RealStore {
-    store: PgOutboxStore,
+    store: Arc<PgOutboxStore>,
     pool: PgPool,
 }
 
@@ -81,6 +85,9 @@ impl StoreArm for RealStore {
     }
     fn store(&self) -> &PgOutboxStore {
         &self.store
+    }
+    fn shared(&self) -> Arc<PgOutboxStore> {
+        self.store.clone()
     }
     async fn insert_envelope(&self, e: &EventEnvelope) {
         Publisher::new(self.pool.clone()).publish(e).await.unwrap();
@@ -118,7 +125,7 @@ impl StoreArm for RealStore {
 }
 
 struct FakeStore {
-    store: SimStore,
+    store: Arc<SimStore>,
     client: PgClient,
     state: PgState,
 }
@@ -150,6 +157,9 @@ impl StoreArm for FakeStore {
     }
     fn store(&self) -> &SimStore {
         &self.store
+    }
+    fn shared(&self) -> Arc<SimStore> {
+        self.store.clone()
     }
     async fn insert_envelope(&self, e: &EventEnvelope) {
         let body = e.encode(&Default::default()).unwrap();
@@ -213,7 +223,7 @@ where
         move || pg::serve(server.clone()),
         move || async move {
             let arm = FakeStore {
-                store: SimStore::new("conformance", trace.clone(), Hooks::new(1)),
+                store: Arc::new(SimStore::new("conformance", trace.clone(), Hooks::new(1))),
                 client: PgClient::new("writer", trace),
                 state,
             };
@@ -635,6 +645,131 @@ async fn one_sweep_deletes_every_expired_row_however_many_statements<A: StoreArm
     }
 }
 
+/// A partition that closes while a sweep deletes rows goes in that sweep.
+/// The row statements leave a closed partition that no unpublished row
+/// holds to the drop; a pass over the partitions made only before them
+/// found it still open, so it stayed until the next sweep (CI, stop 48: a
+/// sweep slower than a partition's width left expired rows behind). Here
+/// the row sweep starts after every partition the rows can be in closed.
+async fn a_partition_that_closes_during_a_sweep_goes_in_that_sweep<A: StoreArm>(arm: A) {
+    // Ids a second ahead: their partition is open when the sweep's first
+    // pass runs, and closed (at most 3 s on: the cut lies 1–2 s after
+    // the layout was made) once the pause is over.
+    let t = arm.id_now_ms() + 1_000;
+    let events: Vec<EventEnvelope> = (0..3u8)
+        .map(|n| {
+            let mut e = EventEnvelope::new("k", serde_json::json!({ "n": n }));
+            e.id = uuid::Builder::from_unix_timestamp_millis(t, &[n; 10]).into_uuid();
+            e
+        })
+        .collect();
+    for e in &events {
+        arm.insert_envelope(e).await;
+    }
+    let ids: Vec<Uuid> = events.iter().map(|e| e.id).collect();
+    assert_eq!(
+        arm.store()
+            .outbox_claim(params("a", 10, 60_000))
+            .await
+            .unwrap()
+            .len(),
+        3
+    );
+    arm.store().outbox_mark_published("a", &ids).await.unwrap();
+    for id in &ids {
+        arm.backdate_published(*id, 100).await;
+    }
+    let slow = PausedRowSweep {
+        inner: arm.shared(),
+        pause: Duration::from_millis(3_500),
+        paused: AtomicBool::new(false),
+    };
+    let cfg = DrainerConfig::builder()
+        .retention(Duration::from_secs(50))
+        .janitor_batch(1)
+        .build()
+        .unwrap();
+    janitor::sweep(&slow, &cfg).await.unwrap();
+    for id in &ids {
+        assert!(arm.row(*id).await.is_none(), "{id} expired and stayed");
+    }
+}
+
+/// A store whose first row-sweep statement waits `pause` before it runs
+/// (a sweep long enough for partitions to close during it).
+struct PausedRowSweep<S> {
+    inner: Arc<S>,
+    pause: Duration,
+    paused: AtomicBool,
+}
+
+impl<S: OutboxStore> OutboxStore for PausedRowSweep<S> {
+    async fn outbox_key_window(
+        &self,
+        after: &str,
+        limit: u32,
+        ttl: Duration,
+    ) -> Result<outbox::core::ports::KeyWindow, outbox::StoreError> {
+        self.inner.outbox_key_window(after, limit, ttl).await
+    }
+    async fn outbox_claim(
+        &self,
+        p: ClaimParams<'_>,
+    ) -> Result<Vec<outbox::core::ports::ClaimedRow>, outbox::StoreError> {
+        self.inner.outbox_claim(p).await
+    }
+    async fn outbox_mark_published(
+        &self,
+        r: &str,
+        ids: &[Uuid],
+    ) -> Result<u64, outbox::StoreError> {
+        self.inner.outbox_mark_published(r, ids).await
+    }
+    async fn outbox_mark_failed(
+        &self,
+        r: &str,
+        f: &[RowFailure],
+        m: u32,
+    ) -> Result<outbox::core::ports::FailOutcome, outbox::StoreError> {
+        self.inner.outbox_mark_failed(r, f, m).await
+    }
+    async fn outbox_release(&self, r: &str, ids: &[Uuid]) -> Result<u64, outbox::StoreError> {
+        self.inner.outbox_release(r, ids).await
+    }
+    async fn outbox_stats(&self) -> Result<outbox::OutboxStats, outbox::StoreError> {
+        self.inner.outbox_stats().await
+    }
+    async fn outbox_delete_published(
+        &self,
+        o: Duration,
+        l: u32,
+    ) -> Result<u64, outbox::StoreError> {
+        if !self.paused.swap(true, Ordering::SeqCst) {
+            tokio::time::sleep(self.pause).await;
+        }
+        self.inner.outbox_delete_published(o, l).await
+    }
+    async fn outbox_retire_partitions(
+        &self,
+        o: Duration,
+    ) -> Result<outbox::PartitionsRetired, outbox::StoreError> {
+        self.inner.outbox_retire_partitions(o).await
+    }
+    async fn outbox_list_parked(
+        &self,
+        l: u32,
+        a: Option<ParkedCursor>,
+    ) -> Result<Vec<outbox::ParkedRow>, outbox::StoreError> {
+        self.inner.outbox_list_parked(l, a).await
+    }
+    async fn outbox_unpark(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
+        self.inner.outbox_unpark(s).await
+    }
+    async fn outbox_skip(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
+        self.inner.outbox_skip(s).await
+    }
+}
+
 /// The partitioned layout's retention (issue 28): a closed partition whose
 /// rows are all published and past retention goes whole; one holding an
 /// unpublished row stays, and the row sweep takes its expired rows one by
@@ -900,7 +1035,7 @@ where
     Fut: Future<Output = ()>,
 {
     body(RealStore {
-        store: PgOutboxStore::new(pool.clone()),
+        store: Arc::new(PgOutboxStore::new(pool.clone())),
         pool,
     })
     .await;
@@ -931,6 +1066,7 @@ conformance!(postgres: with_real, fake: with_fake_store,
     parked_rows_list_a_page_at_a_time,
     the_retention_sweep_deletes_only_old_published_rows,
     one_sweep_deletes_every_expired_row_however_many_statements,
+    a_partition_that_closes_during_a_sweep_goes_in_that_sweep,
     two_concurrent_claimers_never_share_a_row,
     a_claim_takes_only_each_keys_head,
     a_parked_head_holds_its_key_until_skipped,
