@@ -28,7 +28,10 @@ pub const SWEEP_PROGRESS_EVERY: u32 = 1000;
 
 /// One sweep: deletes expired published rows, `janitor_batch` at a time,
 /// until a batch comes back short: every row past retention when it
-/// started is gone. Returns the number of rows deleted.
+/// started is gone (on the partitioned layout, but for the rows of a
+/// closed partition whose newest row is still within retention: they go
+/// whole with it). Returns the number of rows deleted one by one (not
+/// those of the partitions dropped).
 ///
 /// There is no bound on the statements of one sweep: rows expire as fast
 /// as they were published a retention period ago, and a janitor that
