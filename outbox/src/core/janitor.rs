@@ -53,30 +53,46 @@ async fn sweep_outbox<S: OutboxStore>(
     marks: &Marks,
     shutdown: watch::Receiver<bool>,
 ) -> Result<u64, StoreError> {
-    let retire = || async {
-        let retired = store.outbox_retire_partitions(config.retention).await?;
-        note_partitions(Table::Outbox, &retired, marks);
-        Ok(retired.partitioned)
-    };
-    let partitioned = retire().await?;
-    let deleted = sweep_batches(config.janitor_batch, marks, &shutdown, || {
-        store.outbox_delete_published(config.retention, config.janitor_batch)
-    })
-    .await?;
-    if again_after_rows(partitioned, &shutdown) {
-        retire().await?;
-    }
-    Ok(deleted)
+    sweep_table(
+        Table::Outbox,
+        config.janitor_batch,
+        marks,
+        &shutdown,
+        || store.outbox_retire_partitions(config.retention),
+        || store.outbox_delete_published(config.retention, config.janitor_batch),
+    )
+    .await
 }
 
-/// Whether a sweep passes over the partitions again after its row
-/// statements: on the partitioned layout, unless it is shutting down. The
-/// row statements leave a closed partition that no unfinished row holds
-/// to the drop, and one that closed after the first pass (a sweep can
-/// outlast a partition's width, or start just before a boundary) would
-/// otherwise keep its expired rows until the next sweep.
-fn again_after_rows(partitioned: bool, shutdown: &watch::Receiver<bool>) -> bool {
-    partitioned && !*shutdown.borrow()
+/// One sweep of `table`: a pass over its partitions (`retire`), its row
+/// statements (`delete`, see [`sweep_batches`]), then, on the partitioned
+/// layout and unless it is shutting down, a second pass. The row
+/// statements leave a closed partition that no unfinished row holds to
+/// the drop, and one that closed after the first pass (a sweep can outlast
+/// a partition's width, or start just before a boundary) would otherwise
+/// keep its expired rows until the next sweep. Returns the rows deleted
+/// one by one.
+async fn sweep_table<R, RF, D, DF>(
+    table: Table,
+    batch: u32,
+    marks: &Marks,
+    shutdown: &watch::Receiver<bool>,
+    retire: R,
+    delete: D,
+) -> Result<u64, StoreError>
+where
+    R: Fn() -> RF,
+    RF: Future<Output = Result<PartitionsRetired, StoreError>>,
+    D: FnMut() -> DF,
+    DF: Future<Output = Result<u64, StoreError>>,
+{
+    let first = retire().await?;
+    note_partitions(table, &first, marks);
+    let deleted = sweep_batches(batch, marks, shutdown, delete).await?;
+    if first.partitioned && !*shutdown.borrow() {
+        note_partitions(table, &retire().await?, marks);
+    }
+    Ok(deleted)
 }
 
 /// Logs and marks what a pass over the partitions did.
@@ -156,20 +172,15 @@ async fn sweep_inbox_marked<S: InboxStore>(
     marks: &Marks,
     shutdown: watch::Receiver<bool>,
 ) -> Result<u64, StoreError> {
-    let retire = || async {
-        let retired = store.inbox_retire_partitions(settings.retention).await?;
-        note_partitions(Table::Inbox, &retired, marks);
-        Ok(retired.partitioned)
-    };
-    let partitioned = retire().await?;
-    let deleted = sweep_batches(settings.batch, marks, &shutdown, || {
-        store.inbox_delete_processed(settings.retention, settings.batch)
-    })
-    .await?;
-    if again_after_rows(partitioned, &shutdown) {
-        retire().await?;
-    }
-    Ok(deleted)
+    sweep_table(
+        Table::Inbox,
+        settings.batch,
+        marks,
+        &shutdown,
+        || store.inbox_retire_partitions(settings.retention),
+        || store.inbox_delete_processed(settings.retention, settings.batch),
+    )
+    .await
 }
 
 /// Sweeps the inbox every `interval` (the first sweep right away) until
