@@ -213,11 +213,15 @@ impl Browser {
         v.as_str().unwrap_or_default().to_owned()
     }
 
-    /// A PNG of the window, written to `path`.
+    /// A PNG of the window, written to `path` (its directory made if
+    /// missing: a build with its target directory elsewhere has none).
     pub async fn screenshot(&self, path: &std::path::Path) {
         use base64_png::decode;
         let v = self.cmd("GET", "/screenshot", None).await;
         let png = decode(v.as_str().unwrap_or_default());
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).unwrap();
+        }
         std::fs::write(path, png).unwrap();
     }
 
