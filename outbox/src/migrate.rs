@@ -120,13 +120,13 @@ pub fn partitioned_migrator() -> sqlx::migrate::Migrator {
 }
 
 /// Moves a database to the partitioned layout (issue 28): runs the plain
-/// layout's migrations ([`run`]), then the partitioned layout's, on a
-/// connection whose `lock_timeout` is [`MIGRATION_LOCK_TIMEOUT`].
-/// `width` is one partition's span (`None`: a day); it applies when the
-/// layout is first created (`event_partitioning.width_secs` holds it and
-/// may be updated later: partitions created from then on take the new
-/// width). Rows already in the tables stay where they are, in the first
-/// partition, and are dropped with it once every one is past retention.
+/// layout's migrations ([`run`]), then the partitioned layout's, the way
+/// [`run`] runs them. `width` is one partition's span (`None`: a day); it
+/// applies when the layout is first created (`event_partitioning.width_secs`
+/// holds it and may be updated later: partitions created from then on take
+/// the new width). Rows already in the tables stay where they are, in the
+/// first partition, and are dropped with it once every one is past
+/// retention.
 ///
 /// ```no_run
 /// # async fn f(pool: sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
@@ -138,25 +138,13 @@ pub async fn partition(
     width: Option<std::time::Duration>,
 ) -> Result<(), sqlx::migrate::MigrateError> {
     run(pool).await?;
-    let mut conn = pool.acquire().await?;
-    let mut set = format!(
-        "SET lock_timeout = '{}ms';",
-        MIGRATION_LOCK_TIMEOUT.as_millis()
-    );
-    if let Some(width) = width {
-        set += &format!(
-            " SET canopy.partition_width_secs = '{}';",
+    let setting = width.map(|width| {
+        format!(
+            "SET canopy.partition_width_secs = '{}'",
             width.as_secs().max(1)
-        );
-    }
-    sqlx::raw_sql(sqlx::AssertSqlSafe(set))
-        .execute(&mut *conn)
-        .await?;
-    let ran = partitioned_migrator().run(&mut *conn).await;
-    sqlx::raw_sql("RESET lock_timeout; RESET canopy.partition_width_secs")
-        .execute(&mut *conn)
-        .await?;
-    ran
+        )
+    });
+    run_with(pool, &partitioned_migrator(), setting.as_deref()).await
 }
 
 /// SHA-384 of a file's bytes in hex (the digest sqlx records per migration).
@@ -338,17 +326,35 @@ pub fn stamp_files(
     Ok(written)
 }
 
-/// How long a migration waits for a lock before it fails, in [`run`]. A
-/// migration that alters `event_outbox` takes an exclusive lock; queued
-/// behind a long transaction it would hold every query on the table back
-/// behind it (PostgreSQL's lock queue), so it gives up instead, to be run
-/// again when the table is quieter.
+/// How long a migration that runs in a transaction waits for a lock before
+/// it fails, in [`run`]. Such a migration takes an exclusive lock on its
+/// table; queued behind a long transaction it would hold every query on the
+/// table back behind it (PostgreSQL's lock queue), so it gives up instead,
+/// to be run again when the table is quieter. A concurrent index build or
+/// drop is not bounded by it (see [`run`]).
 pub const MIGRATION_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Runs [`migrator`] on one connection of `pool` whose `lock_timeout` is
-/// [`MIGRATION_LOCK_TIMEOUT`]: a migration that cannot have its lock soon
-/// fails (and is rolled back, to be run again) rather than stalling the
-/// service's own queries on the table behind it.
+/// How often a migration that waits says whom it waits for.
+pub const WAIT_REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Runs [`migrator`] on one connection of `pool`.
+///
+/// - A migration that runs in a transaction does so with `lock_timeout`
+///   [`MIGRATION_LOCK_TIMEOUT`]: one that cannot have its lock soon fails
+///   (and is rolled back, to be run again) rather than stalling the
+///   service's own queries on the table behind it.
+/// - A concurrent index build or drop (`CREATE`/`DROP INDEX CONCURRENTLY`,
+///   each alone in its file) waits for every older transaction of the
+///   database, as long as it must: it blocks no query while it waits. Every
+///   [`WAIT_REPORT_EVERY`] a WARN line names the sessions it waits for (process id,
+///   application name, state, how long their transaction has been open).
+/// - An index that an earlier build left behind with its migration
+///   unrecorded (the build failed or its process died: PostgreSQL keeps it,
+///   INVALID) is dropped and built again, so a failed boot never makes the
+///   next one fail.
+/// - Replicas booting together take turns (sqlx's migration lock); a
+///   replica waits for the one migrating as long as it must, with the same
+///   WARN line.
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
@@ -356,18 +362,312 @@ pub const MIGRATION_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::fro
 /// # Ok(()) }
 /// ```
 pub async fn run(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    run_with(pool, &migrator(), None).await
+}
+
+/// Runs `migrator` as [`run`] describes, after `setting` (a `SET` statement
+/// the migrations read) on the same connection.
+async fn run_with(
+    pool: &sqlx::PgPool,
+    migrator: &sqlx::migrate::Migrator,
+    setting: Option<&str>,
+) -> Result<(), sqlx::migrate::MigrateError> {
     let mut conn = pool.acquire().await?;
-    let set = format!(
-        "SET lock_timeout = '{}ms'",
-        MIGRATION_LOCK_TIMEOUT.as_millis()
+    let ran = async {
+        if let Some(setting) = setting {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(setting.to_owned()))
+                .execute(&mut *conn)
+                .await?;
+        }
+        run_on(pool, &mut conn, migrator).await
+    }
+    .await;
+    match ran {
+        // The connection goes back to the pool as it came.
+        Ok(()) => {
+            sqlx::raw_sql("RESET lock_timeout; RESET canopy.partition_width_secs")
+                .execute(&mut *conn)
+                .await?;
+            Ok(())
+        }
+        // A failed run may leave the migration lock held (sqlx does not
+        // release it on error) or a setting changed: the session ends.
+        Err(e) => {
+            let _ = conn.close().await;
+            Err(e)
+        }
+    }
+}
+
+/// The steps of [`run`] on its connection.
+async fn run_on(
+    pool: &sqlx::PgPool,
+    conn: &mut sqlx::pool::PoolConnection<sqlx::Postgres>,
+    migrator: &sqlx::migrate::Migrator,
+) -> Result<(), sqlx::migrate::MigrateError> {
+    use sqlx::migrate::Migrate;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut **conn)
+        .await?;
+    take_migration_lock(pool, conn).await?;
+    set_lock_timeout(conn, Some(MIGRATION_LOCK_TIMEOUT)).await?;
+    conn.ensure_migrations_table(&migrator.table_name).await?;
+    let applied: std::collections::BTreeSet<i64> = conn
+        .list_applied_migrations(&migrator.table_name)
+        .await?
+        .into_iter()
+        .map(|m| m.version)
+        .collect();
+    for m in migrator.iter() {
+        let Some(build) = Concurrent::of(m) else {
+            continue;
+        };
+        if applied.contains(&m.version) {
+            continue;
+        }
+        // Everything before it, as usual.
+        migrator
+            .run_direct(Some(m.version - 1), &mut **conn, false)
+            .await?;
+        set_lock_timeout(conn, None).await?;
+        if let Concurrent::Create(index) = build {
+            drop_leftover_index(pool, pid, conn, index).await?;
+        }
+        let what = format!("migration {}", m.version);
+        // (`run_direct`: sqlx's own way round `run_to`'s future not being
+        // `Send` for every lifetime.)
+        let step = migrator.run_direct(Some(m.version), &mut **conn, false);
+        waiting(pool, pid, &what, step).await?;
+        set_lock_timeout(conn, Some(MIGRATION_LOCK_TIMEOUT)).await?;
+    }
+    migrator.run_direct(None, &mut **conn, false).await?;
+    conn.unlock().await
+}
+
+/// Takes the migration lock, the advisory lock sqlx's runner takes (a
+/// session's advisory locks nest, so the runner then takes it again at
+/// once), polling for it rather than waiting in a statement: a session
+/// waiting in a statement holds a snapshot, and a concurrent index build of
+/// the replica holding the lock would wait for that snapshot while the
+/// session waits for the lock (a deadlock).
+async fn take_migration_lock(
+    pool: &sqlx::PgPool,
+    conn: &mut sqlx::pool::PoolConnection<sqlx::Postgres>,
+) -> Result<(), sqlx::migrate::MigrateError> {
+    let database: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&mut **conn)
+        .await?;
+    let key = migration_lock_key(&database);
+    let started = std::time::Instant::now();
+    let mut reported = std::time::Duration::ZERO;
+    loop {
+        let taken: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(key)
+            .fetch_one(&mut **conn)
+            .await?;
+        if taken {
+            return Ok(());
+        }
+        if started.elapsed() >= reported + WAIT_REPORT_EVERY {
+            reported = started.elapsed();
+            let holders = sessions(
+                pool,
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                   AND classid::INT8 = ($1 >> 32) AND objid::INT8 = ($1 & 4294967295) \
+                   AND objsubid = 1",
+                key,
+            )
+            .await;
+            tracing::warn!(
+                what = "the migration lock",
+                waited_secs = reported.as_secs(),
+                blocked_by = %holders,
+                "a migration waits for the sessions named in blocked_by; it blocks no query meanwhile"
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
+
+/// The key of sqlx's migration lock for `database` (sqlx-postgres's
+/// `generate_lock_id`: a fixed factor times the name's CRC-32).
+fn migration_lock_key(database: &str) -> i64 {
+    0x3d32_ad9e * i64::from(crc32(database.as_bytes()))
+}
+
+/// CRC-32 (IEEE 802.3, reflected, the zlib one), bit by bit: it runs once
+/// per boot over a database name.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xEDB8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    !crc
+}
+
+/// A migration that works concurrently (outside a transaction, waiting for
+/// older transactions), and the index it builds.
+enum Concurrent<'a> {
+    /// `CREATE INDEX CONCURRENTLY` of this index.
+    Create(&'a str),
+    /// `DROP INDEX CONCURRENTLY`.
+    Drop,
+}
+
+impl<'a> Concurrent<'a> {
+    fn of(m: &'a sqlx::migrate::Migration) -> Option<Self> {
+        if !m.no_tx {
+            return None;
+        }
+        let sql = m.sql.as_str();
+        let words = || {
+            sql.lines()
+                .filter(|l| !l.trim_start().starts_with("--"))
+                .flat_map(str::split_whitespace)
+        };
+        let statement: Vec<&str> = words().take(3).collect();
+        match statement.as_slice() {
+            ["CREATE", "INDEX", "CONCURRENTLY"] => {
+                let name = words().skip(3).find(|w| {
+                    !matches!(w.to_ascii_uppercase().as_str(), "IF" | "NOT" | "EXISTS")
+                })?;
+                Some(Self::Create(name))
+            }
+            ["DROP", "INDEX", "CONCURRENTLY"] => Some(Self::Drop),
+            _ => None,
+        }
+    }
+}
+
+/// Drops `index` if it exists while the migration that builds it is not
+/// recorded: an earlier build failed (the index is INVALID) or died before
+/// sqlx recorded it.
+async fn drop_leftover_index(
+    pool: &sqlx::PgPool,
+    pid: i32,
+    conn: &mut sqlx::pool::PoolConnection<sqlx::Postgres>,
+    index: &str,
+) -> Result<(), sqlx::migrate::MigrateError> {
+    let valid: Option<bool> = sqlx::query_scalar(
+        "SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)",
+    )
+    .bind(index)
+    .fetch_optional(&mut **conn)
+    .await?;
+    let Some(valid) = valid else {
+        return Ok(());
+    };
+    tracing::warn!(
+        index,
+        valid,
+        "an earlier migration run left this index behind unrecorded; dropping it to build it again"
     );
-    sqlx::raw_sql(sqlx::AssertSqlSafe(set))
-        .execute(&mut *conn)
+    let drop = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP INDEX CONCURRENTLY IF EXISTS {index}"
+    )))
+    .execute(&mut **conn);
+    waiting(pool, pid, &format!("the drop of {index}"), drop).await?;
+    Ok(())
+}
+
+async fn set_lock_timeout(
+    conn: &mut sqlx::pool::PoolConnection<sqlx::Postgres>,
+    timeout: Option<std::time::Duration>,
+) -> Result<(), sqlx::Error> {
+    let ms = timeout.map_or(0, |t| t.as_millis());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SET lock_timeout = '{ms}ms'")))
+        .execute(&mut **conn)
         .await?;
-    let ran = migrator().run(&mut *conn).await;
-    // The connection goes back to the pool as it came.
-    sqlx::raw_sql("RESET lock_timeout")
-        .execute(&mut *conn)
-        .await?;
-    ran
+    Ok(())
+}
+
+/// Awaits `step` (run by backend `pid`); while it waits, says every
+/// [`WAIT_REPORT_EVERY`] which sessions block it, read on another
+/// connection of `pool` (when the pool has none to spare, the line says
+/// so).
+async fn waiting<T, E>(
+    pool: &sqlx::PgPool,
+    pid: i32,
+    what: &str,
+    step: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, sqlx::migrate::MigrateError>
+where
+    sqlx::migrate::MigrateError: From<E>,
+{
+    let started = std::time::Instant::now();
+    let mut step = std::pin::pin!(step);
+    loop {
+        match tokio::time::timeout(WAIT_REPORT_EVERY, &mut step).await {
+            Ok(done) => return Ok(done?),
+            Err(_) => {
+                let blockers = blockers(pool, pid).await;
+                tracing::warn!(
+                    what,
+                    waited_secs = started.elapsed().as_secs(),
+                    blocked_by = %blockers,
+                    "a migration waits for the sessions named in blocked_by; it blocks no query meanwhile"
+                );
+            }
+        }
+    }
+}
+
+/// The sessions that block backend `pid`, for a log line.
+async fn blockers(pool: &sqlx::PgPool, pid: i32) -> String {
+    sessions(
+        pool,
+        "SELECT unnest(pg_blocking_pids($1::INT4))",
+        i64::from(pid),
+    )
+    .await
+}
+
+/// The sessions whose pids `pids` (a query of one `INT8` parameter) returns,
+/// one `pid=… app=… state=… xact_secs=…` each, read on another connection
+/// of `pool` (when the pool has none to spare, the text says so).
+async fn sessions(pool: &sqlx::PgPool, pids: &'static str, param: i64) -> String {
+    let read = async {
+        let mut conn = tokio::time::timeout(std::time::Duration::from_secs(1), pool.acquire())
+            .await
+            .map_err(|_| "no connection to spare".to_owned())?
+            .map_err(|e| e.to_string())?;
+        let rows: Vec<(i32, String, Option<String>, Option<f64>)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT pid, application_name, state, \
+                        extract(epoch FROM now() - xact_start)::float8 \
+                   FROM pg_stat_activity WHERE pid IN ({pids}) ORDER BY pid"
+            )))
+            .bind(param)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<_, String>(rows)
+    };
+    match read.await {
+        Ok(rows) if rows.is_empty() => "none found".to_owned(),
+        Ok(rows) => rows
+            .iter()
+            .map(|(pid, app, state, secs)| {
+                format!(
+                    "pid={pid} app={app:?} state={} xact_secs={:.0}",
+                    state.as_deref().unwrap_or("?"),
+                    secs.unwrap_or(0.0)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+        Err(why) => format!("unknown ({why})"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn crc32_is_the_ieee_one() {
+        assert_eq!(super::crc32(b"123456789"), 0xCBF4_3926);
+        assert_eq!(super::crc32(b""), 0);
+    }
 }

@@ -101,35 +101,37 @@ fn the_check_reports_missing_and_edited_copies() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A migration waiting on a lock gives up after `MIGRATION_LOCK_TIMEOUT`
-/// instead of queueing every query of the table behind it (issue 25: the
-/// HOT-claim migration takes an exclusive lock on `event_outbox`).
+/// Applies `FILES[..upto]` (and nothing after) to the database.
+async fn apply_files_before(pool: &sqlx::PgPool, upto: usize) {
+    let version: i64 = FILES[upto].0[..14].parse().unwrap();
+    outbox::migrate::migrator()
+        .run_to(version - 1, pool)
+        .await
+        .unwrap();
+}
+
+/// A migration that runs in a transaction and waits on a lock gives up after
+/// `MIGRATION_LOCK_TIMEOUT` instead of queueing every query of its table
+/// behind it (an `ALTER TABLE` takes an exclusive lock).
 #[sqlx::test(migrations = false)]
 async fn a_migration_that_cannot_have_its_lock_gives_up_instead_of_stalling_the_table(
     pool: sqlx::PgPool,
 ) {
     use std::time::{Duration, Instant};
-    // Every migration before the last that alters event_outbox applied.
-    let last_on_outbox = FILES
+    // Every migration before the last that alters a table in a transaction.
+    let last_alter = FILES
         .iter()
-        .rposition(|(name, _)| name.contains("event_outbox"))
-        .expect("a migration of event_outbox");
-    let dir = std::env::temp_dir().join(format!("outbox-mig-lock-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    for (name, body) in &FILES[..last_on_outbox] {
-        std::fs::write(dir.join(name), body).unwrap();
-    }
-    sqlx::migrate::Migrator::new(dir.as_path())
-        .await
-        .unwrap()
-        .run(&pool)
-        .await
-        .unwrap();
-    std::fs::remove_dir_all(&dir).unwrap();
+        .rposition(|(_, body)| {
+            !body.starts_with("-- no-transaction") && body.contains("ALTER TABLE")
+        })
+        .expect("a migration that alters a table");
+    let body = FILES[last_alter].1;
+    let at = body.find("ALTER TABLE ").unwrap() + "ALTER TABLE ".len();
+    let table = body[at..].split_whitespace().next().unwrap();
+    apply_files_before(&pool, last_alter).await;
     // A long transaction reads the table (ACCESS SHARE).
     let mut reader = pool.begin().await.unwrap();
-    sqlx::query("SELECT count(*) FROM event_outbox")
+    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
         .execute(&mut *reader)
         .await
         .unwrap();
@@ -149,6 +151,198 @@ async fn a_migration_that_cannot_have_its_lock_gives_up_instead_of_stalling_the_
         .await
         .unwrap();
     assert_eq!(lock_timeout, "0");
+    assert_fully_migrated(&pool).await;
+}
+
+/// Every library migration is recorded and no index is INVALID.
+async fn assert_fully_migrated(pool: &sqlx::PgPool) {
+    let recorded: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    let expected: Vec<i64> = FILES
+        .iter()
+        .map(|(n, _)| n[..14].parse().unwrap())
+        .collect();
+    assert_eq!(recorded, expected);
+    let invalid: Vec<String> = sqlx::query_scalar(
+        "SELECT indexrelid::regclass::TEXT FROM pg_index WHERE NOT indisvalid ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert!(invalid.is_empty(), "INVALID indexes left: {invalid:?}");
+}
+
+/// The index of `FILES` whose migration builds an index concurrently, the
+/// first one, and that index's name.
+fn first_concurrent_build() -> (usize, &'static str) {
+    let at = FILES
+        .iter()
+        .position(|(_, body)| body.contains("CREATE INDEX CONCURRENTLY"))
+        .expect("a concurrent index build");
+    let body = FILES[at].1;
+    let from =
+        body.find("CREATE INDEX CONCURRENTLY ").unwrap() + "CREATE INDEX CONCURRENTLY ".len();
+    (at, body[from..].split_whitespace().next().unwrap())
+}
+
+/// A session of `pool` whose transaction holds a snapshot and an xid (it
+/// wrote a row of a table no migration touches): every concurrent index
+/// build of the database waits for it.
+async fn old_transaction(pool: &sqlx::PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    sqlx::query("CREATE TABLE IF NOT EXISTS unrelated (x INT)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO unrelated VALUES (1)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
+/// Captured log lines, for the test that reads what a waiting migration
+/// says.
+#[derive(Clone, Default)]
+struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A boot beside a transaction older than the lock timeout (a nightly
+/// `pg_dump`, a long report) waits for it, says whom it waits for, and
+/// succeeds once it ends; it never fails the boot nor leaves an INVALID
+/// index.
+#[sqlx::test(migrations = false)]
+async fn a_boot_beside_a_long_transaction_waits_for_it_and_succeeds(pool: sqlx::PgPool) {
+    use std::time::Duration;
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let old = old_transaction(&pool).await;
+    let old_pid: i32 = {
+        let mut old = old;
+        let pid = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *old)
+            .await
+            .unwrap();
+        // Held past the lock timeout (where a boot used to fail) and past
+        // one report.
+        let hold = outbox::migrate::MIGRATION_LOCK_TIMEOUT.max(outbox::migrate::WAIT_REPORT_EVERY)
+            + Duration::from_secs(2);
+        tokio::spawn(async move {
+            tokio::time::sleep(hold).await;
+            old.commit().await.unwrap();
+        });
+        pid
+    };
+    tokio::time::timeout(Duration::from_secs(60), outbox::migrate::run(&pool))
+        .await
+        .expect("the boot ends once the old transaction does")
+        .expect("the boot waits for the old transaction instead of failing");
+    assert_fully_migrated(&pool).await;
+    let said = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        said.contains("a migration waits") && said.contains(&format!("pid={old_pid} ")),
+        "the wait names the old transaction's session: {said}"
+    );
+}
+
+/// A boot after a failed concurrent build (the previous release's runner
+/// gave up behind an old transaction and left the index INVALID, its
+/// migration unrecorded) succeeds, and so does a boot after a build that
+/// finished but was never recorded.
+#[sqlx::test(migrations = false)]
+async fn a_boot_after_a_failed_index_build_succeeds(pool: sqlx::PgPool) {
+    let (at, index) = first_concurrent_build();
+    apply_files_before(&pool, at).await;
+    // The previous release's runner: a 1 s lock timeout over everything.
+    let old = old_transaction(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET lock_timeout = '1s'")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let failed = outbox::migrate::migrator().run(&mut *conn).await;
+    assert!(
+        failed.is_err(),
+        "the old runner gives up behind the old transaction"
+    );
+    conn.close().await.unwrap();
+    old.rollback().await.unwrap();
+    let valid: bool =
+        sqlx::query_scalar("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)")
+            .bind(index)
+            .fetch_one(&pool)
+            .await
+            .expect("the failed build left its index behind");
+    assert!(!valid, "the failed build's index is INVALID");
+    // That runner trips on it again: the wedge (on a session of its own:
+    // sqlx's runner leaves its lock held when it fails).
+    let mut conn = pool.acquire().await.unwrap();
+    let again = outbox::migrate::migrator().run(&mut *conn).await;
+    assert!(
+        again
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("already exists")),
+        "{again:?}"
+    );
+    conn.close().await.unwrap();
+    outbox::migrate::run(&pool).await.unwrap();
+    assert_fully_migrated(&pool).await;
+    // Built, then its process died before recording it.
+    let version: i64 = FILES[at].0[..14].parse().unwrap();
+    sqlx::query("DELETE FROM _sqlx_migrations WHERE version = $1")
+        .bind(version)
+        .execute(&pool)
+        .await
+        .unwrap();
+    outbox::migrate::run(&pool).await.unwrap();
+    assert_fully_migrated(&pool).await;
+}
+
+/// Two replicas booting together both succeed: the second waits for the
+/// first's migration lock as long as the first's builds take.
+#[sqlx::test(migrations = false)]
+async fn replicas_booting_beside_a_long_transaction_both_succeed(pool: sqlx::PgPool) {
+    use std::time::Duration;
+    let old = old_transaction(&pool).await;
+    let first = tokio::spawn({
+        let pool = pool.clone();
+        async move { outbox::migrate::run(&pool).await }
+    });
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move { outbox::migrate::run(&pool).await }
+    });
+    tokio::time::sleep(outbox::migrate::MIGRATION_LOCK_TIMEOUT + Duration::from_secs(1)).await;
+    old.commit().await.unwrap();
+    for boot in [first, second] {
+        tokio::time::timeout(Duration::from_secs(60), boot)
+            .await
+            .expect("each boot ends")
+            .unwrap()
+            .expect("each boot succeeds");
+    }
+    assert_fully_migrated(&pool).await;
 }
 
 #[test]
@@ -233,4 +427,33 @@ async fn moving_a_table_to_the_partitioned_layout_keeps_every_row(pool: sqlx::Pg
         retired.partitioned && retired.dropped.is_empty(),
         "{retired:?}"
     );
+}
+
+/// The migration lock is sqlx's own: a boot waits while a runner of the
+/// previous release (sqlx's `Migrator::run`) holds it, and runs once it is
+/// free.
+#[sqlx::test(migrations = false)]
+async fn a_boot_waits_for_a_migration_lock_held_by_sqlxs_runner(pool: sqlx::PgPool) {
+    use sqlx::migrate::Migrate;
+    use std::time::Duration;
+    let mut holder = pool.acquire().await.unwrap();
+    holder.lock().await.unwrap();
+    let boot = tokio::spawn({
+        let pool = pool.clone();
+        async move { outbox::migrate::run(&pool).await }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!boot.is_finished(), "the boot waits for the lock");
+    let migrated: Option<String> = sqlx::query_scalar("SELECT to_regclass('event_outbox')::TEXT")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(migrated, None, "nothing ran while the lock was held");
+    holder.unlock().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), boot)
+        .await
+        .expect("the boot ends once the lock is free")
+        .unwrap()
+        .unwrap();
+    assert_fully_migrated(&pool).await;
 }
