@@ -6,7 +6,8 @@
 //! - a subscriber (`service.example.shipments`, bound to `orders.#`) applies
 //!   it once: one row in `shipments` per order, whatever the duplicates;
 //! - the admin router is mounted: `/readyz`, `/metrics` (Prometheus), and
-//!   `/v1/admin/*` (open here; a real service sets `CANOPY_MQ_ADMIN_TOKEN`);
+//!   `/v1/admin/*` (with `CANOPY_MQ_ADMIN_TOKEN`, or `CANOPY_MQ_ADMIN_OPEN=true`
+//!   to try it on localhost without one);
 //! - the operator console at `/admin` (pending, parked and dead-lettered
 //!   events; unpark, skip and replay), signed into with the admin token;
 //! - `GET /orders/{id}` says whether the order's shipment exists yet.
@@ -17,7 +18,7 @@
 //! service.example.shipments` (a child, in the same trace).
 //!
 //! ```sh
-//! cargo run --release -p outbox --example service
+//! CANOPY_MQ_ADMIN_OPEN=true cargo run --release -p outbox --example service
 //! curl -s -XPOST localhost:8080/orders -H 'content-type: application/json' -d '{"item":"tea"}'
 //! curl -s localhost:8080/orders/1
 //! curl -s localhost:8080/metrics | grep canopy_mq_
@@ -203,22 +204,6 @@ fn flag(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v.trim() == "true")
 }
 
-/// The admin routes' authentication, decided at boot: a token that is set
-/// must be a valid one (a bad one fails here, naming the variable); with
-/// none at all the example runs its admin routes open, and says so.
-fn admin_auth() -> Result<AdminAuth, outbox::ConfigError> {
-    if std::env::var_os(outbox::http::ADMIN_TOKEN_VAR).is_some() {
-        return AdminAuth::from_env();
-    }
-    tracing::warn!(
-        "{} is unset: this example's admin routes run without authentication \
-         (a service sets the token, or {}=true to mean it)",
-        outbox::http::ADMIN_TOKEN_VAR,
-        outbox::http::ADMIN_OPEN_VAR,
-    );
-    Ok(AdminAuth::open_insecure())
-}
-
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Cli::parse();
@@ -233,7 +218,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("service-example")))
         .init();
     let metrics = install_prometheus_recorder()?;
-    let auth = admin_auth()?;
+    // The admin routes' authentication, decided at boot: the token
+    // (CANOPY_MQ_ADMIN_TOKEN), or open only with CANOPY_MQ_ADMIN_OPEN=true
+    // and then for loopback hosts alone; a bad or missing token fails here,
+    // naming the variable.
+    let auth = AdminAuth::from_env()?;
 
     let database_url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/outbox_service_example".into());

@@ -23,6 +23,19 @@ pub const RETENTION_DAYS_MAX: u64 = 36_500;
 /// this long to be reclaimed, and PostgreSQL's timestamps bound it anyway.
 pub const LEASE_TTL_SECS_MAX: u64 = 86_400;
 
+/// Longest busy tick accepted, in milliseconds (a minute; the idle tick is
+/// four times it).
+pub const TICK_MS_MAX: u64 = 60_000;
+/// Largest parking budget accepted (`attempts` is a 32-bit column, and a
+/// row that fails ten thousand times is a poison row by any measure).
+pub const MAX_ATTEMPTS_MAX: u32 = 10_000;
+/// Largest claim rate bound accepted, rows per second.
+pub const MAX_ROWS_PER_SEC_MAX: u32 = 1_000_000;
+/// Largest pending-row threshold accepted.
+pub const PENDING_WARN_MAX: u64 = 1_000_000_000_000;
+/// Longest oldest-unpublished-age threshold accepted, in seconds (a year).
+pub const OLDEST_WARN_SECS_MAX: u64 = 365 * 86_400;
+
 /// Every variable [`DrainerConfig::from_env`] reads.
 pub mod vars {
     /// Busy poll interval in ms; the idle interval is four times this.
@@ -239,7 +252,7 @@ impl crate::core::subscriber::SubscriberSettings {
     /// `CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE` and
     /// `CANOPY_MQ_SUBSCRIBER_PARTITIONS` applied, then validated.
     pub fn from_env(queue: impl Into<String>, bindings: &[&str]) -> Result<Self, ConfigError> {
-        Self::from_lookup(queue, bindings, |name| std::env::var(name).ok())
+        from_process_env(|lookup| Self::from_lookup(queue, bindings, lookup))
     }
 
     /// Like [`from_env`](Self::from_env), reading variables through `lookup`.
@@ -325,6 +338,20 @@ impl crate::core::subscriber::SubscriberSettings {
         if spec.exchange.is_empty() || spec.exchange.len() > crate::envelope::ROUTING_KEY_MAX_BYTES
         {
             return invalid(vars::EXCHANGE, &spec.exchange, "must be 1 to 255 bytes");
+        }
+        if spec.queue.contains(char::is_control) {
+            return invalid(
+                "queue",
+                &spec.queue.escape_debug(),
+                "must hold no control character",
+            );
+        }
+        if spec.exchange.contains(char::is_control) {
+            return invalid(
+                vars::EXCHANGE,
+                &spec.exchange.escape_debug(),
+                "must hold no control character",
+            );
         }
         if spec.bindings.is_empty() {
             return invalid("bindings", &"[]", "must name at least one binding key");
@@ -428,7 +455,7 @@ impl crate::core::subscriber::SubscriberSettings {
 impl crate::core::janitor::InboxJanitorSettings {
     /// Reads `CANOPY_MQ_INBOX_RETENTION_DAYS` (default 7); fails naming it.
     pub fn from_env() -> Result<Self, ConfigError> {
-        Self::from_lookup(|name| std::env::var(name).ok())
+        from_process_env(|lookup| Self::from_lookup(lookup))
     }
 
     /// Like [`Self::from_env`], reading variables through `lookup`.
@@ -474,7 +501,7 @@ impl DrainerConfig {
     /// Reads every `CANOPY_MQ_*` variable (see [`vars`]); unset ones take the
     /// ADR defaults. Fails naming the first variable that breaks a rule.
     pub fn from_env() -> Result<Self, ConfigError> {
-        Self::from_lookup(|name| std::env::var(name).ok())
+        from_process_env(|lookup| Self::from_lookup(lookup))
     }
 
     /// Like [`DrainerConfig::from_env`], reading variables through `lookup`
@@ -547,12 +574,70 @@ fn warn_buffer_max_once(value: &str) {
     });
 }
 
-fn parse<T: std::str::FromStr>(var: &'static str, value: &str) -> Result<T, ConfigError> {
-    value.trim().parse().map_err(|_| ConfigError::Invalid {
+/// A whole number a variable holds, and the largest it can be.
+trait Whole: Sized + TryFrom<u64> {
+    const MAX: u64;
+}
+impl Whole for u16 {
+    const MAX: u64 = u16::MAX as u64;
+}
+impl Whole for u32 {
+    const MAX: u64 = u32::MAX as u64;
+}
+impl Whole for u64 {
+    const MAX: u64 = u64::MAX;
+}
+
+/// `value` of `var` as a whole number: an error names the rule it broke,
+/// "a whole number" (signs, fractions, letters) or the type's ceiling.
+fn parse<T: Whole>(var: &'static str, value: &str) -> Result<T, ConfigError> {
+    let digits = value.trim();
+    let too_big = || ConfigError::Invalid {
         var,
         value: value.to_owned(),
-        rule: "must be a non-negative whole number".into(),
-    })
+        rule: format!("must be <= {}", T::MAX),
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(ConfigError::Invalid {
+            var,
+            value: value.to_owned(),
+            rule: "must be a non-negative whole number".into(),
+        });
+    }
+    let n: u64 = digits.parse().map_err(|_| too_big())?;
+    T::try_from(n).map_err(|_| too_big())
+}
+
+/// Runs `read` over the process's environment: a variable set to a value
+/// that is not UTF-8 is an error naming it (never taken as unset, which
+/// would quietly apply the default), whatever `read` made of it.
+pub(crate) fn from_process_env<T>(
+    read: impl FnOnce(&dyn Fn(&str) -> Option<String>) -> Result<T, ConfigError>,
+) -> Result<T, ConfigError> {
+    let garbled = std::cell::RefCell::new(None::<ConfigError>);
+    let lookup = |name: &str| match std::env::var(name) {
+        Ok(value) => Some(value),
+        Err(std::env::VarError::NotPresent) => None,
+        Err(std::env::VarError::NotUnicode(raw)) => {
+            let bytes = raw.as_encoded_bytes();
+            let at = std::str::from_utf8(bytes)
+                .err()
+                .map_or(0, |e| e.valid_up_to());
+            garbled
+                .borrow_mut()
+                .get_or_insert_with(|| ConfigError::NotUnicode {
+                    var: name.to_owned(),
+                    at: at + 1,
+                    len: bytes.len(),
+                });
+            None
+        }
+    };
+    let read = read(&lookup);
+    match garbled.into_inner() {
+        Some(e) => Err(e),
+        None => read,
+    }
 }
 
 /// Builder for services that configure in code. Every setter takes the value
@@ -669,11 +754,12 @@ impl DrainerConfigBuilder {
         self.check_timing()?;
         self.check_budgets()?;
         let replica_id = match self.replica_id {
-            Some(id) if id.trim().is_empty() || id.len() > 200 => {
+            Some(id) if id.trim().is_empty() || id.len() > 200 || id.contains(char::is_control) => {
                 return invalid(
                     vars::REPLICA_ID,
-                    &id,
-                    "must be non-blank and at most 200 bytes",
+                    &id.escape_debug(),
+                    "must be non-blank, at most 200 bytes, and hold no control character \
+                     (it is written in claimed_by and in every log line)",
                 );
             }
             Some(id) => id,
@@ -701,8 +787,19 @@ impl DrainerConfigBuilder {
 
     /// The tick, the batch and the pipeline.
     fn check_sizes(&self) -> Result<(), ConfigError> {
-        if self.tick_ms == 0 {
-            return invalid(vars::TICK_MS, &self.tick_ms, "must be > 0");
+        if self.tick_ms == 0 || self.tick_ms > TICK_MS_MAX {
+            return invalid(
+                vars::TICK_MS,
+                &self.tick_ms,
+                format!("must be > 0 and <= {TICK_MS_MAX}"),
+            );
+        }
+        if self.max_rows_per_sec > MAX_ROWS_PER_SEC_MAX {
+            return invalid(
+                vars::MAX_ROWS_PER_SEC,
+                &self.max_rows_per_sec,
+                format!("must be <= {MAX_ROWS_PER_SEC_MAX} (0 for no bound)"),
+            );
         }
         if self.batch_size == 0 || self.batch_size > BATCH_SIZE_MAX {
             return invalid(
@@ -783,8 +880,26 @@ impl DrainerConfigBuilder {
 
     /// The parking budget, the janitor's batch and the exchange.
     fn check_budgets(&self) -> Result<(), ConfigError> {
-        if self.max_attempts == 0 {
-            return invalid(vars::MAX_ATTEMPTS, &self.max_attempts, "must be > 0");
+        if self.max_attempts == 0 || self.max_attempts > MAX_ATTEMPTS_MAX {
+            return invalid(
+                vars::MAX_ATTEMPTS,
+                &self.max_attempts,
+                format!("must be > 0 and <= {MAX_ATTEMPTS_MAX}"),
+            );
+        }
+        if self.pending_warn > PENDING_WARN_MAX {
+            return invalid(
+                vars::PENDING_WARN,
+                &self.pending_warn,
+                format!("must be <= {PENDING_WARN_MAX}"),
+            );
+        }
+        if self.oldest_warn_secs > OLDEST_WARN_SECS_MAX {
+            return invalid(
+                vars::OLDEST_WARN_SECS,
+                &self.oldest_warn_secs,
+                format!("must be <= {OLDEST_WARN_SECS_MAX} (a year)"),
+            );
         }
         if self.janitor_batch == 0 || self.janitor_batch > BATCH_SIZE_MAX {
             return invalid(
@@ -803,6 +918,13 @@ impl DrainerConfigBuilder {
                 &self.exchange,
                 "must be 1 to 255 bytes (the default exchange \"\" routes by queue name, \
                  so a topic subscription would never see an event it confirmed)",
+            );
+        }
+        if self.exchange.contains(char::is_control) {
+            return invalid(
+                vars::EXCHANGE,
+                &self.exchange.escape_debug(),
+                "must hold no control character",
             );
         }
         Ok(())

@@ -95,6 +95,18 @@ pub enum ConfigError {
         /// The rule it breaks, in words.
         rule: String,
     },
+    /// `var` is set to bytes that are not UTF-8: an error rather than the
+    /// default, which would apply whatever the operator meant to set. The
+    /// value is not shown (it may be a secret); where it goes wrong is.
+    #[error("{var} is invalid: must be UTF-8 (byte {at} of {len} is not)")]
+    NotUnicode {
+        /// The variable.
+        var: String,
+        /// The offset of the first byte that is not UTF-8, from 1.
+        at: usize,
+        /// The value's length in bytes.
+        len: usize,
+    },
 }
 
 /// A failure of the database (the outbox or the inbox store). Neither the

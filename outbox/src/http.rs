@@ -65,14 +65,25 @@ use crate::error::{ConfigError, StoreError};
 pub const ADMIN_TOKEN_VAR: &str = "CANOPY_MQ_ADMIN_TOKEN";
 /// Variable that, set to `true`, allows an admin surface without a token.
 pub const ADMIN_OPEN_VAR: &str = "CANOPY_MQ_ADMIN_OPEN";
+/// Variable naming the `Host` names an open admin surface answers besides
+/// the loopback ones (comma-separated host names or addresses, no port).
+pub const ADMIN_ALLOWED_HOSTS_VAR: &str = "CANOPY_MQ_ADMIN_ALLOWED_HOSTS";
 /// Shortest token accepted.
 pub const TOKEN_MIN_BYTES: usize = 16;
 
 /// How admin routes authenticate callers.
+///
+/// An open surface (no token) answers only requests whose `Host` is a
+/// loopback name (`localhost`, `127.0.0.0/8`, `::1`) or one of its allowed
+/// hosts ([`allow_hosts`](Self::allow_hosts),
+/// `CANOPY_MQ_ADMIN_ALLOWED_HOSTS`): a page in an operator's browser cannot
+/// reach a sidecar on localhost through a name of its own (DNS rebinding).
 #[derive(Clone)]
 pub struct AdminAuth {
     /// SHA-256 of the token; `None` runs open.
     token_digest: Option<[u8; 32]>,
+    /// The hosts an open surface answers besides loopback, lowercased.
+    allowed_hosts: Vec<String>,
 }
 
 impl std::fmt::Debug for AdminAuth {
@@ -82,7 +93,10 @@ impl std::fmt::Debug for AdminAuth {
         } else {
             "open"
         };
-        f.debug_struct("AdminAuth").field("mode", &mode).finish()
+        f.debug_struct("AdminAuth")
+            .field("mode", &mode)
+            .field("allowed_hosts", &self.allowed_hosts)
+            .finish()
     }
 }
 
@@ -99,28 +113,101 @@ impl AdminAuth {
         }
         Ok(Self {
             token_digest: Some(Sha256::digest(token.trim().as_bytes()).into()),
+            allowed_hosts: Vec::new(),
         })
     }
 
     /// No authentication at all: only for a surface reachable by operators
-    /// alone (a sidecar port on localhost, say).
+    /// alone (a sidecar port on localhost, say). It answers loopback `Host`
+    /// names only, unless [`allow_hosts`](Self::allow_hosts) names more.
     pub fn open_insecure() -> Self {
-        Self { token_digest: None }
+        Self {
+            token_digest: None,
+            allowed_hosts: Vec::new(),
+        }
+    }
+
+    /// The same, also answering these `Host` names when open (host names or
+    /// addresses without a port, compared without case). Each must be
+    /// non-blank and hold no space, control character, `/`, `@` or port.
+    ///
+    /// ```
+    /// use outbox::http::AdminAuth;
+    /// let auth = AdminAuth::open_insecure().allow_hosts(["admin.internal"]).unwrap();
+    /// assert!(AdminAuth::open_insecure().allow_hosts(["evil.example:80"]).is_err());
+    /// # let _ = auth;
+    /// ```
+    pub fn allow_hosts(
+        mut self,
+        hosts: impl IntoIterator<Item = impl AsRef<str>>,
+    ) -> Result<Self, ConfigError> {
+        for host in hosts {
+            let host = host.as_ref().trim();
+            let bracketed = host.starts_with('[') && host.ends_with(']');
+            if host.is_empty()
+                || host
+                    .chars()
+                    .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '/' | '@'))
+                || (!bracketed && host.contains(':'))
+            {
+                return Err(ConfigError::Invalid {
+                    var: ADMIN_ALLOWED_HOSTS_VAR,
+                    value: host.escape_debug().to_string(),
+                    rule: "each must be a host name or address without a port, \
+                           comma-separated (an IPv6 address in brackets)"
+                        .into(),
+                });
+            }
+            self.allowed_hosts.push(host.to_ascii_lowercase());
+        }
+        Ok(self)
+    }
+
+    /// Whether a request naming `host` (its `Host` header or authority) is
+    /// answered: always with a token; when open, only for a loopback name
+    /// or an allowed host.
+    fn serves_host(&self, host: Option<&str>) -> bool {
+        if self.token_digest.is_some() {
+            return true;
+        }
+        let Some(name) = host.map(host_name) else {
+            return false;
+        };
+        let name = name.to_ascii_lowercase();
+        is_loopback_name(&name) || self.allowed_hosts.contains(&name)
     }
 
     /// From `CANOPY_MQ_ADMIN_TOKEN`; without it, fails unless
     /// `CANOPY_MQ_ADMIN_OPEN=true` says to run open.
     pub fn from_env() -> Result<Self, ConfigError> {
-        Self::from_lookup(|name| std::env::var(name).ok())
+        crate::config::from_process_env(|lookup| Self::from_lookup(lookup))
     }
 
     /// Like [`from_env`](Self::from_env), reading variables through `lookup`.
+    /// A token that is set is used (and judged) whatever
+    /// `CANOPY_MQ_ADMIN_OPEN` says; open needs `CANOPY_MQ_ADMIN_OPEN=true`
+    /// and no token, and then answers loopback hosts and those of
+    /// `CANOPY_MQ_ADMIN_ALLOWED_HOSTS`.
+    ///
+    /// ```
+    /// use outbox::http::AdminAuth;
+    /// let open = |v: &str| (v == "CANOPY_MQ_ADMIN_OPEN").then(|| "true".to_owned());
+    /// assert!(AdminAuth::from_lookup(open).is_ok());
+    /// assert!(AdminAuth::from_lookup(|_| None).is_err());
+    /// ```
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
         match (lookup(ADMIN_TOKEN_VAR), lookup(ADMIN_OPEN_VAR)) {
             (Some(token), _) => Self::bearer(&token),
             (None, Some(open)) if open.trim() == "true" => {
-                tracing::warn!("admin surface runs without authentication ({ADMIN_OPEN_VAR}=true)");
-                Ok(Self::open_insecure())
+                let hosts = lookup(ADMIN_ALLOWED_HOSTS_VAR).unwrap_or_default();
+                let auth = Self::open_insecure()
+                    .allow_hosts(hosts.split(',').map(str::trim).filter(|h| !h.is_empty()))?;
+                tracing::warn!(
+                    allowed_hosts = ?auth.allowed_hosts,
+                    "admin surface runs without authentication ({ADMIN_OPEN_VAR}=true): \
+                     it answers loopback Host names and the allowed hosts only"
+                );
+                Ok(auth)
             }
             (None, open) => Err(ConfigError::Invalid {
                 var: ADMIN_TOKEN_VAR,
@@ -163,6 +250,32 @@ impl AdminAuth {
             .fold(0u8, |acc, (a, b)| acc | (a ^ b))
             == 0
     }
+}
+
+/// The host of a `Host` value: `[::1]:8080` → `[::1]`, `a.b:80` → `a.b`.
+fn host_name(host: &str) -> &str {
+    let host = host.trim();
+    if host.starts_with('[') {
+        return host.find(']').map_or(host, |end| &host[..=end]);
+    }
+    match host.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    }
+}
+
+/// `localhost`, an address of `127.0.0.0/8`, or `[::1]`.
+fn is_loopback_name(name: &str) -> bool {
+    let name = name.strip_suffix('.').unwrap_or(name);
+    if name == "localhost" {
+        return true;
+    }
+    let bare = name
+        .strip_prefix('[')
+        .and_then(|n| n.strip_suffix(']'))
+        .unwrap_or(name);
+    bare.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
 }
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -319,9 +432,15 @@ impl AdminRouter {
             .route_layer(axum::middleware::from_fn_with_state(
                 state.clone(),
                 require_token,
+            ))
+            .route_layer(axum::middleware::from_fn_with_state(
+                state.clone(),
+                served_host,
             ));
         let console = match self.console {
-            Some(settings) => console::routes(state.clone(), settings),
+            Some(settings) => console::routes(state.clone(), settings).route_layer(
+                axum::middleware::from_fn_with_state(state.clone(), served_host),
+            ),
             None => Router::new(),
         };
         Router::new()
@@ -337,7 +456,56 @@ impl AdminRouter {
             })
             .with_state(state)
             .merge(console)
+            .layer(axum::middleware::map_response(secure_headers))
     }
+}
+
+/// Every answer's security headers, where the route did not set its own:
+/// not sniffed, not framed, not cached, no referrer, nothing loaded.
+async fn secure_headers(mut r: Response) -> Response {
+    let h = r.headers_mut();
+    let set = [
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::REFERRER_POLICY, "no-referrer"),
+        (header::CACHE_CONTROL, "no-store"),
+        (
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'none'; frame-ancestors 'none'",
+        ),
+    ];
+    for (name, value) in set {
+        if !h.contains_key(&name) {
+            h.insert(name, HeaderValue::from_static(value));
+        }
+    }
+    r
+}
+
+/// Answers 403 when the surface runs open and the request names a host
+/// that is neither loopback nor allowed (see [`AdminAuth`]).
+async fn served_host(
+    State(state): State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| request.uri().authority().map(|a| a.as_str()));
+    if state.auth.serves_host(host) {
+        return next.run(request).await;
+    }
+    tracing::warn!(
+        host = host.map(|h| h.escape_debug().to_string()),
+        "open admin surface refused a request for a host that is not loopback nor allowed"
+    );
+    error(
+        StatusCode::FORBIDDEN,
+        "this admin surface runs without a token and answers loopback hosts only \
+         (or those of CANOPY_MQ_ADMIN_ALLOWED_HOSTS)",
+    )
 }
 
 #[derive(Serialize)]

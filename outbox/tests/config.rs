@@ -415,3 +415,134 @@ fn subscriber_variables_are_read_and_checked_naming_them() {
         );
     }
 }
+
+/// Every number has a ceiling, and a number past its type's largest names
+/// that ceiling, never "not a whole number".
+#[test]
+fn every_number_has_a_ceiling_and_the_error_names_it() {
+    let past_u64 = "18446744073709551616";
+    for var in [
+        vars::TICK_MS,
+        vars::BATCH_SIZE,
+        vars::LEASE_TTL_SECS,
+        vars::PIPELINE_DEPTH,
+        vars::CONFIRM_TIMEOUT_SECS,
+        vars::MAX_ATTEMPTS,
+        vars::RETENTION_DAYS,
+        vars::PENDING_WARN,
+        vars::OLDEST_WARN_SECS,
+        vars::MAX_ROWS_PER_SEC,
+        vars::WAKEUP_LINGER_MS,
+    ] {
+        assert_invalid(&[(var, past_u64)], var, past_u64, "must be <= ");
+        // The largest whole number any of them holds is refused by the
+        // variable's own ceiling (or by a rule tying it to another).
+        assert!(
+            from(&[(var, "18446744073709551615")]).is_err(),
+            "{var}=u64::MAX accepted"
+        );
+    }
+    assert_invalid(
+        &[(vars::BATCH_SIZE, "4294967296")],
+        vars::BATCH_SIZE,
+        "4294967296",
+        "<= 4294967295",
+    );
+    assert_invalid(
+        &[(vars::TICK_MS, "60001")],
+        vars::TICK_MS,
+        "60001",
+        "<= 60000",
+    );
+    assert!(from(&[(vars::TICK_MS, "60000")]).is_ok());
+    assert_invalid(
+        &[(vars::MAX_ATTEMPTS, "10001")],
+        vars::MAX_ATTEMPTS,
+        "10001",
+        "<= 10000",
+    );
+    assert_invalid(
+        &[(vars::OLDEST_WARN_SECS, "31536001")],
+        vars::OLDEST_WARN_SECS,
+        "31536001",
+        "<= 31536000",
+    );
+    let sub = |var: &'static str, value: &'static str| {
+        outbox::SubscriberSettings::from_lookup("q", &["k"], move |v| {
+            (v == var).then(|| value.to_owned())
+        })
+    };
+    for var in [
+        vars::SUBSCRIBER_PREFETCH,
+        vars::SUBSCRIBER_CONCURRENCY,
+        vars::SUBSCRIBER_MAX_ATTEMPTS,
+        vars::SUBSCRIBER_MAX_BODY_BYTES,
+        vars::SUBSCRIBER_HANDLER_TIMEOUT_SECS,
+        vars::SUBSCRIBER_BATCH_MAX,
+        vars::SUBSCRIBER_BATCH_LINGER_MS,
+        vars::SUBSCRIBER_PARTITIONS,
+    ] {
+        let e = sub(var, past_u64).unwrap_err().to_string();
+        assert!(e.contains("must be <= "), "{var}: {e}");
+        assert!(sub(var, "4294967295").is_err(), "{var}=u32::MAX accepted");
+    }
+    let e = sub(vars::SUBSCRIBER_PREFETCH, "65536")
+        .unwrap_err()
+        .to_string();
+    assert!(e.ends_with("must be <= 65535"), "{e}");
+}
+
+/// Names that reach logs, `claimed_by` or the broker refuse control
+/// characters.
+#[test]
+fn identifiers_refuse_control_characters() {
+    for id in [
+        "drainer-1\nforged line",
+        "a\u{1b}[31mred",
+        "tab\there",
+        "nul\0",
+    ] {
+        let e = from(&[(vars::REPLICA_ID, id)]).unwrap_err();
+        let ConfigError::Invalid { var, value, rule } = &e else {
+            panic!("{e:?}");
+        };
+        assert_eq!(*var, vars::REPLICA_ID);
+        assert!(rule.contains("control character"), "{rule}");
+        // The error itself shows the value escaped: one line, no escape
+        // sequence reaches a terminal.
+        assert!(!value.contains(|c: char| c.is_control()), "{value:?}");
+        assert!(!e.to_string().contains(|c: char| c.is_control()), "{e}");
+        let e = from(&[(vars::EXCHANGE, id)]).unwrap_err();
+        assert!(e.to_string().contains("control character"), "{e}");
+        let e = outbox::SubscriberSettings::from_lookup("q", &["k"], |v| {
+            (v == vars::EXCHANGE).then(|| id.to_owned())
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("control character"), "{e}");
+        let e = outbox::SubscriberSettings::new(id, &["k"])
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("control character"), "{e}");
+    }
+    assert!(from(&[(vars::REPLICA_ID, "drainer-é-1")]).is_ok());
+}
+
+/// A node list is separated by commas and nothing else.
+#[test]
+fn a_node_list_takes_commas_only() {
+    assert!(outbox::LapinBroker::from_list("amqp://a:5672/%2f , amqp://b:5672/%2f").is_ok());
+    for list in [
+        "amqp://a:5672/%2f;amqp://b:5672/%2f",
+        "amqp://a:5672/%2f amqp://b:5672/%2f",
+        "amqp://a:5672/%2f|amqp://b:5672/%2f",
+        "amqp://a:5672/%2f\tamqp://b:5672/%2f",
+    ] {
+        let e = outbox::LapinBroker::from_list(list)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("separate addresses with commas only"),
+            "{list}: {e}"
+        );
+    }
+}

@@ -570,3 +570,156 @@ async fn the_admin_surface_edges_answer_in_json_with_the_right_status(pool: PgPo
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
     assert_eq!(json["error"], "the database is unavailable; retry later");
 }
+
+/// `uri` with `Host: host` (when given), answered by `router`: status and
+/// headers.
+async fn call_host(
+    router: &axum::Router,
+    uri: &str,
+    host: Option<&str>,
+) -> (StatusCode, axum::http::HeaderMap) {
+    let mut req = Request::builder().method("GET").uri(uri);
+    if let Some(host) = host {
+        req = req.header(header::HOST, host);
+    }
+    let resp = router
+        .clone()
+        .oneshot(req.body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    (resp.status(), resp.headers().clone())
+}
+
+/// An open surface answers loopback `Host` names and the allowed ones only
+/// (a page in an operator's browser reaching a sidecar on localhost through
+/// a name of its own, by DNS rebinding, is refused); with a token, any
+/// host. Probes and scrapes answer every host.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn an_open_surface_answers_loopback_and_allowed_hosts_only(pool: PgPool) {
+    let open = |auth: AdminAuth| {
+        AdminRouter::new(auth)
+            .outbox(PgOutboxStore::new(pool.clone()))
+            .console(outbox::http::ConsoleSettings::default())
+            .build()
+    };
+    let r = open(AdminAuth::open_insecure());
+    for host in [
+        "localhost",
+        "localhost:8080",
+        "LOCALHOST.:8080",
+        "127.0.0.1:8080",
+        "127.1.2.3",
+        "[::1]:8080",
+    ] {
+        let (status, _) = call_host(&r, "/v1/admin/outbox/parked", Some(host)).await;
+        assert_eq!(status, StatusCode::OK, "{host}");
+    }
+    for host in [
+        Some("evil.example"),
+        Some("evil.example:8080"),
+        Some("localhost.evil.example"),
+        Some("127.0.0.1.evil.example"),
+        Some("10.0.0.5:8080"),
+        None,
+    ] {
+        for uri in ["/v1/admin/outbox/parked", "/admin", "/admin/login"] {
+            let (status, _) = call_host(&r, uri, host).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "{uri} {host:?}");
+        }
+    }
+    for uri in ["/readyz", "/metrics"] {
+        let (status, _) = call_host(&r, uri, Some("10.0.0.5:8080")).await;
+        assert_ne!(status, StatusCode::FORBIDDEN, "{uri}");
+    }
+    let allowed = open(
+        AdminAuth::open_insecure()
+            .allow_hosts(["Admin.Internal"])
+            .unwrap(),
+    );
+    let (status, _) = call_host(
+        &allowed,
+        "/v1/admin/outbox/parked",
+        Some("admin.internal:80"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = call_host(&allowed, "/v1/admin/outbox/parked", Some("evil.example")).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    // With a token the host does not matter; the token does.
+    let (status, _) = call_host(
+        &router(&pool),
+        "/v1/admin/outbox/parked",
+        Some("evil.example"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    // From the environment: open needs CANOPY_MQ_ADMIN_OPEN=true and no
+    // token; the allow-list is read then.
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        AdminAuth::from_lookup(move |v| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == v)
+                .map(|(_, value)| (*value).to_owned())
+        })
+    };
+    let from_env = open(
+        env(&[
+            ("CANOPY_MQ_ADMIN_OPEN", "true"),
+            ("CANOPY_MQ_ADMIN_ALLOWED_HOSTS", "a.internal, b.internal"),
+        ])
+        .unwrap(),
+    );
+    let (status, _) = call_host(&from_env, "/v1/admin/outbox/parked", Some("b.internal")).await;
+    assert_eq!(status, StatusCode::OK);
+    let e = env(&[
+        ("CANOPY_MQ_ADMIN_OPEN", "true"),
+        ("CANOPY_MQ_ADMIN_ALLOWED_HOSTS", "a.internal:8080"),
+    ])
+    .unwrap_err();
+    assert!(
+        e.to_string().starts_with("CANOPY_MQ_ADMIN_ALLOWED_HOSTS="),
+        "{e}"
+    );
+}
+
+/// Every answer carries the security headers, the console's pages, its
+/// unknown routes and refusals, and the JSON routes alike.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn every_answer_carries_the_security_headers(pool: PgPool) {
+    let r = AdminRouter::new(AdminAuth::bearer(TOKEN).unwrap())
+        .outbox(PgOutboxStore::new(pool.clone()))
+        .console(outbox::http::ConsoleSettings::default())
+        .build();
+    for uri in [
+        "/admin/login",
+        "/admin/nope",
+        "/admin/dead/s/not-a-uuid",
+        "/admin/parked/not-a-uuid",
+        "/nope",
+        "/v1/admin/outbox/parked",
+        "/readyz",
+    ] {
+        let (status, headers) = call_host(&r, uri, Some("localhost")).await;
+        for (name, value) in [
+            ("x-content-type-options", "nosniff"),
+            ("x-frame-options", "DENY"),
+            ("referrer-policy", "no-referrer"),
+            ("cache-control", "no-store"),
+        ] {
+            assert_eq!(
+                headers.get(name).and_then(|v| v.to_str().ok()),
+                Some(value),
+                "{uri} ({status}) lacks {name}"
+            );
+        }
+        let csp = headers
+            .get("content-security-policy")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        assert!(
+            csp.contains("default-src 'none'") && csp.contains("frame-ancestors 'none'"),
+            "{uri} ({status}): {csp:?}"
+        );
+    }
+}

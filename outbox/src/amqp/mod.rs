@@ -76,8 +76,10 @@ impl LapinBroker {
     }
 
     /// A broker of the cluster whose nodes `list` names: AMQP URLs
-    /// separated by commas (a comma inside a password is written `%2C`),
-    /// tried in that order. Every URL is checked here; an error names
+    /// separated by commas, and by nothing else (spaces around a comma are
+    /// ignored; a comma inside a password is written `%2C`), tried in that
+    /// order. An address holding a second `://` or a space (two addresses
+    /// joined by `;`, say) is refused. Every URL is checked here; an error names
     /// `CANOPY_MQ_AMQP_URLS` and shows the list with its passwords hidden.
     ///
     /// ```
@@ -107,6 +109,15 @@ impl LapinBroker {
             if url.is_empty() {
                 return Err(invalid(format!("address {} is empty", i + 1)));
             }
+            // Only a comma separates addresses: two addresses joined by
+            // anything else (`;`, `|`, a space) are one piece here.
+            if url.matches("://").count() > 1 || url.contains(char::is_whitespace) {
+                return Err(invalid(format!(
+                    "address {} holds more than one address or a space: separate \
+                     addresses with commas only",
+                    i + 1
+                )));
+            }
             if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
                 return Err(invalid(format!(
                     "address {} is not an AMQP URL: {}",
@@ -122,9 +133,10 @@ impl LapinBroker {
     /// [`from_list`](Self::from_list) of `CANOPY_MQ_AMQP_URLS`, which must
     /// be set.
     pub fn from_env() -> Result<Self, ConfigError> {
-        match std::env::var(crate::config::vars::AMQP_URLS) {
-            Ok(list) => Self::from_list(&list),
-            Err(_) => Err(ConfigError::Invalid {
+        match crate::config::from_process_env(|lookup| Ok(lookup(crate::config::vars::AMQP_URLS)))?
+        {
+            Some(list) => Self::from_list(&list),
+            None => Err(ConfigError::Invalid {
                 var: crate::config::vars::AMQP_URLS,
                 value: String::new(),
                 rule: "must be set to the broker's AMQP URLs, comma-separated".into(),
