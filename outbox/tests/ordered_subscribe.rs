@@ -484,3 +484,115 @@ async fn two_replicas_apply_each_keys_events_in_commit_order(pool: PgPool) {
     b.stop().await;
     common::delete_ordered_subscription(&conn, &s.spec).await;
 }
+
+/// Publishes `body` as the key's event number `seq` (ordering headers and
+/// a `message_id` as the drainer sets them), confirmed.
+async fn publish_body(exchange: &str, key: &str, seq: i64, body: &[u8]) -> Uuid {
+    let publisher = LapinBroker::new(common::amqp_url());
+    let mut ch = publisher.channel_open().await.unwrap();
+    ch.channel_confirm_select().await.unwrap();
+    let id = Uuid::now_v7();
+    let ordering = KeySeq {
+        key: key.to_owned(),
+        seq,
+    };
+    let confirm = ch
+        .channel_publish(OutgoingMessage {
+            exchange,
+            routing_key: "orders.changed",
+            message_id: id,
+            body,
+            trace: None,
+            ordering: Some(&ordering),
+        })
+        .await
+        .unwrap();
+    assert_eq!(confirm.await.unwrap(), Confirm::Ack);
+    id
+}
+
+/// A keyed event the subscriber gives up on at once (over the size limit,
+/// or no envelope at all) holds its key's later events, recorded held,
+/// until an operator skips it; a replay of it answers `Undecodable` and
+/// leaves it dead-lettered. It used to get no inbox row, so nothing held
+/// its key and the later events took effect past it.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn an_event_given_up_at_once_holds_its_key_until_skipped(pool: PgPool) {
+    use outbox::core::ports::InboxFilter;
+    use outbox::core::subscriber::ReplayOutcome;
+    create_applied(&pool).await;
+    let queue = unique("ord.given-up");
+    let exchange = unique("ord.given-up.x");
+    let mut s = settings(&queue, &exchange, 2);
+    s.max_body_bytes = 4096;
+    s.validate().unwrap();
+    let r = start(&pool, s.clone(), 1, 0);
+    common::wait_for_queue(&s.spec.partition_queue(1)).await;
+    publish(&exchange, &[("a".to_owned(), 1), ("b".to_owned(), 1)]).await;
+    // a's second event is over the limit, b's is not JSON.
+    let big = EventEnvelope::new(
+        "orders.changed",
+        serde_json::json!({ "key": "a", "seq": 2, "pad": "x".repeat(6000) }),
+    )
+    .with_ordering_key("a");
+    let a2 = publish_body(&exchange, "a", 2, &serde_json::to_vec(&big).unwrap()).await;
+    let b2 = publish_body(&exchange, "b", 2, b"\xff\xfe not an envelope").await;
+    publish(
+        &exchange,
+        &[
+            ("a".to_owned(), 3),
+            ("a".to_owned(), 4),
+            ("b".to_owned(), 3),
+        ],
+    )
+    .await;
+    let counters = r.subscriber.counters();
+    common::until_counters(&counters, 30, |c| {
+        c.processed == 2 && c.undecodable == 2 && c.held == 3
+    })
+    .await;
+    let by_key = applied_by_key(&pool).await;
+    assert_eq!(by_key["a"], [1], "nothing of a past its event 2");
+    assert_eq!(by_key["b"], [1], "nothing of b past its event 2");
+    let conn = common::connect().await;
+    common::eventually(Duration::from_secs(10), || {
+        let (conn, dlq) = (&conn, s.spec.dlq_name());
+        async move { depth(conn, &dlq).await.0 == 2 }
+    })
+    .await;
+    // Each given-up event is a dead-lettered row of its key and number.
+    for (key, id) in [("a", a2), ("b", b2)] {
+        assert_eq!(inbox_id(&pool, key, 2).await, id);
+        let dead: bool = sqlx::query_scalar(
+            "SELECT dead_lettered_at IS NOT NULL FROM event_inbox WHERE event_id = $1",
+        )
+        .bind(id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(dead, "{key}'s event 2 is dead-lettered");
+    }
+    // A replay cannot run it: it stays dead-lettered, the key held.
+    let replayed = r
+        .subscriber
+        .replay_page(&InboxFilter {
+            ids: Some(vec![a2]),
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(replayed.results[..], [(id, ReplayOutcome::Undecodable { .. })] if id == a2),
+        "{replayed:?}"
+    );
+    assert!(replayed.released.is_empty());
+    // Skipped, each releases its key's held events in order.
+    let skipped = r.subscriber.skip(&[a2, b2]).await.unwrap();
+    assert_eq!(skipped.results.len(), 2, "{skipped:?}");
+    common::until_counters(&counters, 30, |c| c.processed == 2 + 3).await;
+    let by_key = applied_by_key(&pool).await;
+    assert_eq!(by_key["a"], [1, 3, 4]);
+    assert_eq!(by_key["b"], [1, 3]);
+    r.stop().await;
+    common::delete_ordered_subscription(&conn, &s.spec).await;
+}

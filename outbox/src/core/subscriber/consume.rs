@@ -353,10 +353,14 @@ where
         self.apply_until_decided(&items, &mut outcomes, shutdown)
             .await;
         drop(items);
-        let settled: Vec<DeliveryOutcome> = outcomes
-            .into_iter()
-            .map(|o| o.unwrap_or(DeliveryOutcome::Requeued))
-            .collect();
+        let mut settled = Vec::with_capacity(prepared.len());
+        for (p, outcome) in prepared.iter().zip(outcomes) {
+            settled.push(match outcome.unwrap_or(DeliveryOutcome::Requeued) {
+                // A keyed one still holds its key (see `given_up`).
+                o if o.given_up_at_once() => self.settle_given_up(p, o).await,
+                o => o,
+            });
+        }
         self.settle_all(consumer, &prepared, &settled).await;
         for (p, outcome) in prepared.iter().zip(&settled) {
             p.span.record("outbox.inbox.outcome", outcome.label());

@@ -210,6 +210,7 @@ where
 mod apply;
 mod consume;
 mod escalation;
+mod given_up;
 mod outcome;
 mod replay;
 mod supervise;

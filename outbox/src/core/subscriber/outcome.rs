@@ -72,6 +72,15 @@ impl DeliveryOutcome {
         }
     }
 
+    /// Given up on at once, without the handler: not an envelope, too
+    /// large, or refused by the inbox.
+    pub fn given_up_at_once(&self) -> bool {
+        matches!(
+            self,
+            Self::Undecodable { .. } | Self::TooLarge { .. } | Self::Unstorable { .. }
+        )
+    }
+
     /// Settled with an ack (its effect is in the inbox), not a nack.
     pub fn acks(&self) -> bool {
         matches!(self, Self::Processed | Self::Duplicate | Self::Held)

@@ -231,11 +231,26 @@ where
     /// (`max_attempts`, retried in place after [`RETRY_BACKOFF_MIN`]), since
     /// it never had a delivery's retries; it is dead-lettered, the key's
     /// new head, only once it failed them all.
+    /// A held row whose payload is no envelope (a delivery given up on at
+    /// once, recorded behind a dead-lettered event) cannot run: it is
+    /// dead-lettered at once, the key's new head, for an operator to skip.
     pub(super) async fn release_row(&self, row: &InboxRow) -> Result<ReplayOutcome, StoreError> {
         let budget = self.settings.max_attempts.max(1);
         let mut attempt = 1;
         loop {
             let outcome = self.replay_row_with(row, attempt == 1, budget).await?;
+            if let ReplayOutcome::Undecodable { reason } = &outcome {
+                let entry = InboxEntry {
+                    event_id: row.event_id,
+                    subscription: &row.subscription,
+                    routing_key: &row.routing_key,
+                    payload: &row.payload,
+                    fresh_budget: false,
+                    ordering: row.ordering.as_ref(),
+                };
+                self.record_given_up(&entry, reason).await?;
+                return Ok(outcome);
+            }
             if !matches!(outcome, ReplayOutcome::Failed { .. }) || attempt >= budget {
                 return Ok(outcome);
             }
