@@ -292,11 +292,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!(%addr, "service example listening; Ctrl-C stops it");
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await?;
+    let mut consuming = consuming;
+    let serving = axum::serve(listener, router).with_graceful_shutdown(async {
+        let _ = tokio::signal::ctrl_c().await;
+    });
+    // The subscription ends before a stop only when the broker refused to
+    // set it up (a queue declared otherwise, an exchange it cannot use):
+    // the service exits with that error rather than serve orders it would
+    // never ship.
+    tokio::select! {
+        served = serving => served?,
+        ended = &mut consuming => {
+            ended??;
+            return Err("the subscription ended on its own".into());
+        }
+    }
 
     let _ = stop.send(true);
     consuming.await??;

@@ -303,6 +303,12 @@ pub trait ReplayTarget: Send + Sync + 'static {
     fn stats(&self) -> SubscriberStats;
     /// How its inbox stands (see [`Subscriber::inbox_counts`]).
     fn counts(&self, window: Duration, cap: u32) -> BoxFuture<'_, Result<InboxCounts, StoreError>>;
+    /// Why it is not ready, if it is not (see
+    /// [`Subscriber::readiness_reasons`]); `/readyz` includes it. None by
+    /// default.
+    fn readiness_reasons(&self) -> Vec<crate::UnreadyReason> {
+        Vec::new()
+    }
 }
 
 impl<S, B, C, H> ReplayTarget for Subscriber<S, B, C, H>
@@ -340,6 +346,9 @@ where
 
     fn counts(&self, window: Duration, cap: u32) -> BoxFuture<'_, Result<InboxCounts, StoreError>> {
         Box::pin(Subscriber::inbox_counts(self, window, cap))
+    }
+    fn readiness_reasons(&self) -> Vec<crate::UnreadyReason> {
+        Subscriber::readiness_reasons(self)
     }
 }
 
@@ -817,20 +826,27 @@ fn selector(
     })
 }
 
+/// The producer half's readiness (when a probe is set) and every served
+/// subscriber's: ready only when none has a reason not to be.
 async fn readyz(State(state): State<AppState>) -> Response {
-    let Some(probe) = &state.readiness else {
-        return Json(serde_json::json!({ "ready": true, "reasons": [] })).into_response();
-    };
-    let r = probe();
-    let status = if r.ready {
+    let outbox = state.readiness.as_ref().map(|probe| probe());
+    let mut reasons: Vec<String> = outbox
+        .iter()
+        .flat_map(|r| r.reasons.iter().map(ToString::to_string))
+        .collect();
+    for target in state.targets.values() {
+        reasons.extend(target.readiness_reasons().iter().map(ToString::to_string));
+    }
+    let ready = reasons.is_empty() && outbox.as_ref().is_none_or(|r| r.ready);
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let reasons: Vec<String> = r.reasons.iter().map(ToString::to_string).collect();
+    let stats = outbox.and_then(|r| r.stats);
     (
         status,
-        Json(serde_json::json!({ "ready": r.ready, "reasons": reasons, "stats": r.stats })),
+        Json(serde_json::json!({ "ready": ready, "reasons": reasons, "stats": stats })),
     )
         .into_response()
 }

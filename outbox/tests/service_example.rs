@@ -48,3 +48,54 @@ fn without_a_token_the_service_refuses_to_run_its_admin_routes_open() {
         "{stderr}"
     );
 }
+
+/// A subscription the broker refuses to set up (here an exchange it cannot
+/// use: `amq.direct` is no topic exchange) ends the service with the typed
+/// setup error, instead of a service that runs on, ready, taking orders it
+/// never ships.
+#[test]
+fn a_subscription_that_cannot_set_up_ends_the_service() {
+    let database = format!("outbox_example_setup_{}", std::process::id());
+    let base = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let url = match base.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{database}"),
+        None => panic!("DATABASE_URL has no database: {base}"),
+    };
+    let mut child = Command::new(example("service"))
+        .env("CANOPY_MQ_ADMIN_OPEN", "true")
+        .env_remove("CANOPY_MQ_ADMIN_TOKEN")
+        .env("CANOPY_MQ_EXCHANGE", "amq.direct")
+        .env("DATABASE_URL", &url)
+        .env("SERVICE_ADDR", "127.0.0.1:0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the service example is built by cargo test");
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let _ = Command::new("psql")
+        .args([
+            &base,
+            "-qc",
+            &format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"),
+        ])
+        .output();
+    let status = status.unwrap_or_else(|| panic!("the service ran on for 60 s: {stderr}"));
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("service.example.shipments") && stderr.contains("amq.direct"),
+        "the error names the subscription and what the broker refused: {stderr}"
+    );
+}

@@ -758,6 +758,39 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
         }
         other => panic!("expected a setup error, got {other:?}"),
     }
+    // Readiness says so at once, naming the subscription, for as long as
+    // the service runs on without it.
+    assert!(matches!(
+        subscriber.state(),
+        outbox::core::subscriber::SubscriptionState::Failed { .. }
+    ));
+    let subscriber = Arc::new(subscriber);
+    let router = outbox::http::AdminRouter::new(outbox::http::AdminAuth::open_insecure())
+        .subscriber(subscriber.clone())
+        .build();
+    let response = tower::ServiceExt::oneshot(
+        router,
+        axum::http::Request::builder()
+            .uri("/readyz")
+            .body(axum::body::Body::empty())
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        response.status(),
+        axum::http::StatusCode::SERVICE_UNAVAILABLE
+    );
+    let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+        .await
+        .unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let reason = body["reasons"][0].as_str().unwrap_or_default();
+    assert!(
+        reason.starts_with(&format!("subscription {queue} is not consuming (failed"))
+            && reason.contains("PRECONDITION_FAILED"),
+        "{body}"
+    );
     common::delete_subscription(&conn, &queue, &exchange).await;
     broker.close().await;
 }

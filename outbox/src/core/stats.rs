@@ -51,6 +51,19 @@ pub enum UnreadyReason {
         /// The threshold in seconds.
         threshold_secs: u64,
     },
+    /// A subscription is not consuming: the broker refused to set it up,
+    /// it stopped, or it has been without its consumers for longer than
+    /// [`NOT_CONSUMING_GRACE`](crate::core::subscriber::NOT_CONSUMING_GRACE).
+    SubscriptionNotConsuming {
+        /// The subscription (queue).
+        subscription: String,
+        /// `starting`, `reconnecting`, `failed` or `stopped`.
+        state: &'static str,
+        /// The latest reason, if any.
+        error: Option<String>,
+        /// Seconds it has not been consuming.
+        for_secs: u64,
+    },
 }
 
 impl std::fmt::Display for UnreadyReason {
@@ -68,6 +81,21 @@ impl std::fmt::Display for UnreadyReason {
                 f,
                 "oldest unpublished outbox row is {age_secs} s old (threshold {threshold_secs} s)"
             ),
+            Self::SubscriptionNotConsuming {
+                subscription,
+                state,
+                error,
+                for_secs,
+            } => {
+                write!(
+                    f,
+                    "subscription {subscription} is not consuming ({state} for {for_secs} s)"
+                )?;
+                match error {
+                    Some(e) => write!(f, ": {e}"),
+                    None => Ok(()),
+                }
+            }
         }
     }
 }

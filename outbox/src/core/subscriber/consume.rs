@@ -13,6 +13,7 @@ use super::outcome::DeliveryOutcome;
 use super::replay::REPLAY_PAGE;
 use super::{
     CLOSE_TIMEOUT, Handler, RELEASE_EVERY, RETRY_BACKOFF_MAX, RETRY_BACKOFF_MIN, Subscriber,
+    SubscriptionState,
 };
 use crate::core::marks::Mark;
 use crate::core::ports::{
@@ -85,25 +86,37 @@ where
         let queue = &self.settings.spec.queue;
         let mut backoff = RETRY_BACKOFF_MIN;
         let mut first = true;
+        self.set_state(SubscriptionState::Starting);
+        let stopped = || {
+            self.set_state(SubscriptionState::Stopped);
+            Ok(())
+        };
         loop {
             if *shutdown.borrow() {
-                return Ok(());
+                return stopped();
             }
             match self.open_consumers(&specs).await {
                 Ok(consumers) => {
                     first = false;
                     backoff = RETRY_BACKOFF_MIN;
                     tracing::info!(queue = %queue, "subscriber consuming");
+                    self.set_state(SubscriptionState::Consuming);
                     self.consume(&consumers, &shutdown).await;
                     self.close_consumers(&consumers).await;
                     if *shutdown.borrow() {
                         tracing::info!(queue = %queue, "subscriber stopped");
-                        return Ok(());
+                        return stopped();
                     }
                     self.marks.hit(Mark::ConsumerReopened);
                     tracing::warn!(queue = %queue, "consumer ended; reopening");
+                    self.set_state(SubscriptionState::Reconnecting {
+                        error: "its consumer ended".into(),
+                    });
                 }
                 Err(source @ BrokerError::Channel(_)) if first => {
+                    self.set_state(SubscriptionState::Failed {
+                        error: source.to_string(),
+                    });
                     return Err(SubscribeError::Setup {
                         queue: queue.clone(),
                         source,
@@ -112,10 +125,13 @@ where
                 Err(e) => {
                     first = false;
                     tracing::warn!(queue = %queue, error = %e, "cannot open the subscription; retrying");
+                    self.set_state(SubscriptionState::Reconnecting {
+                        error: e.to_string(),
+                    });
                 }
             }
             if sleep_or_shutdown(&*self.clock, backoff, &mut shutdown).await {
-                return Ok(());
+                return stopped();
             }
             backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
         }

@@ -141,6 +141,8 @@ pub struct Subscriber<S, B, C, H> {
     counters: Arc<SubscriberCounters>,
     /// Coverage marks (none in production).
     marks: Marks,
+    /// Where `run` stands, for readiness.
+    health: health::Health,
 }
 
 impl<S, B, C, H> Subscriber<S, B, C, H>
@@ -166,6 +168,7 @@ where
             settings,
             counters: Arc::default(),
             marks: Marks::default(),
+            health: health::Health::default(),
         }
     }
 
@@ -205,16 +208,37 @@ where
     pub fn counters(&self) -> Arc<SubscriberCounters> {
         self.counters.clone()
     }
+
+    /// Where its [`run`](Self::run) stands.
+    pub fn state(&self) -> SubscriptionState {
+        self.health.state()
+    }
+
+    /// Why it is not ready, if it is not (see [`NOT_CONSUMING_GRACE`]):
+    /// empty while it consumes, and for a subscriber that was never run
+    /// (it serves replays only). The admin router's `/readyz` includes every
+    /// subscriber it serves.
+    pub fn readiness_reasons(&self) -> Vec<crate::core::stats::UnreadyReason> {
+        self.health
+            .reasons(&self.settings.spec.queue, self.clock.now())
+    }
+
+    /// Moves its state to `state`, now.
+    pub(super) fn set_state(&self, state: SubscriptionState) {
+        self.health.set(state, self.clock.now());
+    }
 }
 
 mod apply;
 mod consume;
 mod escalation;
 mod given_up;
+mod health;
 mod outcome;
 mod replay;
 mod supervise;
 
+pub use health::{NOT_CONSUMING_GRACE, SubscriptionState};
 pub use outcome::{DeliveryOutcome, SubscriberCounters, SubscriberStats};
 pub use replay::{REPLAY_PAGE, ReplayOutcome, ReplayPage};
 pub use supervise::PROBE_DIVISOR;
