@@ -590,6 +590,78 @@ async fn replay_through_the_http_route_applies_a_dead_lettered_event_once(pool: 
     r.stop().await;
 }
 
+/// Paging a limited replay over HTTP, as the README shows it: the same
+/// request meets the rows that failed again (oldest first), and the
+/// answer's `next` for the subscription, passed as `after`, goes on past
+/// them until `more` is false; every row is met once.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_limited_replay_over_http_pages_by_its_answers_next(pool: PgPool) {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode, header};
+    use outbox::http::{AdminAuth, AdminRouter};
+    use tower::ServiceExt;
+
+    let r = start(pool, false, true).await;
+    let events: Vec<EventEnvelope> = (0..5)
+        .map(|i| EventEnvelope::new("orders.created", serde_json::json!({ "order": i })))
+        .collect();
+    for e in &events {
+        r.publish_envelope(e).await;
+    }
+    r.until(30, |s| s.dead_lettered == 5).await;
+    let token = "replay-token-long-enough";
+    let router = AdminRouter::new(AdminAuth::bearer(token).unwrap())
+        .subscriber(r.subscriber.clone())
+        .build();
+    let replay = |body: serde_json::Value| {
+        let router = router.clone();
+        async move {
+            let req = Request::builder()
+                .method("POST")
+                .uri("/v1/admin/events/replay")
+                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(body.to_string()))
+                .unwrap();
+            let resp = router.oneshot(req).await.unwrap();
+            assert_eq!(resp.status(), StatusCode::OK);
+            let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            serde_json::from_slice::<serde_json::Value>(&bytes).unwrap()
+        }
+    };
+    let ids_of = |json: &serde_json::Value| -> Vec<String> {
+        json["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["event_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let ask = serde_json::json!({
+        "subscription": r.queue, "dead_lettered_only": true, "limit": 2,
+    });
+    let first = replay(ask.clone()).await;
+    assert_eq!(first["more"], true);
+    // The same request again meets the same rows: they failed again.
+    assert_eq!(ids_of(&replay(ask.clone()).await), ids_of(&first));
+    let mut met = ids_of(&first);
+    let mut page = first;
+    while page["more"] == true {
+        let mut next = ask.clone();
+        next["after"] = page["next"][&r.queue].clone();
+        assert!(next["after"].is_object(), "{page}");
+        page = replay(next).await;
+        met.extend(ids_of(&page));
+    }
+    let mut want: Vec<String> = events.iter().map(|e| e.id.to_string()).collect();
+    want.sort();
+    met.sort();
+    assert_eq!(met, want, "each row met once");
+    r.stop().await;
+}
+
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn the_subscriber_resumes_after_its_broker_connection_is_cut(pool: PgPool) {
     let proxy = common::Proxy::start("127.0.0.1:5672").await;
