@@ -94,6 +94,8 @@ pub mod vars {
     /// The broker's nodes, comma-separated AMQP URLs (a comma inside a
     /// password is written `%2C`).
     pub const AMQP_URLS: &str = "CANOPY_MQ_AMQP_URLS";
+    /// The AMQP heartbeat every connection asks for, in seconds.
+    pub const AMQP_HEARTBEAT_SECS: &str = "CANOPY_MQ_AMQP_HEARTBEAT_SECS";
 }
 
 /// Default unacknowledged deliveries per subscriber: twice the default
@@ -575,7 +577,7 @@ fn warn_buffer_max_once(value: &str) {
 }
 
 /// A whole number a variable holds, and the largest it can be.
-trait Whole: Sized + TryFrom<u64> {
+pub(crate) trait Whole: Sized + TryFrom<u64> {
     const MAX: u64;
 }
 impl Whole for u16 {
@@ -606,6 +608,11 @@ fn parse<T: Whole>(var: &'static str, value: &str) -> Result<T, ConfigError> {
     }
     let n: u64 = digits.parse().map_err(|_| too_big())?;
     T::try_from(n).map_err(|_| too_big())
+}
+
+/// [`parse`] for the adapters' own variables.
+pub(crate) fn parse_whole<T: Whole>(var: &'static str, value: &str) -> Result<T, ConfigError> {
+    parse(var, value)
 }
 
 /// Runs `read` over the process's environment: a variable set to a value

@@ -546,3 +546,22 @@ fn a_node_list_takes_commas_only() {
         );
     }
 }
+
+/// The AMQP heartbeat is whole seconds from 1 to 300: there is no "off".
+#[test]
+fn the_amqp_heartbeat_is_bounded_and_never_off() {
+    let b = || outbox::LapinBroker::new("amqp://localhost");
+    assert!(b().with_heartbeat(Duration::from_secs(1)).is_ok());
+    assert!(b().with_heartbeat(Duration::from_secs(300)).is_ok());
+    for bad in [
+        Duration::ZERO,
+        Duration::from_secs(301),
+        Duration::from_millis(1500),
+    ] {
+        let e = b().with_heartbeat(bad).unwrap_err().to_string();
+        assert!(
+            e.starts_with("CANOPY_MQ_AMQP_HEARTBEAT_SECS=") && e.contains("<= 300"),
+            "{bad:?}: {e}"
+        );
+    }
+}

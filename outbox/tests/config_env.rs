@@ -61,6 +61,7 @@ fn a_value_that_is_not_utf8_fails_the_boot_naming_its_variable() {
     }
     garbled(vars::INBOX_RETENTION_DAYS, InboxJanitorSettings::from_env);
     garbled(vars::AMQP_URLS, LapinBroker::from_env);
+    garbled(vars::AMQP_HEARTBEAT_SECS, LapinBroker::from_env);
     // The admin token: garbled, the surface never runs open, even when
     // told it may.
     // SAFETY: as in `garbled`.

@@ -80,7 +80,8 @@ struct Options {
     fail_first: bool,
     always_fail: bool,
     delay: Duration,
-    /// The subscriber's broker URL (a proxy's), if not the broker's own.
+    /// The subscriber's broker URLs (a proxy's, comma-separated), if not
+    /// the broker's own.
     amqp_url: Option<String>,
     /// The handler deadline, if not 30 s.
     handler_timeout: Option<Duration>,
@@ -108,9 +109,9 @@ async fn start_with(pool: PgPool, o: Options) -> Running {
         .unwrap();
     let queue = unique("sub");
     let exchange = o.exchange.clone().unwrap_or_else(|| unique("sub.x"));
-    let broker = Arc::new(LapinBroker::new(
-        o.amqp_url.clone().unwrap_or_else(common::amqp_url),
-    ));
+    let broker = Arc::new(
+        LapinBroker::from_list(&o.amqp_url.clone().unwrap_or_else(common::amqp_url)).unwrap(),
+    );
     let always_fail = Arc::new(Mutex::new(always_fail));
     let started = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let handler = Arc::new(Effects {
@@ -691,6 +692,47 @@ async fn the_subscriber_resumes_after_its_broker_connection_is_cut(pool: PgPool)
         assert_eq!(r.effects(e.id).await, 1);
     }
     r.stop().await;
+}
+
+/// A node that goes silent (its link stops without closing: a hung node, a
+/// link dropping packets) is left within the heartbeat's bound: with two
+/// links to the broker, the subscriber on the first applies again within
+/// 30 s of it going silent, through the second, and nothing takes effect
+/// twice. With the broker's default heartbeat (60 s, waited out twice) it
+/// took two minutes.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn a_subscriber_leaves_a_silent_node_within_thirty_seconds(pool: PgPool) {
+    let silent = common::Proxy::start("127.0.0.1:5672").await;
+    let other = common::Proxy::start("127.0.0.1:5672").await;
+    let r = start_with(
+        pool,
+        Options {
+            amqp_url: Some(format!("{},{}", silent.amqp_url(), other.amqp_url())),
+            ..Options::default()
+        },
+    )
+    .await;
+    let mut events = Vec::new();
+    for i in 0..5 {
+        let e = EventEnvelope::new("orders.created", serde_json::json!({ "i": i }));
+        r.publish_envelope(&e).await;
+        events.push(e);
+    }
+    r.until(20, |s| s.processed == 5).await;
+    silent.hold();
+    let went_silent = std::time::Instant::now();
+    for i in 5..10 {
+        let e = EventEnvelope::new("orders.created", serde_json::json!({ "i": i }));
+        r.publish_envelope(&e).await;
+        events.push(e);
+    }
+    r.until(30, |s| s.processed == 10).await;
+    assert!(went_silent.elapsed() < Duration::from_secs(30));
+    for e in &events {
+        assert_eq!(r.effects(e.id).await, 1);
+    }
+    r.stop().await;
+    silent.pass();
 }
 
 #[sqlx::test(migrator = "outbox::MIGRATOR")]

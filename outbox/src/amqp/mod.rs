@@ -28,6 +28,15 @@ use crate::trace_context::{TRACEPARENT, TRACESTATE, TraceContext};
 
 /// Bound on establishing a connection (TCP + AMQP handshake).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The AMQP heartbeat every connection asks for, in seconds (the broker
+/// may only lower it): a connection that has heard nothing from its node
+/// for twice this long is closed and the next node tried, so a node that
+/// stops answering without closing (a hung process, a link that drops
+/// packets) is left within about 20 s, plus the next node's connect. The
+/// broker's own default is 60 s, which lapin waits out twice: two minutes.
+pub const HEARTBEAT_SECS_DEFAULT: u16 = 10;
+/// Longest heartbeat accepted, in seconds.
+pub const HEARTBEAT_SECS_MAX: u16 = 300;
 /// Bound on closing a replaced connection (lapin's close can hang).
 pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// AMQP delivery mode for messages that survive a broker restart.
@@ -42,6 +51,8 @@ const PERSISTENT: u8 = 2;
 /// turn; the error when none answers names every node (password hidden).
 pub struct LapinBroker {
     nodes: Vec<String>,
+    /// The heartbeat each connection asks for, seconds.
+    heartbeat: u16,
     /// The node of the current (or last) connection; a replacement starts
     /// with the node after it.
     node: AtomicUsize,
@@ -53,6 +64,7 @@ impl std::fmt::Debug for LapinBroker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LapinBroker")
             .field("nodes", &self.redacted_nodes())
+            .field("heartbeat_secs", &self.heartbeat)
             .field("node", &self.node.load(Ordering::Relaxed))
             .field("generation", &self.generation.load(Ordering::Relaxed))
             .finish()
@@ -69,6 +81,7 @@ impl LapinBroker {
     fn of_nodes(nodes: Vec<String>) -> Self {
         Self {
             nodes,
+            heartbeat: HEARTBEAT_SECS_DEFAULT,
             node: AtomicUsize::new(0),
             state: tokio::sync::Mutex::new(None),
             generation: AtomicU64::new(0),
@@ -131,17 +144,54 @@ impl LapinBroker {
     }
 
     /// [`from_list`](Self::from_list) of `CANOPY_MQ_AMQP_URLS`, which must
-    /// be set.
+    /// be set, with the heartbeat of `CANOPY_MQ_AMQP_HEARTBEAT_SECS` (default
+    /// [`HEARTBEAT_SECS_DEFAULT`]).
     pub fn from_env() -> Result<Self, ConfigError> {
-        match crate::config::from_process_env(|lookup| Ok(lookup(crate::config::vars::AMQP_URLS)))?
-        {
-            Some(list) => Self::from_list(&list),
-            None => Err(ConfigError::Invalid {
-                var: crate::config::vars::AMQP_URLS,
+        use crate::config::vars;
+        let (list, heartbeat) = crate::config::from_process_env(|lookup| {
+            Ok((lookup(vars::AMQP_URLS), lookup(vars::AMQP_HEARTBEAT_SECS)))
+        })?;
+        let Some(list) = list else {
+            return Err(ConfigError::Invalid {
+                var: vars::AMQP_URLS,
                 value: String::new(),
                 rule: "must be set to the broker's AMQP URLs, comma-separated".into(),
-            }),
+            });
+        };
+        let broker = Self::from_list(&list)?;
+        match heartbeat {
+            None => Ok(broker),
+            Some(v) => {
+                let secs: u16 = crate::config::parse_whole(vars::AMQP_HEARTBEAT_SECS, &v)?;
+                broker.with_heartbeat(Duration::from_secs(u64::from(secs)))
+            }
         }
+    }
+
+    /// The same broker, its connections asking for an AMQP heartbeat of
+    /// `every` (whole seconds, 1 to [`HEARTBEAT_SECS_MAX`]; default
+    /// [`HEARTBEAT_SECS_DEFAULT`]). A URL's own `heartbeat` parameter wins
+    /// only when shorter. There is no "off": a connection without one
+    /// trusts a silent node for as long as TCP does (hours).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let b = outbox::LapinBroker::new("amqp://localhost").with_heartbeat(Duration::from_secs(5));
+    /// assert!(b.is_ok());
+    /// let e = outbox::LapinBroker::new("amqp://localhost").with_heartbeat(Duration::ZERO);
+    /// assert!(e.unwrap_err().to_string().contains("CANOPY_MQ_AMQP_HEARTBEAT_SECS=0"));
+    /// ```
+    pub fn with_heartbeat(mut self, every: Duration) -> Result<Self, ConfigError> {
+        let secs = every.as_secs();
+        if secs == 0 || secs > u64::from(HEARTBEAT_SECS_MAX) || every.subsec_nanos() != 0 {
+            return Err(ConfigError::Invalid {
+                var: crate::config::vars::AMQP_HEARTBEAT_SECS,
+                value: format!("{}", every.as_secs_f64()),
+                rule: format!("must be whole seconds, >= 1 and <= {HEARTBEAT_SECS_MAX}"),
+            });
+        }
+        self.heartbeat = secs as u16;
+        Ok(self)
     }
 
     /// The first node's URL with any password replaced by `***`.
@@ -204,7 +254,12 @@ impl LapinBroker {
     }
 
     async fn connect_to(&self, url: &str) -> Result<Connection, String> {
-        let connect = Connection::connect(url, ConnectionProperties::default());
+        let mut uri: lapin::uri::AMQPUri = url.parse().map_err(|e: String| scrub(&e, url))?;
+        uri.query.heartbeat = Some(match uri.query.heartbeat {
+            Some(theirs) if theirs > 0 => theirs.min(self.heartbeat),
+            _ => self.heartbeat,
+        });
+        let connect = Connection::connect_uri(uri, ConnectionProperties::default());
         match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
             Ok(Ok(conn)) => Ok(conn),
             Ok(Err(e)) => Err(scrub(&e.to_string(), url)),
