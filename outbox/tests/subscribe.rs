@@ -735,6 +735,52 @@ async fn a_subscriber_leaves_a_silent_node_within_thirty_seconds(pool: PgPool) {
     silent.pass();
 }
 
+/// A failure of the inbox's own statements that a retry cannot cure (here
+/// a constraint of the inbox table refusing the insert, as a partition cut
+/// left behind would) is retried in place, no attempt counted, and
+/// readiness fails past `RETRY_IN_PLACE_GRACE` naming the subscription and
+/// the cause; once the cause is gone the delivery takes effect once and
+/// readiness is clear again.
+#[sqlx::test(migrator = "outbox::MIGRATOR")]
+async fn an_inbox_that_refuses_every_insert_fails_readiness_naming_the_cause(pool: PgPool) {
+    let r = start(pool.clone(), false, false).await;
+    sqlx::query(
+        "ALTER TABLE event_inbox ADD CONSTRAINT no_blocked_events \
+         CHECK (routing_key <> 'orders.blocked') NOT VALID",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let e = EventEnvelope::new("orders.blocked", serde_json::json!({ "n": 1 }));
+    r.publish_envelope(&e).await;
+    let started = std::time::Instant::now();
+    let reasons = loop {
+        let reasons = r.subscriber.readiness_reasons();
+        if !reasons.is_empty() || started.elapsed() > Duration::from_secs(30) {
+            break reasons;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let text: Vec<String> = reasons.iter().map(ToString::to_string).collect();
+    assert!(
+        text.iter().any(
+            |t| t.starts_with(&format!("subscription {} has retried", r.queue))
+                && t.contains("no_blocked_events")
+        ),
+        "{text:?}"
+    );
+    assert!(started.elapsed() >= outbox::core::subscriber::RETRY_IN_PLACE_GRACE);
+    assert_eq!(r.inbox(e.id).await, None, "nothing committed, no attempt");
+    sqlx::query("ALTER TABLE event_inbox DROP CONSTRAINT no_blocked_events")
+        .execute(&pool)
+        .await
+        .unwrap();
+    r.until(30, |s| s.processed == 1).await;
+    assert_eq!(r.effects(e.id).await, 1);
+    assert!(r.subscriber.readiness_reasons().is_empty());
+    r.stop().await;
+}
+
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn shutdown_finishes_the_delivery_in_hand(pool: PgPool) {
     let r = start_with(

@@ -64,6 +64,22 @@ pub enum UnreadyReason {
         /// Seconds it has not been consuming.
         for_secs: u64,
     },
+    /// A subscription's batches have been retried in place for longer than
+    /// [`RETRY_IN_PLACE_GRACE`](crate::core::subscriber::RETRY_IN_PLACE_GRACE):
+    /// their inbox statements keep failing on something other than a
+    /// delivery's data (the database unavailable, a constraint of the
+    /// inbox table), so nothing of theirs takes effect and no attempt is
+    /// counted.
+    SubscriptionRetryingInPlace {
+        /// The subscription (queue).
+        subscription: String,
+        /// Batches retried in place now.
+        batches: usize,
+        /// The latest error of the one retried longest.
+        error: String,
+        /// Seconds it has been retried.
+        for_secs: u64,
+    },
 }
 
 impl std::fmt::Display for UnreadyReason {
@@ -96,6 +112,16 @@ impl std::fmt::Display for UnreadyReason {
                     None => Ok(()),
                 }
             }
+            Self::SubscriptionRetryingInPlace {
+                subscription,
+                batches,
+                error,
+                for_secs,
+            } => write!(
+                f,
+                "subscription {subscription} has retried {batches} batch(es) in place for \
+                 {for_secs} s: {error}"
+            ),
         }
     }
 }

@@ -160,6 +160,7 @@ where
         let mut backoff = RETRY_BACKOFF_MIN;
         let mut shutdown = shutdown.clone();
         let mut escalation = Escalation::default();
+        let mut in_place = None;
         loop {
             let live: Vec<&Item<'_>> = items
                 .iter()
@@ -190,12 +191,7 @@ where
                 Next::RetryInPlace(e) => e,
             };
             self.marks.hit(Mark::InboxRetriedInPlace);
-            tracing::warn!(
-                queue = %self.settings.spec.queue,
-                deliveries = group.len(),
-                error = %error,
-                "inbox unavailable; retrying the deliveries in place"
-            );
+            self.retried_in_place(&mut in_place, &error, group.len());
             if sleep_or_shutdown(&*self.clock, backoff, &mut shutdown).await {
                 self.marks.hit(Mark::RequeuedAtShutdown);
                 for item in live {
@@ -204,6 +200,47 @@ where
                 return;
             }
             backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+        }
+    }
+
+    /// A batch's inbox statements failed again (not on a delivery's data):
+    /// registered as retried in place (readiness fails past
+    /// [`RETRY_IN_PLACE_GRACE`](super::RETRY_IN_PLACE_GRACE)), said in the
+    /// log at its first failure and then once per
+    /// [`RETRY_IN_PLACE_LOG_EVERY`](super::RETRY_IN_PLACE_LOG_EVERY), not
+    /// once per retry.
+    fn retried_in_place<'h>(
+        &'h self,
+        in_place: &mut Option<super::health::InPlace<'h>>,
+        error: &StoreError,
+        deliveries: usize,
+    ) {
+        let queue = &self.settings.spec.queue;
+        let now = self.clock.now();
+        let text = error.to_string();
+        match in_place {
+            None => {
+                *in_place = Some(self.health.in_place(now, &text));
+                tracing::warn!(
+                    queue = %queue,
+                    deliveries,
+                    error = %error,
+                    "inbox statements failed; retrying the deliveries in place, no attempt counted"
+                );
+            }
+            Some(batch) => {
+                batch.failed_again(&text);
+                if now.saturating_sub(batch.logged) >= super::RETRY_IN_PLACE_LOG_EVERY {
+                    batch.logged = now;
+                    tracing::warn!(
+                        queue = %queue,
+                        deliveries,
+                        error = %error,
+                        retried_secs = now.saturating_sub(batch.since).as_secs(),
+                        "inbox statements still failing; the deliveries are still retried in place"
+                    );
+                }
+            }
         }
     }
 

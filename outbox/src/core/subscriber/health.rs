@@ -59,48 +59,111 @@ impl SubscriptionState {
     }
 }
 
-/// The state and since when the subscription has not been consuming (the
-/// subscriber's clock).
+/// How long a batch may be retried in place (its inbox statements failing
+/// on something other than a delivery's data) before readiness fails: a
+/// database blip does not, a failure that keeps coming back (the database
+/// down, a constraint of the inbox table refusing every insert) does.
+pub const RETRY_IN_PLACE_GRACE: Duration = Duration::from_secs(10);
+/// How often a batch still retried in place says so in the log (its first
+/// failure is said at once).
+pub const RETRY_IN_PLACE_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// The state, since when the subscription has not been consuming, and the
+/// batches retried in place (since when, and their latest error), on the
+/// subscriber's clock.
 #[derive(Debug)]
 pub(super) struct Health {
-    inner: Mutex<(SubscriptionState, Duration)>,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: SubscriptionState,
+    since: Duration,
+    in_place: std::collections::BTreeMap<u64, (Duration, String)>,
+    next_token: u64,
 }
 
 impl Default for Health {
     fn default() -> Self {
         Self {
-            inner: Mutex::new((SubscriptionState::NotRun, Duration::ZERO)),
+            inner: Mutex::new(Inner {
+                state: SubscriptionState::NotRun,
+                since: Duration::ZERO,
+                in_place: std::collections::BTreeMap::new(),
+                next_token: 0,
+            }),
         }
     }
 }
 
+/// One batch retried in place, registered with [`Health`] until dropped.
+pub(super) struct InPlace<'a> {
+    health: &'a Health,
+    token: u64,
+    /// When its retries began.
+    pub(super) since: Duration,
+    /// When it last said so in the log.
+    pub(super) logged: Duration,
+}
+
+impl InPlace<'_> {
+    /// Its latest error.
+    pub(super) fn failed_again(&self, error: &str) {
+        if let Some(entry) = self.health.lock().in_place.get_mut(&self.token) {
+            entry.1 = error.to_owned();
+        }
+    }
+}
+
+impl Drop for InPlace<'_> {
+    fn drop(&mut self) {
+        self.health.lock().in_place.remove(&self.token);
+    }
+}
+
 impl Health {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Moves to `state` at `now`; the time it stopped consuming is kept
     /// across states that are not consuming.
     pub(super) fn set(&self, state: SubscriptionState, now: Duration) {
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.lock();
         let was_consuming = matches!(
-            inner.0,
+            inner.state,
             SubscriptionState::Consuming | SubscriptionState::NotRun
         );
         if was_consuming || matches!(state, SubscriptionState::Consuming) {
-            inner.1 = now;
+            inner.since = now;
         }
-        inner.0 = state;
+        inner.state = state;
     }
 
     pub(super) fn state(&self) -> SubscriptionState {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .0
-            .clone()
+        self.lock().state.clone()
+    }
+
+    /// A batch begins to be retried in place at `now`, for `error`.
+    pub(super) fn in_place(&self, now: Duration, error: &str) -> InPlace<'_> {
+        let mut inner = self.lock();
+        let token = inner.next_token;
+        inner.next_token += 1;
+        inner.in_place.insert(token, (now, error.to_owned()));
+        InPlace {
+            health: self,
+            token,
+            since: now,
+            logged: now,
+        }
     }
 
     /// Why `subscription` is not ready at `now`, if it is not.
     pub(super) fn reasons(&self, subscription: &str, now: Duration) -> Vec<UnreadyReason> {
-        let (state, since) = self.inner.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let for_secs = now.saturating_sub(since).as_secs();
+        let inner = self.lock();
+        let mut reasons = Vec::new();
+        let (state, since) = (&inner.state, inner.since);
         let unready = match state {
             SubscriptionState::NotRun | SubscriptionState::Consuming => false,
             SubscriptionState::Failed { .. } | SubscriptionState::Stopped => true,
@@ -108,15 +171,26 @@ impl Health {
                 now.saturating_sub(since) >= NOT_CONSUMING_GRACE
             }
         };
-        if !unready {
-            return Vec::new();
+        if unready {
+            reasons.push(UnreadyReason::SubscriptionNotConsuming {
+                subscription: subscription.to_owned(),
+                state: state.name(),
+                error: state.error(),
+                for_secs: now.saturating_sub(since).as_secs(),
+            });
         }
-        vec![UnreadyReason::SubscriptionNotConsuming {
-            subscription: subscription.to_owned(),
-            state: state.name(),
-            error: state.error(),
-            for_secs,
-        }]
+        // The batch retried longest speaks for all.
+        if let Some((since, error)) = inner.in_place.values().min_by_key(|(since, _)| *since)
+            && now.saturating_sub(*since) >= RETRY_IN_PLACE_GRACE
+        {
+            reasons.push(UnreadyReason::SubscriptionRetryingInPlace {
+                subscription: subscription.to_owned(),
+                batches: inner.in_place.len(),
+                error: error.clone(),
+                for_secs: now.saturating_sub(*since).as_secs(),
+            });
+        }
+        reasons
     }
 }
 
@@ -163,5 +237,26 @@ mod tests {
             r[0].to_string(),
             "subscription q is not consuming (failed for 31 s): PRECONDITION_FAILED"
         );
+    }
+
+    #[test]
+    fn readiness_fails_while_a_batch_is_retried_in_place_past_the_grace() {
+        let h = Health::default();
+        let s = Duration::from_secs;
+        h.set(SubscriptionState::Consuming, s(0));
+        let first = h.in_place(s(100), "timeout");
+        let second = h.in_place(s(105), "timeout");
+        assert!(h.reasons("q", s(109)).is_empty());
+        first.failed_again("violates check constraint");
+        let r = h.reasons("q", s(110));
+        assert_eq!(
+            r[0].to_string(),
+            "subscription q has retried 2 batch(es) in place for 10 s: violates check constraint"
+        );
+        drop(first);
+        assert!(h.reasons("q", s(114)).is_empty(), "the other began at 105");
+        assert_eq!(h.reasons("q", s(115)).len(), 1);
+        drop(second);
+        assert!(h.reasons("q", s(1000)).is_empty());
     }
 }

@@ -238,7 +238,9 @@ mod outcome;
 mod replay;
 mod supervise;
 
-pub use health::{NOT_CONSUMING_GRACE, SubscriptionState};
+pub use health::{
+    NOT_CONSUMING_GRACE, RETRY_IN_PLACE_GRACE, RETRY_IN_PLACE_LOG_EVERY, SubscriptionState,
+};
 pub use outcome::{DeliveryOutcome, SubscriberCounters, SubscriberStats};
 pub use replay::{REPLAY_PAGE, ReplayOutcome, ReplayPage};
 pub use supervise::PROBE_DIVISOR;
