@@ -266,6 +266,10 @@ pub enum PgRequest {
         limit: u32,
         /// Rows after this one (received ms, event id) only.
         after: Option<(u64, Uuid)>,
+        /// Rows whose event payload holds a value at a path only.
+        payload_field: Option<outbox::core::ports::PayloadField>,
+        /// Each row's payload left out (empty).
+        omit_payload: bool,
     },
     /// `inbox_held.sql`: a key's held rows above `after`, lowest first.
     InboxHeld {

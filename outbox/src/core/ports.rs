@@ -618,6 +618,50 @@ pub struct InboxFilter {
     /// met again.
     #[serde(default)]
     pub after: Option<InboxCursor>,
+    /// Only rows whose event payload holds a value at a path, matched by
+    /// the database (see [`PayloadField`]). Not part of the replay route's
+    /// body.
+    #[serde(skip)]
+    pub payload_field: Option<PayloadField>,
+    /// Leave each listed row's `payload` empty: a listing that shows rows,
+    /// not their envelopes, then reads no payload from the database, however
+    /// large they are. Replays always read them. Not part of the replay
+    /// route's body.
+    #[serde(skip)]
+    pub omit_payload: bool,
+}
+
+/// A condition on an inbox row's event payload (the envelope's `payload`):
+/// the value at `path` (object keys and array indexes, from the payload's
+/// top) is the string `value`, or is not a string and equals `value` read
+/// as JSON (numbers compare as numbers: `1` matches `1.0`).
+///
+/// ```
+/// let f = outbox::core::ports::PayloadField::dotted("customer.id", "42");
+/// assert_eq!(f.path, ["customer", "id"]);
+/// assert_eq!(f.value_json(), Some(serde_json::json!(42)));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PayloadField {
+    /// Steps from the payload's top.
+    pub path: Vec<String>,
+    /// The value wanted, as text.
+    pub value: String,
+}
+
+impl PayloadField {
+    /// `path` written with dots (`customer.id`, `lines.0.sku`).
+    pub fn dotted(path: &str, value: &str) -> Self {
+        Self {
+            path: path.split('.').map(str::to_owned).collect(),
+            value: value.to_owned(),
+        }
+    }
+
+    /// `value` read as JSON, if it is JSON.
+    pub fn value_json(&self) -> Option<serde_json::Value> {
+        serde_json::from_str(&self.value).ok()
+    }
 }
 
 /// A place in the listing of inbox rows (oldest first: `received_at`, then

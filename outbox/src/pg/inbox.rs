@@ -8,7 +8,7 @@ use uuid::Uuid;
 use super::{STORE_CALL_TIMEOUT, bounded, delete_expired, map_err, sql};
 use crate::core::ports::{
     AttemptRecord, InboxCounts, InboxEntry, InboxFilter, InboxRow, InboxStore, InsertOutcome,
-    KeySeq, TxBounds,
+    KeySeq, PayloadField, TxBounds,
 };
 use crate::error::StoreError;
 
@@ -462,7 +462,11 @@ impl InboxStore for PgInboxStore {
                 .bind(f.dead_lettered_only)
                 .bind(i64::from(limit))
                 .bind(f.after.map(|c| c.received_at))
-                .bind(f.after.map(|c| c.event_id)),
+                .bind(f.after.map(|c| c.event_id))
+                .bind(f.omit_payload)
+                .bind(f.payload_field.as_ref().map(|p| p.path.clone()))
+                .bind(f.payload_field.as_ref().map(|p| p.value.clone()))
+                .bind(f.payload_field.as_ref().and_then(PayloadField::value_json)),
         )
         .await
     }

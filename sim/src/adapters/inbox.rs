@@ -624,6 +624,8 @@ impl InboxStore for SimInboxStore {
             dead_lettered_only: f.dead_lettered_only,
             limit,
             after: f.after.map(|c| (sim_ms(c.received_at), c.event_id)),
+            payload_field: f.payload_field.clone(),
+            omit_payload: f.omit_payload,
         })
         .await
     }

@@ -253,6 +253,7 @@ async fn operate(
             routing_key: filter.routing_key.clone(),
             dead_lettered_only: filter.dead_lettered_only,
             after: filter.after.map(|c| (ms_of(c.received_at), c.event_id)),
+            payload_field: None,
         };
         let limit = filter
             .limit

@@ -1323,6 +1323,75 @@ async fn a_listing_resumes_after_its_cursor<A: InboxArm>(arm: A) {
     );
 }
 
+/// A listing matches a field of the event's payload in the database (a
+/// string as itself; anything else as JSON, numbers by value), and can
+/// leave every row's payload out.
+async fn a_listing_matches_a_payload_field_and_can_leave_payloads_out<A: InboxArm>(arm: A) {
+    let a = arm.store();
+    let make = |payload: serde_json::Value| {
+        let e = EventEnvelope::new("k", payload);
+        Event {
+            id: e.id,
+            payload: e.encode(&Default::default()).unwrap(),
+        }
+    };
+    let events = [
+        make(serde_json::json!({ "customer": { "id": 42 }, "lines": [{ "sku": "a" }] })),
+        make(serde_json::json!({ "customer": { "id": "42" } })),
+        make(serde_json::json!({ "customer": { "id": 42.0 } })),
+        make(serde_json::json!({ "customer": { "id": 7 }, "lines": [{ "sku": "b" }] })),
+        make(serde_json::json!({ "customer": { "id": "\"42\"" } })),
+    ];
+    for e in &events {
+        fail(&arm, a, e, "k", 1).await;
+    }
+    let list = |path: &str, value: &str| InboxFilter {
+        dead_lettered_only: true,
+        payload_field: Some(outbox::core::ports::PayloadField::dotted(path, value)),
+        ..InboxFilter::default()
+    };
+    let ids = |rows: &[outbox::InboxRow]| rows.iter().map(|r| r.event_id).collect::<Vec<_>>();
+    let found = |f| async move { ids(&a.inbox_list_unprocessed(&f).await.unwrap()) };
+    assert_eq!(
+        found(list("customer.id", "42")).await,
+        [events[0].id, events[1].id, events[2].id],
+        "the string itself, and the number by value"
+    );
+    assert_eq!(found(list("customer.id", "\"42\"")).await, [events[4].id]);
+    assert_eq!(found(list("lines.0.sku", "b")).await, [events[3].id]);
+    assert!(found(list("lines.1.sku", "a")).await.is_empty());
+    assert!(found(list("customer.id.deeper", "42")).await.is_empty());
+    assert!(found(list("customer", "42")).await.is_empty());
+    // Without payloads: the same rows, every payload empty.
+    let with = a
+        .inbox_list_unprocessed(&InboxFilter {
+            dead_lettered_only: true,
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    let without = a
+        .inbox_list_unprocessed(&InboxFilter {
+            dead_lettered_only: true,
+            omit_payload: true,
+            ..InboxFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(&with), ids(&without));
+    assert!(with.iter().all(|r| !r.payload.is_empty()));
+    assert!(without.iter().all(|r| r.payload.is_empty()));
+    assert_eq!(
+        without
+            .iter()
+            .map(|r| (r.attempts, r.dead_lettered_at))
+            .collect::<Vec<_>>(),
+        with.iter()
+            .map(|r| (r.attempts, r.dead_lettered_at))
+            .collect::<Vec<_>>()
+    );
+}
+
 /// One failed attempt of an ordered delivery (see [`fail`]).
 async fn fail_keyed<A: InboxArm>(arm: &A, e: &Event, o: &outbox::KeySeq, max_attempts: u32) {
     let store = arm.store();
@@ -1660,4 +1729,5 @@ conformance!(postgres: with_real, fake: with_fake,
     a_deferred_constraint_fails_at_the_check_or_at_the_commit,
     an_aborted_transaction_commits_nothing_and_says_nothing,
     a_listing_resumes_after_its_cursor,
+    a_listing_matches_a_payload_field_and_can_leave_payloads_out,
 );

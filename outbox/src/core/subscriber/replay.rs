@@ -108,6 +108,8 @@ where
             .clamp(1, LIST_LIMIT_MAX) as usize;
         let mut page = filter.clone();
         page.subscription = Some(self.settings.spec.queue.clone());
+        // A replay runs what it lists.
+        page.omit_payload = false;
         let mut results = Vec::new();
         let mut released = Vec::new();
         loop {

@@ -153,7 +153,9 @@ impl Filter {
             && self.payload_matches(row.envelope.as_bytes())
     }
 
-    /// Whether a dead-lettered inbox row matches.
+    /// Whether a dead-lettered inbox row matches, but for the payload
+    /// field, which a listing leaves to the database
+    /// ([`payload_field`](Self::payload_field)).
     pub fn dead(&self, row: &InboxRow) -> bool {
         self.subscription
             .as_ref()
@@ -161,7 +163,16 @@ impl Filter {
             && self.routing_key_matches(&row.routing_key)
             && self.error_matches(row.last_error.as_deref())
             && self.time_matches(row.dead_lettered_at)
-            && self.payload_matches(&row.payload)
+    }
+
+    /// The payload field as the database matches it, if one is asked for.
+    pub fn payload_field(&self) -> Option<crate::core::ports::PayloadField> {
+        match (&self.path, &self.value) {
+            (Some(path), Some(value)) => {
+                Some(crate::core::ports::PayloadField::dotted(path, value))
+            }
+            _ => None,
+        }
     }
 
     fn payload_matches(&self, payload: &[u8]) -> bool {

@@ -232,10 +232,13 @@ pub(super) async fn parked_where(
 }
 
 /// The dead-lettered events a filter matches, oldest first, with their
-/// subscriptions: each subscription read as [`scan`] reads, until more
-/// match than [`ACTION_MAX`] in all.
+/// subscriptions, without their payloads: each subscription read as
+/// [`scan`] reads, until more match than [`ACTION_MAX`] in all. The
+/// database matches the payload field and sends no payload, so a list
+/// costs the same for small events and large ones.
 pub(super) async fn dead_matching(console: &Console, f: &Filter) -> Result<Vec<InboxRow>, String> {
     let mut rows = Vec::new();
+    let payload_field = f.payload_field();
     for (name, target) in console.app.targets.iter() {
         if f.subscription.as_ref().is_some_and(|s| s != name) {
             continue;
@@ -243,6 +246,8 @@ pub(super) async fn dead_matching(console: &Console, f: &Filter) -> Result<Vec<I
         let page = |after| {
             let filter = InboxFilter {
                 after,
+                payload_field: payload_field.clone(),
+                omit_payload: true,
                 ..dead_filter(Some(name))
             };
             async move { target.list(&filter).await }

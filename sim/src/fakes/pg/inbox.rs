@@ -71,6 +71,9 @@ pub struct ListFilter {
     pub dead_lettered_only: bool,
     /// Rows after this (received ms, event id) only.
     pub after: Option<(u64, Uuid)>,
+    /// Rows whose event payload holds a value at a path only
+    /// (`inbox_list_unprocessed.sql`'s `#>` and jsonb equality).
+    pub payload_field: Option<outbox::core::ports::PayloadField>,
 }
 
 impl ListFilter {
@@ -91,6 +94,63 @@ impl ListFilter {
                 .as_ref()
                 .is_none_or(|k| *k == r.routing_key)
             && (!self.dead_lettered_only || r.dead_lettered_ms.is_some())
+            && self
+                .payload_field
+                .as_ref()
+                .is_none_or(|f| payload_holds(&r.payload, f))
+    }
+}
+
+/// Whether the envelope `payload` (its JSON text) holds `f`, as
+/// PostgreSQL's `payload -> 'payload' #> path` compares: the string itself,
+/// or a value that is no string and equals `f.value` read as JSON (jsonb
+/// equality: numbers by value).
+fn payload_holds(payload: &str, f: &outbox::core::ports::PayloadField) -> bool {
+    let Ok(envelope) = serde_json::from_str::<serde_json::Value>(payload) else {
+        return false;
+    };
+    let found = f
+        .path
+        .iter()
+        .try_fold(envelope.get("payload"), |v, step| match v? {
+            serde_json::Value::Object(map) => Some(map.get(step)),
+            serde_json::Value::Array(items) => Some(
+                step.parse::<i64>()
+                    .ok()
+                    .and_then(|i| {
+                        let len = items.len() as i64;
+                        usize::try_from(if i < 0 { len + i } else { i }).ok()
+                    })
+                    .and_then(|i| items.get(i)),
+            ),
+            _ => None,
+        })
+        .flatten();
+    match found {
+        None => false,
+        Some(serde_json::Value::String(s)) => *s == f.value,
+        Some(v) => f.value_json().is_some_and(|want| jsonb_eq(v, &want)),
+    }
+}
+
+/// jsonb's equality: numbers by value, objects by their keys' values,
+/// arrays in order.
+fn jsonb_eq(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+    use serde_json::Value as V;
+    match (a, b) {
+        (V::Number(x), V::Number(y)) => match (x.as_i64(), y.as_i64()) {
+            (Some(x), Some(y)) => x == y,
+            _ => x.as_f64() == y.as_f64(),
+        },
+        (V::Array(x), V::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| jsonb_eq(x, y))
+        }
+        (V::Object(x), V::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| jsonb_eq(v, w)))
+        }
+        _ => a == b,
     }
 }
 
@@ -512,6 +572,8 @@ impl Inbox {
                 dead_lettered_only,
                 limit,
                 after,
+                payload_field,
+                omit_payload,
             } => {
                 let filter = ListFilter {
                     ids: ids.clone(),
@@ -519,8 +581,18 @@ impl Inbox {
                     routing_key: routing_key.clone(),
                     dead_lettered_only: *dead_lettered_only,
                     after: *after,
+                    payload_field: payload_field.clone(),
                 };
-                self.list(|r| filter.keeps(r), *limit)
+                let listed = self.list(|r| filter.keeps(r), *limit);
+                match listed {
+                    PgReply::InboxRows(mut rows) if *omit_payload => {
+                        for r in &mut rows {
+                            r.payload.clear();
+                        }
+                        PgReply::InboxRows(rows)
+                    }
+                    listed => listed,
+                }
             }
             PgRequest::InboxDeleteProcessed {
                 older_than_ms,
