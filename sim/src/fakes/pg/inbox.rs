@@ -583,16 +583,7 @@ impl Inbox {
                     after: *after,
                     payload_field: payload_field.clone(),
                 };
-                let listed = self.list(|r| filter.keeps(r), *limit);
-                match listed {
-                    PgReply::InboxRows(mut rows) if *omit_payload => {
-                        for r in &mut rows {
-                            r.payload.clear();
-                        }
-                        PgReply::InboxRows(rows)
-                    }
-                    listed => listed,
-                }
+                self.list(|r| filter.keeps(r), *limit, *omit_payload)
             }
             PgRequest::InboxDeleteProcessed {
                 older_than_ms,
@@ -875,14 +866,21 @@ impl Inbox {
         rows.into_iter().map(|r| r.event_id).collect()
     }
 
-    /// `inbox_list_unprocessed.sql`: the rows `filter` keeps, oldest first.
-    fn list(&self, filter: impl Fn(&InboxRow) -> bool, limit: u32) -> PgReply {
+    /// `inbox_list_unprocessed.sql`: the rows `filter` keeps, oldest first,
+    /// each payload left out (empty) if `omit_payload`.
+    fn list(&self, filter: impl Fn(&InboxRow) -> bool, limit: u32, omit_payload: bool) -> PgReply {
         let mut rows: Vec<&InboxRow> = self.rows.values().filter(|r| filter(r)).collect();
         rows.sort_by_key(|r| (r.received_ms, r.event_id));
         PgReply::InboxRows(
             rows.into_iter()
                 .take(limit as usize)
-                .map(InboxRow::wire)
+                .map(|r| {
+                    let mut wire = r.wire();
+                    if omit_payload {
+                        wire.payload.clear();
+                    }
+                    wire
+                })
                 .collect(),
         )
     }
