@@ -144,7 +144,92 @@ pub async fn partition(
             width.as_secs().max(1)
         )
     });
-    run_with(pool, &partitioned_migrator(), setting.as_deref()).await
+    run_with(pool, &partitioned_migrator(), setting.as_deref(), true).await
+}
+
+/// A partition move that stopped part-way, finished or undone before the
+/// partitioned migrations run, and again if they fail (see [`partition`]):
+/// each step either completes or leaves nothing that can refuse a write
+/// later. The first step bounds both tables below a cut with a CHECK that
+/// holds for every write at once; had the move stopped there, every write
+/// would fail once the clock passed the cut.
+/// - Stopped before `event_outbox` moved: the plan is undone (both checks
+///   and `event_partitioning` dropped, the first two steps unrecorded), so
+///   the move starts afresh, with a new cut, the next time it runs.
+/// - Stopped after `event_outbox` moved and before `event_inbox` did: the
+///   inbox's cut moves forward (two widths from now) and is proved again,
+///   so the last step finishes with it.
+const REPAIR_STOPPED_MOVE: &str = r"
+DO $$
+DECLARE
+    width_ms BIGINT;
+    now_ms BIGINT := floor(extract(epoch FROM clock_timestamp()) * 1000)::BIGINT;
+    new_cut BIGINT;
+BEGIN
+    IF to_regclass('event_partitioning') IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_class
+                   WHERE oid = to_regclass('event_outbox') AND relkind = 'p') THEN
+        ALTER TABLE event_outbox DROP CONSTRAINT IF EXISTS event_outbox_below_cut;
+        ALTER TABLE event_inbox DROP CONSTRAINT IF EXISTS event_inbox_below_cut;
+        DROP TABLE event_partitioning;
+        DELETE FROM _sqlx_migrations WHERE version IN (20261207000000, 20261207000001);
+        RAISE WARNING 'a partition move that stopped before event_outbox moved was undone; '
+                      'it starts afresh';
+    ELSIF NOT EXISTS (SELECT 1 FROM pg_class
+                      WHERE oid = to_regclass('event_inbox') AND relkind = 'p') THEN
+        SELECT 1000 * width_secs INTO STRICT width_ms
+        FROM event_partitioning WHERE parent = 'event_inbox';
+        new_cut := (now_ms / width_ms + 2) * width_ms;
+        UPDATE event_partitioning SET cut_ms = new_cut WHERE parent = 'event_inbox';
+        ALTER TABLE event_inbox DROP CONSTRAINT IF EXISTS event_inbox_below_cut;
+        EXECUTE format('ALTER TABLE event_inbox ADD CONSTRAINT event_inbox_below_cut '
+                       'CHECK (event_id < %L) NOT VALID',
+                       (lpad(to_hex(new_cut), 12, '0') || repeat('0', 20))::UUID);
+        RAISE WARNING 'a partition move that stopped before event_inbox moved goes on with '
+                      'a new cut';
+    END IF;
+END $$;
+";
+
+/// Runs [`REPAIR_STOPPED_MOVE`], then proves the inbox's cut if it was
+/// moved (a scan that blocks no writer).
+async fn repair_stopped_move(
+    conn: &mut sqlx::pool::PoolConnection<sqlx::Postgres>,
+) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(REPAIR_STOPPED_MOVE)
+        .execute(&mut **conn)
+        .await?;
+    let pending_inbox: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_constraint \
+          WHERE conname = 'event_inbox_below_cut' AND NOT convalidated)",
+    )
+    .fetch_one(&mut **conn)
+    .await?;
+    if pending_inbox {
+        sqlx::raw_sql("ALTER TABLE event_inbox VALIDATE CONSTRAINT event_inbox_below_cut")
+            .execute(&mut **conn)
+            .await?;
+    }
+    Ok(())
+}
+
+/// What a failed partition move says: how to find the row that stopped
+/// it, when a cut's check was refused.
+fn say_how_to_go_on(e: &sqlx::migrate::MigrateError) {
+    let text = e.to_string();
+    if text.contains("_below_cut") {
+        tracing::error!(
+            error = %text,
+            "the partition move stopped: a row's id is at or above the cut (a UUID v7 from a \
+             clock ahead, or an id that is no UUID v7). Find it with `SELECT id, enqueued_at \
+             FROM event_outbox ORDER BY id DESC LIMIT 5` (event_inbox: event_id, received_at), \
+             move or delete it, and boot again. Nothing is left that refuses a write."
+        );
+    } else {
+        tracing::error!(error = %text, "the partition move stopped; it is finished or undone at the next boot, and nothing is left that refuses a write");
+    }
 }
 
 /// SHA-384 of a file's bytes in hex (the digest sqlx records per migration).
@@ -362,15 +447,17 @@ pub const WAIT_REPORT_EVERY: std::time::Duration = std::time::Duration::from_sec
 /// # Ok(()) }
 /// ```
 pub async fn run(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    run_with(pool, &migrator(), None).await
+    run_with(pool, &migrator(), None, false).await
 }
 
 /// Runs `migrator` as [`run`] describes, after `setting` (a `SET` statement
-/// the migrations read) on the same connection.
+/// the migrations read) on the same connection; the partitioned layout's
+/// (`repair`) finishes or undoes a move that stopped, before and after.
 async fn run_with(
     pool: &sqlx::PgPool,
     migrator: &sqlx::migrate::Migrator,
     setting: Option<&str>,
+    repair: bool,
 ) -> Result<(), sqlx::migrate::MigrateError> {
     let mut conn = pool.acquire().await?;
     let ran = async {
@@ -379,7 +466,7 @@ async fn run_with(
                 .execute(&mut *conn)
                 .await?;
         }
-        run_on(pool, &mut conn, migrator).await
+        run_on(pool, &mut conn, migrator, repair).await
     }
     .await;
     match ran {
@@ -404,14 +491,37 @@ async fn run_on(
     pool: &sqlx::PgPool,
     conn: &mut sqlx::pool::PoolConnection<sqlx::Postgres>,
     migrator: &sqlx::migrate::Migrator,
+    repair: bool,
+) -> Result<(), sqlx::migrate::MigrateError> {
+    use sqlx::migrate::Migrate;
+    take_migration_lock(pool, conn).await?;
+    set_lock_timeout(conn, Some(MIGRATION_LOCK_TIMEOUT)).await?;
+    conn.ensure_migrations_table(&migrator.table_name).await?;
+    if repair {
+        repair_stopped_move(conn).await?;
+    }
+    let ran = migrate_on(pool, conn, migrator).await;
+    if let Err(e) = &ran
+        && repair
+    {
+        say_how_to_go_on(e);
+        set_lock_timeout(conn, Some(MIGRATION_LOCK_TIMEOUT)).await?;
+        repair_stopped_move(conn).await?;
+    }
+    ran?;
+    conn.unlock().await
+}
+
+/// The migrations of [`run_on`], under its lock.
+async fn migrate_on(
+    pool: &sqlx::PgPool,
+    conn: &mut sqlx::pool::PoolConnection<sqlx::Postgres>,
+    migrator: &sqlx::migrate::Migrator,
 ) -> Result<(), sqlx::migrate::MigrateError> {
     use sqlx::migrate::Migrate;
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut **conn)
         .await?;
-    take_migration_lock(pool, conn).await?;
-    set_lock_timeout(conn, Some(MIGRATION_LOCK_TIMEOUT)).await?;
-    conn.ensure_migrations_table(&migrator.table_name).await?;
     let applied: std::collections::BTreeSet<i64> = conn
         .list_applied_migrations(&migrator.table_name)
         .await?
@@ -440,8 +550,7 @@ async fn run_on(
         waiting(pool, pid, &what, step).await?;
         set_lock_timeout(conn, Some(MIGRATION_LOCK_TIMEOUT)).await?;
     }
-    migrator.run_direct(None, &mut **conn, false).await?;
-    conn.unlock().await
+    migrator.run_direct(None, &mut **conn, false).await
 }
 
 /// Takes the migration lock, the advisory lock sqlx's runner takes (a

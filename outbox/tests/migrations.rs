@@ -457,3 +457,138 @@ async fn a_boot_waits_for_a_migration_lock_held_by_sqlxs_runner(pool: sqlx::PgPo
         .unwrap();
     assert_fully_migrated(&pool).await;
 }
+
+/// A UUID v7 whose clock is `ms` (the rest zero but the version and
+/// variant bits).
+fn v7_at(ms: i64) -> uuid::Uuid {
+    let hex = format!("{ms:012x}70008000000000000000");
+    uuid::Uuid::parse_str(&hex).unwrap()
+}
+
+/// Milliseconds since the epoch, by the database's clock.
+async fn db_now_ms(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::INT8")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Writes one outbox row with id `id`, as a producer whose clock runs
+/// ahead would.
+async fn write_outbox_row(pool: &sqlx::PgPool, id: uuid::Uuid) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO event_outbox (id, routing_key, payload) VALUES ($1, 'k', '{}')")
+        .bind(id)
+        .execute(pool)
+        .await
+        .map(|_| ())
+}
+
+/// A partition move that stopped after its first step (the cut's CHECK in
+/// place, the rest not run) would refuse every write once the clock passed
+/// the cut: the next run of the migrator undoes the plan and moves the
+/// tables with a fresh cut, and writes past the old cut work.
+#[sqlx::test(migrations = false)]
+async fn a_partition_move_stopped_after_its_first_step_is_finished_at_the_next_boot(
+    pool: sqlx::PgPool,
+) {
+    outbox::migrate::run(&pool).await.unwrap();
+    let first: i64 = PARTITIONED_FILES[0].0[..14].parse().unwrap();
+    outbox::migrate::partitioned_migrator()
+        .run_to(first, &pool)
+        .await
+        .unwrap();
+    let cut: i64 =
+        sqlx::query_scalar("SELECT cut_ms FROM event_partitioning WHERE parent = 'event_outbox'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    // The trap: an id past the cut (the clock two widths on) is refused.
+    let e = write_outbox_row(&pool, v7_at(cut + 1)).await.unwrap_err();
+    assert!(e.to_string().contains("event_outbox_below_cut"), "{e}");
+    outbox::migrate::partition(&pool, None).await.unwrap();
+    write_outbox_row(&pool, v7_at(cut + 1)).await.unwrap();
+    let kind: String = sqlx::query_scalar(
+        "SELECT relkind::TEXT FROM pg_class WHERE oid = 'event_inbox'::regclass",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kind, "p", "the move finished");
+}
+
+/// A move that cannot finish (a row three days ahead makes the cut's proof
+/// fail on every run) fails the boot, and leaves nothing that refuses a
+/// write; once the row is gone the move finishes.
+#[sqlx::test(migrations = false)]
+async fn a_partition_move_beside_a_row_ahead_fails_the_boot_and_refuses_no_write(
+    pool: sqlx::PgPool,
+) {
+    outbox::migrate::run(&pool).await.unwrap();
+    let ahead = v7_at(db_now_ms(&pool).await + 3 * 86_400_000);
+    write_outbox_row(&pool, ahead).await.unwrap();
+    for _ in 0..2 {
+        let e = outbox::migrate::partition(&pool, None).await.unwrap_err();
+        assert!(e.to_string().contains("event_outbox_below_cut"), "{e}");
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_constraint WHERE conname LIKE '%below_cut'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(left, 0, "no cut is left to refuse a write");
+        // Past any cut it could have planned: a week ahead.
+        write_outbox_row(&pool, v7_at(db_now_ms(&pool).await + 7 * 86_400_000))
+            .await
+            .unwrap();
+        sqlx::query("DELETE FROM event_outbox WHERE id > $1")
+            .bind(ahead)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query("DELETE FROM event_outbox WHERE id = $1")
+        .bind(ahead)
+        .execute(&pool)
+        .await
+        .unwrap();
+    outbox::migrate::partition(&pool, None).await.unwrap();
+}
+
+/// A move that stopped after `event_outbox` moved and before `event_inbox`
+/// did goes on with a new cut for the inbox: an inbox write past the old
+/// cut works once the move finished.
+#[sqlx::test(migrations = false)]
+async fn a_partition_move_stopped_before_the_inbox_moved_finishes_with_a_new_cut(
+    pool: sqlx::PgPool,
+) {
+    outbox::migrate::run(&pool).await.unwrap();
+    let third: i64 = PARTITIONED_FILES[2].0[..14].parse().unwrap();
+    outbox::migrate::partitioned_migrator()
+        .run_to(third, &pool)
+        .await
+        .unwrap();
+    let cut: i64 =
+        sqlx::query_scalar("SELECT cut_ms FROM event_partitioning WHERE parent = 'event_inbox'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let insert = |id: uuid::Uuid| {
+        sqlx::query(
+            "INSERT INTO event_inbox (event_id, subscription, routing_key, payload) \
+             VALUES ($1, 's', 'k', '{}')",
+        )
+        .bind(id)
+        .execute(&pool)
+    };
+    let e = insert(v7_at(cut + 1)).await.unwrap_err();
+    assert!(e.to_string().contains("event_inbox_below_cut"), "{e}");
+    outbox::migrate::partition(&pool, None).await.unwrap();
+    insert(v7_at(cut + 1)).await.unwrap();
+    let kind: String = sqlx::query_scalar(
+        "SELECT relkind::TEXT FROM pg_class WHERE oid = 'event_inbox'::regclass",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kind, "p");
+}
