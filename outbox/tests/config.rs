@@ -104,21 +104,24 @@ fn the_replica_id_falls_back_to_hostname_pid_and_a_uuid_v7() {
     assert_ne!(from(&[]).unwrap().replica_id, id, "unique per drainer");
 }
 
+/// Every number `DrainerConfig::from_env` reads.
+const DRAINER_NUMBERS: [&str; 11] = [
+    vars::TICK_MS,
+    vars::BATCH_SIZE,
+    vars::LEASE_TTL_SECS,
+    vars::PIPELINE_DEPTH,
+    vars::CONFIRM_TIMEOUT_SECS,
+    vars::MAX_ATTEMPTS,
+    vars::RETENTION_DAYS,
+    vars::PENDING_WARN,
+    vars::OLDEST_WARN_SECS,
+    vars::MAX_ROWS_PER_SEC,
+    vars::WAKEUP_LINGER_MS,
+];
+
 #[test]
 fn non_numbers_are_refused_naming_the_variable() {
-    for var in [
-        vars::TICK_MS,
-        vars::BATCH_SIZE,
-        vars::LEASE_TTL_SECS,
-        vars::PIPELINE_DEPTH,
-        vars::CONFIRM_TIMEOUT_SECS,
-        vars::MAX_ATTEMPTS,
-        vars::RETENTION_DAYS,
-        vars::PENDING_WARN,
-        vars::OLDEST_WARN_SECS,
-        vars::MAX_ROWS_PER_SEC,
-        vars::WAKEUP_LINGER_MS,
-    ] {
+    for var in DRAINER_NUMBERS {
         assert_invalid(&[(var, "ten")], var, "ten", "whole number");
         assert_invalid(&[(var, "-1")], var, "-1", "whole number");
     }
@@ -421,19 +424,7 @@ fn subscriber_variables_are_read_and_checked_naming_them() {
 #[test]
 fn every_number_has_a_ceiling_and_the_error_names_it() {
     let past_u64 = "18446744073709551616";
-    for var in [
-        vars::TICK_MS,
-        vars::BATCH_SIZE,
-        vars::LEASE_TTL_SECS,
-        vars::PIPELINE_DEPTH,
-        vars::CONFIRM_TIMEOUT_SECS,
-        vars::MAX_ATTEMPTS,
-        vars::RETENTION_DAYS,
-        vars::PENDING_WARN,
-        vars::OLDEST_WARN_SECS,
-        vars::MAX_ROWS_PER_SEC,
-        vars::WAKEUP_LINGER_MS,
-    ] {
+    for var in DRAINER_NUMBERS {
         assert_invalid(&[(var, past_u64)], var, past_u64, "must be <= ");
         // The largest whole number any of them holds is refused by the
         // variable's own ceiling (or by a rule tying it to another).

@@ -529,10 +529,34 @@ async fn the_inbox_janitor_deletes_only_processed_rows_past_retention(pool: PgPo
     janitor.shutdown().await;
 }
 
+/// `POST /v1/admin/events/replay` with `body`, bearing `token`: the
+/// answer's status and JSON.
+async fn replay_route(
+    router: &axum::Router,
+    token: &str,
+    body: String,
+) -> (axum::http::StatusCode, serde_json::Value) {
+    use axum::http::{Request, header};
+    use tower::ServiceExt;
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/admin/events/replay")
+        .header(header::AUTHORIZATION, format!("Bearer {token}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(axum::body::Body::from(body))
+        .unwrap();
+    let resp = router.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    (status, serde_json::from_slice(&bytes).unwrap())
+}
+
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn replay_through_the_http_route_applies_a_dead_lettered_event_once(pool: PgPool) {
     use axum::body::Body;
-    use axum::http::{Request, StatusCode, header};
+    use axum::http::{Request, StatusCode};
     use outbox::http::{AdminAuth, AdminRouter};
     use tower::ServiceExt;
 
@@ -545,27 +569,7 @@ async fn replay_through_the_http_route_applies_a_dead_lettered_event_once(pool: 
     let router = AdminRouter::new(AdminAuth::bearer(token).unwrap())
         .subscriber(r.subscriber.clone())
         .build();
-    let replay = |body: String| {
-        let router = router.clone();
-        async move {
-            let req = Request::builder()
-                .method("POST")
-                .uri("/v1/admin/events/replay")
-                .header(header::AUTHORIZATION, format!("Bearer {token}"))
-                .header(header::CONTENT_TYPE, "application/json")
-                .body(Body::from(body))
-                .unwrap();
-            let resp = router.oneshot(req).await.unwrap();
-            let status = resp.status();
-            let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
-                .await
-                .unwrap();
-            (
-                status,
-                serde_json::from_slice::<serde_json::Value>(&bytes).unwrap(),
-            )
-        }
-    };
+    let replay = |body: String| replay_route(&router, token, body);
     let body = format!(r#"{{"ids":["{}"]}}"#, e.id);
     let (status, json) = replay(body.clone()).await;
     assert_eq!(status, StatusCode::OK, "{json}");
@@ -597,10 +601,7 @@ async fn replay_through_the_http_route_applies_a_dead_lettered_event_once(pool: 
 /// them until `more` is false; every row is met once.
 #[sqlx::test(migrator = "outbox::MIGRATOR")]
 async fn a_limited_replay_over_http_pages_by_its_answers_next(pool: PgPool) {
-    use axum::body::Body;
-    use axum::http::{Request, StatusCode, header};
     use outbox::http::{AdminAuth, AdminRouter};
-    use tower::ServiceExt;
 
     let r = start(pool, false, true).await;
     let events: Vec<EventEnvelope> = (0..5)
@@ -615,21 +616,11 @@ async fn a_limited_replay_over_http_pages_by_its_answers_next(pool: PgPool) {
         .subscriber(r.subscriber.clone())
         .build();
     let replay = |body: serde_json::Value| {
-        let router = router.clone();
+        let answer = replay_route(&router, token, body.to_string());
         async move {
-            let req = Request::builder()
-                .method("POST")
-                .uri("/v1/admin/events/replay")
-                .header(header::AUTHORIZATION, format!("Bearer {token}"))
-                .header(header::CONTENT_TYPE, "application/json")
-                .body(Body::from(body.to_string()))
-                .unwrap();
-            let resp = router.oneshot(req).await.unwrap();
-            assert_eq!(resp.status(), StatusCode::OK);
-            let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
-                .await
-                .unwrap();
-            serde_json::from_slice::<serde_json::Value>(&bytes).unwrap()
+            let (status, json) = answer.await;
+            assert_eq!(status, axum::http::StatusCode::OK, "{json}");
+            json
         }
     };
     let ids_of = |json: &serde_json::Value| -> Vec<String> {
