@@ -233,6 +233,7 @@ where
     /// (`max_attempts`, retried in place after [`RETRY_BACKOFF_MIN`]), since
     /// it never had a delivery's retries; it is dead-lettered, the key's
     /// new head, only once it failed them all.
+    ///
     /// A held row whose payload is no envelope (a delivery given up on at
     /// once, recorded behind a dead-lettered event) cannot run: it is
     /// dead-lettered at once, the key's new head, for an operator to skip.
