@@ -32,9 +32,14 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// may only lower it): a connection that has heard nothing from its node
 /// for twice this long is closed and the next node tried, so a node that
 /// stops answering without closing (a hung process, a link that drops
-/// packets) is left within about 20 s, plus the next node's connect. The
-/// broker's own default is 60 s, which lapin waits out twice: two minutes.
-pub const HEARTBEAT_SECS_DEFAULT: u16 = 10;
+/// packets) is left after about 10 s. What the broker had sent down the
+/// silent link comes back to another consumer once the broker closes that
+/// link itself, after about three heartbeats: a subscription applies again
+/// about 15 s after its link went silent (measured, `subscribe.rs`; 29.9 s
+/// at 10 s, against a bound of 30). RabbitMQ advises against less than
+/// 5 s (false positives on a busy host). The broker's own default is 60 s,
+/// which lapin waits out twice: two minutes.
+pub const HEARTBEAT_SECS_DEFAULT: u16 = 5;
 /// Longest heartbeat accepted, in seconds.
 pub const HEARTBEAT_SECS_MAX: u16 = 300;
 /// Bound on closing a replaced connection (lapin's close can hang).
