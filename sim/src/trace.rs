@@ -271,6 +271,15 @@ pub enum Event {
         parked: u64,
         blocked: u64,
     },
+    /// The fake PostgreSQL computed an `outbox_stats` answer (at the
+    /// server, in the order of its other statements): what the table
+    /// held must be what it says.
+    StatsSampled {
+        pending: u64,
+        oldest_age_ms: u64,
+        parked: u64,
+        blocked: u64,
+    },
     /// `outbox_stats` failed for the replica.
     StatsFailed { replica: String },
     /// An outbox gauge was set (by the stats task that last asked), to
@@ -313,6 +322,9 @@ pub enum Event {
     CommitsLost {
         leases: Vec<(Uuid, Option<String>)>,
         unmarked: Vec<Uuid>,
+        /// Rows whose parked flag the crash took back, with the flag they
+        /// have again.
+        parks: Vec<(Uuid, bool)>,
     },
     /// The store released leases.
     Released { replica: String, ids: Vec<Uuid> },
@@ -394,6 +406,15 @@ pub enum Event {
         client: String,
         events: Vec<Uuid>,
         at_commit: bool,
+    },
+    /// The server applied a transaction's `SET LOCAL` of its own bounds on
+    /// session `session` (`statement_timeout`, and
+    /// `idle_in_transaction_session_timeout`), in force until that
+    /// transaction ends.
+    TxBounds {
+        session: u64,
+        statement_ms: Option<u64>,
+        idle_in_tx_ms: Option<u64>,
     },
     /// `client` had the server end (`terminate`) or cancel the statement of
     /// these sessions.

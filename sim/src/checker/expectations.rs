@@ -19,7 +19,9 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                 dead_lettered: true,
                 ..
             } => dead_letters += 1,
-            Event::CommitsLost { leases, unmarked } => lost += leases.len() + unmarked.len(),
+            Event::CommitsLost {
+                leases, unmarked, ..
+            } => lost += leases.len() + unmarked.len(),
             _ => {}
         }
     }

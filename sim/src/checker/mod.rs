@@ -21,7 +21,8 @@
 //!   rows, and do delete them.
 //! - [`consumer`]: exactly-once effect (#433), the attempt budget, replay,
 //!   and hostile deliveries.
-//! - [`statements`]: a statement its client gave up on ends at the server.
+//! - [`statements`]: a statement its client gave up on ends at the server;
+//!   a handler's transaction carries the server's own bounds.
 //! - [`expectations`]: what a scenario's faults must make happen.
 //! - [`marks`]: the coverage marks agree with the trace, so a scenario's
 //!   `[expect] reach` list cannot be met by a mark that lies.
@@ -182,6 +183,8 @@ invariants! {
     // --- statements
     /// A statement that waits on a lock when its client stops waiting for it ends at the server soon after (its locks and pooled connection come back).
     AbandonedStatementEnds = "abandoned_statement_ends",
+    /// A handler runs in a transaction the server itself bounds: no statement of it runs past the handler's deadline and one second, and it may sit idle at least a minute and more than twice the deadline.
+    HandlerTxBounds = "handler_tx_bounds",
     // --- expectations
     /// What the scenario's faults must make happen did happen.
     ScenarioExpectation = "scenario_expectation",

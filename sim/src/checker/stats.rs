@@ -1,4 +1,8 @@
-//! The stats task and readiness (#1230): the gauges say what the sample
+//! The stats task and readiness (#1230): each sample says what the table
+//! held when the server took it (pending rows, parked rows, pending rows
+//! blocked behind a parked earlier event of their key; the oldest pending
+//! row no younger than its commit), folded here from the store's own
+//! events, never from the fake's counters; the gauges say what the sample
 //! they were set from said (pending, oldest unpublished age, parked,
 //! blocked behind a parked head of their ordering key; ready
 //! exactly when under both thresholds), and readiness fails exactly past
@@ -11,6 +15,8 @@
 
 use std::collections::BTreeMap;
 use std::time::Duration;
+
+use uuid::Uuid;
 
 use super::{Context, Findings, Invariant, TIMING_SLACK};
 use crate::trace::Event;
@@ -26,6 +32,144 @@ struct Sample {
 }
 
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
+    samples_truthful(ctx, out);
+    gauges_follow_samples(ctx, out);
+}
+
+/// A row of `event_outbox` as the store's events say it is.
+#[derive(Clone, Copy, Default)]
+struct RowState {
+    committed_at: Duration,
+    published: bool,
+    parked: bool,
+}
+
+/// The table, folded from the store's events in trace order.
+#[derive(Default)]
+struct Table {
+    rows: BTreeMap<Uuid, RowState>,
+}
+
+impl Table {
+    fn apply(&mut self, at: Duration, e: &Event) {
+        let mut set = |ids: &[Uuid], f: &dyn Fn(&mut RowState)| {
+            for id in ids {
+                if let Some(r) = self.rows.get_mut(id) {
+                    f(r);
+                }
+            }
+        };
+        match e {
+            Event::Committed { ids, .. } => {
+                for id in ids {
+                    self.rows.insert(
+                        *id,
+                        RowState {
+                            committed_at: at,
+                            ..RowState::default()
+                        },
+                    );
+                }
+            }
+            Event::MarkedPublished { ids, .. } | Event::Skipped { ids } => {
+                set(ids, &|r| r.published = true)
+            }
+            Event::MarkedFailed { parked, .. } => set(parked, &|r| r.parked = true),
+            Event::Unparked { ids } => set(ids, &|r| r.parked = false),
+            Event::CommitsLost {
+                unmarked, parks, ..
+            } => {
+                set(unmarked, &|r| r.published = false);
+                for (id, parked) in parks {
+                    set(&[*id], &|r| r.parked = *parked);
+                }
+            }
+            Event::Deleted { ids } => {
+                for id in ids {
+                    self.rows.remove(id);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// (pending, parked, blocked, the oldest pending row's commit).
+    fn counts(&self, keyed: &BTreeMap<Uuid, (String, i64)>) -> (u64, u64, u64, Option<Duration>) {
+        let unpublished = || self.rows.iter().filter(|(_, r)| !r.published);
+        let mut parked_at: BTreeMap<&str, i64> = BTreeMap::new();
+        for (id, _) in unpublished().filter(|(_, r)| r.parked) {
+            if let Some((key, seq)) = keyed.get(id) {
+                let lowest = parked_at.entry(key).or_insert(*seq);
+                *lowest = (*lowest).min(*seq);
+            }
+        }
+        let (mut pending, mut parked, mut blocked) = (0, 0, 0);
+        let mut oldest: Option<Duration> = None;
+        for (id, r) in unpublished() {
+            if r.parked {
+                parked += 1;
+                continue;
+            }
+            pending += 1;
+            oldest = Some(oldest.map_or(r.committed_at, |o| o.min(r.committed_at)));
+            if keyed
+                .get(id)
+                .is_some_and(|(key, seq)| parked_at.get(key.as_str()).is_some_and(|p| p < seq))
+            {
+                blocked += 1;
+            }
+        }
+        (pending, parked, blocked, oldest)
+    }
+}
+
+/// Each sample the server took says what the table held then: its
+/// pending, parked and blocked counts exactly, its oldest age at least
+/// the age of the oldest pending row's commit (a row is inserted before
+/// its transaction commits).
+fn samples_truthful(ctx: &Context<'_>, out: &mut Findings) {
+    let mut table = Table::default();
+    // Each key's numbers as the commits gave them, so far.
+    let mut keyed: BTreeMap<Uuid, (String, i64)> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        match e {
+            Event::KeysNumbered { rows } => {
+                for (id, key, seq) in rows {
+                    keyed.insert(*id, (key.clone(), *seq));
+                }
+            }
+            Event::StatsSampled {
+                pending,
+                oldest_age_ms,
+                parked,
+                blocked,
+            } => {
+                let (p, k, b, oldest) = table.counts(&keyed);
+                // Less a millisecond: the server's clock counts whole ones.
+                let oldest_floor = oldest.map_or(0, |o| {
+                    (at.saturating_sub(o).as_millis() as u64).saturating_sub(1)
+                });
+                if (*pending, *parked, *blocked) != (p, k, b) || *oldest_age_ms < oldest_floor {
+                    out.add(
+                        Invariant::GaugesTruthful,
+                        Some(*at),
+                        format!(
+                            "the stats sample said pending {pending}, parked {parked}, blocked {blocked}, \
+                             oldest {oldest_age_ms} ms; the table held pending {p}, parked {k}, \
+                             blocked {b}, oldest at least {oldest_floor} ms"
+                        ),
+                    );
+                }
+            }
+            _ => {}
+        }
+        table.apply(*at, e);
+    }
+}
+
+/// The gauges say what the sample they were set from said, and readiness
+/// follows the last sample.
+fn gauges_follow_samples(ctx: &Context<'_>, out: &mut Findings) {
     let l = ctx.limits;
     let under = |s: &Sample| s.pending <= l.pending_warn && s.oldest <= l.oldest_warn;
     // The last successful sample of each replica, and the last stats call

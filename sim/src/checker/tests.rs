@@ -1313,6 +1313,47 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
                     },
                 ),
         ),
+        // The server's sample counts a row that is parked as pending.
+        (
+            I::GaugesTruthful,
+            producer()
+                .at(
+                    5,
+                    Event::Committed {
+                        client: s("w"),
+                        ids: vec![id(2)],
+                    },
+                )
+                .at(
+                    6,
+                    Event::MarkedFailed {
+                        replica: s("a"),
+                        ids: vec![id(2)],
+                        parked: vec![id(2)],
+                    },
+                )
+                .at(
+                    25,
+                    Event::StatsSampled {
+                        pending: 2,
+                        oldest_age_ms: 25,
+                        parked: 1,
+                        blocked: 0,
+                    },
+                ),
+        ),
+        // A handler ran with the statement and idle bounds swapped.
+        (
+            I::HandlerTxBounds,
+            applied(&[1]).at(280, bounds(3, 60_000, 1500)).at(
+                281,
+                Event::HandlerStarted {
+                    client: s("c#1"),
+                    event_id: id(1),
+                    session: Some(3),
+                },
+            ),
+        ),
         // Readiness says ready with no sample taken at all.
         (
             I::GaugesTruthful,
@@ -1597,7 +1638,7 @@ fn applied(effects: &[u128]) -> Run {
 fn handled(runs: &[(&str, u128, u64, Option<u64>)]) -> Run {
     let mut run = applied(&[1, 2]);
     for (session, (client, n, start, end)) in (1..).zip(runs) {
-        run = run.at(
+        run = run.at(*start, bounds(session, 1500, 60_000)).at(
             *start,
             Event::HandlerStarted {
                 client: s(client),
@@ -1616,6 +1657,82 @@ fn handled(runs: &[(&str, u128, u64, Option<u64>)]) -> Run {
         }
     }
     run
+}
+
+/// The server applied a transaction's bounds on `session`.
+fn bounds(session: u64, statement_ms: u64, idle_in_tx_ms: u64) -> Event {
+    Event::TxBounds {
+        session,
+        statement_ms: Some(statement_ms),
+        idle_in_tx_ms: Some(idle_in_tx_ms),
+    }
+}
+
+#[test]
+fn a_handler_runs_only_under_the_servers_bounds() {
+    // The deadline is 500 ms: a statement may run 501..=1500 ms, the
+    // transaction sit idle at least 60 s.
+    let start = |b: Option<Event>| {
+        let run = applied(&[1]);
+        let run = match b {
+            Some(b) => run.at(280, b),
+            None => run,
+        };
+        run.at(
+            281,
+            Event::HandlerStarted {
+                client: s("c#1"),
+                event_id: id(1),
+                session: Some(7),
+            },
+        )
+        .verdict()
+        .counts
+        .contains_key(&Invariant::HandlerTxBounds)
+    };
+    assert!(!start(Some(bounds(7, 1500, 60_000))));
+    assert!(!start(Some(bounds(7, 1000, 120_000))));
+    assert!(start(None), "no bounds at all");
+    assert!(start(Some(bounds(7, 60_000, 1500))), "the two swapped");
+    assert!(
+        start(Some(bounds(7, 500, 60_000))),
+        "a statement cut at the deadline"
+    );
+    assert!(
+        start(Some(bounds(7, 1501, 60_000))),
+        "a statement past deadline + 1 s"
+    );
+    assert!(start(Some(bounds(7, 1500, 59_999))), "idle under a minute");
+    assert!(
+        start(Some(bounds(8, 1500, 60_000))),
+        "another session's bounds"
+    );
+    // A transaction's bounds end with it.
+    let next_tx = applied(&[1])
+        .at(270, bounds(7, 1500, 60_000))
+        .at(
+            275,
+            Event::InboxBatch {
+                client: s("c#1"),
+                session: 7,
+                deliveries: 1,
+                committed: true,
+            },
+        )
+        .at(
+            281,
+            Event::HandlerStarted {
+                client: s("c#1"),
+                event_id: id(1),
+                session: Some(7),
+            },
+        );
+    assert!(
+        next_tx
+            .verdict()
+            .counts
+            .contains_key(&Invariant::HandlerTxBounds)
+    );
 }
 
 fn ordering_cases() -> Vec<(Invariant, Run)> {
@@ -2009,5 +2126,72 @@ fn a_row_dead_lettered_by_a_failed_replay_stays_so_below_the_budget() {
             .verdict()
             .broken()
             .contains(&Invariant::DeadLetterAtBudget)
+    );
+}
+
+#[test]
+fn a_sample_of_what_the_table_held_passes() {
+    // One row pending and one parked, keyed behind it: pending 1 (blocked
+    // by the parked head), parked 1, oldest at least its commit's age.
+    let keyed = producer()
+        .at(
+            5,
+            Event::Committed {
+                client: s("w"),
+                ids: vec![id(2), id(3)],
+            },
+        )
+        .at(
+            5,
+            Event::KeysNumbered {
+                rows: vec![(id(2), s("k"), 1), (id(3), s("k"), 2)],
+            },
+        )
+        .at(
+            6,
+            Event::MarkedFailed {
+                replica: s("a"),
+                ids: vec![id(2)],
+                parked: vec![id(2)],
+            },
+        );
+    let truthful = keyed.clone().at(
+        90,
+        Event::StatsSampled {
+            pending: 1,
+            oldest_age_ms: 85,
+            parked: 1,
+            blocked: 1,
+        },
+    );
+    let v = truthful.verdict();
+    assert!(
+        !v.counts.contains_key(&Invariant::GaugesTruthful),
+        "{:#?}",
+        v.violations
+    );
+    // The crash takes the park back: the row is pending again, nothing blocked.
+    let unparked = keyed
+        .at(
+            80,
+            Event::CommitsLost {
+                leases: vec![],
+                unmarked: vec![],
+                parks: vec![(id(2), false)],
+            },
+        )
+        .at(
+            90,
+            Event::StatsSampled {
+                pending: 2,
+                oldest_age_ms: 85,
+                parked: 0,
+                blocked: 1,
+            },
+        );
+    let v = unparked.verdict();
+    assert!(
+        v.counts.contains_key(&Invariant::GaugesTruthful),
+        "blocked with no parked head"
     );
 }

@@ -381,9 +381,17 @@ impl PgState {
         if before.is_empty() {
             return;
         }
-        let (leases, unmarked) = db.outbox.restore_rows(before);
+        let self::outbox::Restored {
+            leases,
+            unmarked,
+            parks,
+        } = db.outbox.restore_rows(before);
         drop(db);
-        self.trace.now(Event::CommitsLost { leases, unmarked });
+        self.trace.now(Event::CommitsLost {
+            leases,
+            unmarked,
+            parks,
+        });
     }
 
     /// An operator unparks every parked row that a fix can make publishable
@@ -640,6 +648,13 @@ impl Session {
                 // Outside a transaction PostgreSQL warns and ignores it.
                 if self.tx.is_some() {
                     self.set_local(settings);
+                    if settings.statement_ms.is_some() || settings.idle_in_tx_ms.is_some() {
+                        self.state.trace.now(Event::TxBounds {
+                            session: self.id,
+                            statement_ms: self.local.statement_ms,
+                            idle_in_tx_ms: self.local.idle_in_tx_ms,
+                        });
+                    }
                 }
                 PgReply::Ok
             }
@@ -812,7 +827,24 @@ fn outbox_statement(
         PgRequest::MarkPublished { .. }
         | PgRequest::MarkFailed { .. }
         | PgRequest::Release { .. } => mark(at, table, req),
-        PgRequest::Stats => table.stats(at.now),
+        PgRequest::Stats => {
+            let reply = table.stats(at.now);
+            if let PgReply::Stats {
+                pending,
+                oldest_age_ms,
+                parked,
+                blocked,
+            } = reply
+            {
+                at.trace.now(Event::StatsSampled {
+                    pending,
+                    oldest_age_ms,
+                    parked,
+                    blocked,
+                });
+            }
+            reply
+        }
         other => janitor_or_operator(at, table, other),
     }
 }

@@ -69,6 +69,17 @@ impl Row {
     }
 }
 
+/// What a crash took back of the rows ([`OutboxTable::restore_rows`]).
+#[derive(Debug, Default)]
+pub struct Restored {
+    /// Rows whose lease went back, with their previous holder.
+    pub leases: Vec<(Uuid, Option<String>)>,
+    /// Rows unpublished again.
+    pub unmarked: Vec<Uuid>,
+    /// Rows whose parked flag went back, with the flag they have again.
+    pub parks: Vec<(Uuid, bool)>,
+}
+
 /// A claim in an open transaction: the row and its lease before the claim,
 /// restored if the transaction rolls back.
 pub type PriorLease = (Uuid, Option<u64>, Option<String>);
@@ -231,8 +242,9 @@ impl OutboxTable {
     /// A crash took back asynchronous commits: each row as it was before
     /// them (`before`, newest commit first). Returns the leases restored
     /// (with their holders) and the rows unpublished again, for the trace.
-    pub fn restore_rows(&mut self, before: Vec<Row>) -> (Vec<(Uuid, Option<String>)>, Vec<Uuid>) {
-        let (mut leases, mut unmarked) = (BTreeMap::new(), BTreeSet::new());
+    pub fn restore_rows(&mut self, before: Vec<Row>) -> Restored {
+        let (mut leases, mut unmarked, mut parks) =
+            (BTreeMap::new(), BTreeSet::new(), BTreeMap::new());
         for old in before {
             let id = old.id;
             let Some(row) = self.rows.get_mut(&id) else {
@@ -244,10 +256,17 @@ impl OutboxTable {
             if (row.claimed_ms, &row.claimed_by) != (old.claimed_ms, &old.claimed_by) {
                 leases.insert(id, old.claimed_by.clone());
             }
+            if row.parked_ms.is_some() != old.parked_ms.is_some() {
+                parks.insert(id, old.parked_ms.is_some());
+            }
             *row = old;
             self.refresh_pending(id);
         }
-        (leases.into_iter().collect(), unmarked.into_iter().collect())
+        Restored {
+            leases: leases.into_iter().collect(),
+            unmarked: unmarked.into_iter().collect(),
+            parks: parks.into_iter().collect(),
+        }
     }
 
     /// Moves a row's publication `by_ms` into the past (conformance tests).
