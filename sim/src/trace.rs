@@ -502,11 +502,13 @@ pub enum Event {
         matching: Vec<Uuid>,
     },
     /// The operator's replay returned (`ok`), saying whether more rows
-    /// match (`more`).
+    /// match (`more`), and the row whose place the rest goes on after
+    /// (its answer's `next`).
     ReplayEnded {
         client: String,
         ok: bool,
         more: bool,
+        next: Option<Uuid>,
     },
     /// The operator's replay reported on one row.
     Replayed {

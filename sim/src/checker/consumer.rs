@@ -662,6 +662,8 @@ struct ReplayRun<'a> {
     limit: usize,
     matching: &'a [Uuid],
     ended: Option<(bool, bool)>,
+    /// The row its answer's cursor names (`next`).
+    next: Option<Uuid>,
     /// Rows dead-lettered or given a failure record meanwhile (they may
     /// have come to match), processed meanwhile (they may have left).
     came: BTreeSet<Uuid>,
@@ -740,6 +742,45 @@ impl ReplayRun<'_> {
                 bad(format!("left out {id}, which matched (more: {more})"));
             }
         }
+        self.judge_cursor(more, &mut bad);
+    }
+
+    /// Paging is exact: the cursor it answers is there exactly when more
+    /// match, and is the place of the last row it replayed, so the next
+    /// page (after it) neither steps past a matching row nor comes back
+    /// to one.
+    fn judge_cursor(&self, more: bool, bad: &mut impl FnMut(String)) {
+        let Some(next) = self.next else {
+            if more {
+                bad("said more match and gave no place to go on from".into());
+            }
+            return;
+        };
+        if !more {
+            bad(format!(
+                "gave a place to go on from ({next}) with nothing more"
+            ));
+            return;
+        }
+        if !self.replayed.contains(&next) {
+            bad(format!(
+                "answered a cursor at {next}, a row it did not replay"
+            ));
+            return;
+        }
+        // In the order it pages by, no row it replayed comes after the
+        // cursor (a row that came to match meanwhile has no place here).
+        let place = |id: &Uuid| self.matching.iter().position(|m| m == id);
+        if let Some(at) = place(&next)
+            && let Some(past) = self
+                .replayed
+                .iter()
+                .find(|id| place(id).is_some_and(|p| p > at))
+        {
+            bad(format!(
+                "answered a cursor at {next}, before {past}, which it replayed too"
+            ));
+        }
     }
 }
 
@@ -777,9 +818,15 @@ fn replay_exact(ctx: &Context<'_>, out: &mut Findings) {
                     done.judge(out);
                 }
             }
-            Event::ReplayEnded { client, ok, more } => {
+            Event::ReplayEnded {
+                client,
+                ok,
+                more,
+                next,
+            } => {
                 if let Some(r) = runs.get_mut(client.as_str()) {
                     r.ended = Some((*ok, *more));
+                    r.next = *next;
                 }
             }
             Event::Replayed {

@@ -164,7 +164,7 @@ invariants! {
     DeadLetterAtBudget = "dead_letter_at_budget",
     /// Replay gives a row a fresh budget before its handler runs.
     ReplayFreshBudget = "replay_fresh_budget",
-    /// A replay touches exactly the rows it was asked for (by ids, by filter, up to its limit, after its cursor) and no other, and says `more` exactly when it stopped at its limit.
+    /// A replay touches exactly the rows it was asked for (by ids, by filter, up to its limit, after its cursor) and no other, says `more` exactly when it stopped at its limit, and its cursor is the place of the last row it replayed (paging is exact).
     ReplayExact = "replay_exact",
     /// A replayed row whose handler fails again stays dead-lettered (findable).
     ReplayKeepsFailedFindable = "replay_keeps_failed_findable",

@@ -1279,6 +1279,7 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
                         client: s("c#1"),
                         ok: true,
                         more: false,
+                        next: None,
                     },
                 )
                 .at(
@@ -1287,6 +1288,40 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
                         client: s("c#1"),
                         event_id: id(3),
                         outcome: Replay::Failed,
+                    },
+                ),
+        ),
+        // Asked for one row of two that matched, replayed the first and
+        // answered the second's place as the cursor: the next page, after
+        // it, never replays the second.
+        (
+            I::ReplayExact,
+            consumer()
+                .at(
+                    200,
+                    Event::ReplayStarted {
+                        client: s("c#1"),
+                        ask: s("dead-lettered, limit 1"),
+                        ids: None,
+                        limit: 1,
+                        matching: vec![id(1), id(2)],
+                    },
+                )
+                .at(
+                    205,
+                    Event::Replayed {
+                        client: s("c#1"),
+                        event_id: id(1),
+                        outcome: Replay::AlreadyProcessed,
+                    },
+                )
+                .at(
+                    210,
+                    Event::ReplayEnded {
+                        client: s("c#1"),
+                        ok: true,
+                        more: true,
+                        next: Some(id(2)),
                     },
                 ),
         ),

@@ -270,6 +270,11 @@ async fn operate(
             client: who.clone(),
             ok: page.is_ok(),
             more: page.as_ref().is_ok_and(|p| p.next.is_some()),
+            next: page
+                .as_ref()
+                .ok()
+                .and_then(|p| p.next.as_ref())
+                .map(|c| c.event_id),
         });
         let Ok(page) = page else { continue };
         if round % 3 == 0 {
