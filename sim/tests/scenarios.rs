@@ -104,6 +104,7 @@ fn every_scenario_file_has_a_test_here() {
         "db_crash_amid_parking",
         "db_crash_loses_async_commits",
         "db_outage",
+        "db_trouble_amid_batches",
         "deferred_constraint",
         "handler_blocked_on_a_lock",
         "hostile_deliveries",
@@ -243,6 +244,10 @@ fn handler_blocked_on_a_lock() {
 #[test]
 fn deferred_constraint() {
     check("deferred_constraint");
+}
+#[test]
+fn db_trouble_amid_batches() {
+    check("db_trouble_amid_batches");
 }
 #[test]
 fn swallowed_sql_error() {

@@ -65,6 +65,10 @@ pub enum Fault {
         /// locks).
         #[serde(default, skip_serializing_if = "is_zero")]
         delay_ms: u64,
+        /// Only these statements fail or lose their reply (by the fake's
+        /// names: `inbox_check`, `commit`, …); every statement if empty.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        statements: Vec<String>,
         at_secs: f64,
         for_secs: f64,
     },
@@ -209,8 +213,15 @@ impl Fault {
             Fault::Pg {
                 lose_reply_prob,
                 fail_prob,
+                statements,
                 ..
-            } => prob(*lose_reply_prob) && prob(*fail_prob),
+            } => {
+                prob(*lose_reply_prob)
+                    && prob(*fail_prob)
+                    && statements
+                        .iter()
+                        .all(|s| crate::fakes::pg::STATEMENT_NAMES.contains(&s.as_str()))
+            }
             Fault::Mq {
                 drop_conn_prob,
                 duplicate_prob,

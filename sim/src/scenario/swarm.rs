@@ -235,6 +235,7 @@ impl Family {
                 lose_reply_prob: 0.02,
                 fail_prob: 0.02,
                 delay_ms: 0,
+                statements: Vec::new(),
                 at_secs,
                 for_secs,
             },

@@ -233,6 +233,7 @@ impl Env {
                 lose_reply_prob,
                 fail_prob,
                 delay_ms,
+                statements,
                 ..
             } => {
                 *self.pg.faults.lock().expect("faults") = if start {
@@ -240,6 +241,7 @@ impl Env {
                         lose_reply_prob: *lose_reply_prob,
                         fail_prob: *fail_prob,
                         reply_delay: Duration::from_millis(*delay_ms),
+                        statements: statements.clone(),
                     }
                 } else {
                     PgFaults::default()

@@ -137,6 +137,18 @@ pub struct PgFaults {
     pub fail_prob: f64,
     /// How long every reply waits before it is sent.
     pub reply_delay: Duration,
+    /// The statements (by [`request_name`]) that may fail or lose their
+    /// reply; all if empty.
+    pub statements: Vec<String>,
+}
+
+impl PgFaults {
+    /// Whether `req` is one the faults may strike.
+    fn strikes(&self, req: &PgRequest) -> bool {
+        !matches!(req, PgRequest::Hello { .. })
+            && (self.statements.is_empty()
+                || self.statements.iter().any(|s| s == request_name(req)))
+    }
 }
 
 /// Everything the fake shares with the world: the tables, the faults, the
@@ -556,10 +568,9 @@ impl Session {
     /// Handles one request that arrived at simulated time `now`, under the
     /// fault settings.
     pub fn handle(&mut self, req: &PgRequest, now: Duration) -> Handled {
-        let hello = matches!(req, PgRequest::Hello { .. });
         let faults = self.state.faults.lock().expect("faults").clone();
         if !self.admitted {
-            if !hello && self.state.roll(faults.fail_prob) {
+            if faults.strikes(req) && self.state.roll(faults.fail_prob) {
                 self.state.trace.now(Event::Fault {
                     kind: FaultKind::PgFailure,
                     detail: format!("{} {}", self.client, request_name(req)),
@@ -599,7 +610,7 @@ impl Session {
         }
         self.admitted = false;
         let reply = self.apply(req, clock_ms(now));
-        if !hello && self.state.roll(faults.lose_reply_prob) {
+        if faults.strikes(req) && self.state.roll(faults.lose_reply_prob) {
             self.state.trace.now(Event::Fault {
                 kind: FaultKind::PgReplyLost,
                 detail: format!("{} {}", self.client, request_name(req)),
@@ -1213,6 +1224,18 @@ impl Drop for Session {
             .remove(&self.id);
     }
 }
+
+/// Every statement's name as [`request_name`] gives it (a scenario's
+/// `statements` list of a `pg` fault names these).
+pub const STATEMENT_NAMES: &[&str] = &[
+    "hello", "begin", "set_local", "inbox_check", "terminate", "cancel", "commit", "rollback",
+    "insert", "claim", "mark_published", "mark_failed", "release", "stats", "delete_published",
+    "retire_partitions", "list_parked", "unpark", "skip", "key_window", "inbox_lock_keys",
+    "inbox_try_insert", "inbox_mark_processed", "effect", "inbox_savepoint",
+    "inbox_undo_handler", "raise", "listen", "ping", "inbox_record_failure", "inbox_list",
+    "inbox_held", "inbox_skip", "inbox_releasable", "inbox_delete_processed",
+    "inbox_retire_partitions", "inbox_counts",
+];
 
 fn request_name(req: &PgRequest) -> &'static str {
     match req {
