@@ -335,6 +335,13 @@ pub enum Event {
     /// An operator skipped parked rows: marked published, never sent.
     Skipped { ids: Vec<Uuid> },
 
+    // --- broker clients and their nodes ------------------------------------
+    /// A broker client was given a list of nodes and the node it starts
+    /// at (the cluster's clients start at different nodes).
+    BrokerAssigned { client: String, node: String },
+    /// The fake RabbitMQ accepted a connection of `client` on `node`.
+    MqConnected { client: String, node: String },
+
     // --- the broker, producer side ------------------------------------------
     /// A client sent a publish; `body_id` is the envelope id its body holds.
     PublishSent {

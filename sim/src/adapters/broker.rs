@@ -152,6 +152,10 @@ impl SimBroker {
     /// `nodes[first]` first (empty: the single node `rabbit`).
     pub fn with_nodes(mut self, nodes: Vec<String>, first: usize) -> Self {
         if !nodes.is_empty() {
+            self.trace.now(Event::BrokerAssigned {
+                client: self.client.clone(),
+                node: nodes[first % nodes.len()].clone(),
+            });
             self.node = AtomicUsize::new(first % nodes.len());
             self.nodes = nodes;
         }

@@ -13,6 +13,7 @@
 //!   exactly at the budget and are not claimed while parked.
 //! - [`leases`]: marks are guarded by `claimed_by`; a replica publishes only
 //!   rows it holds, with the envelope id as `message_id`, in claim order.
+//! - [`nodes`]: a broker client starts at the node it was assigned.
 //! - [`timing`]: Phase 2 ends within `confirm_timeout` of the claim (#1061);
 //!   releases come before the lease expires; a replica backs off after a
 //!   failure and hands back every claim it holds first; claims keep to the
@@ -36,6 +37,7 @@ mod delivery;
 mod expectations;
 mod leases;
 mod marks;
+mod nodes;
 mod ordered;
 mod ordering;
 mod retention;
@@ -108,6 +110,8 @@ invariants! {
     PublishOrder = "publish_order",
     /// A replica has at most `pipeline_depth` publishes unconfirmed at once, overlapping batches included (#478).
     PipelineDepth = "pipeline_depth",
+    /// A broker client given a node list connects first to the node it was assigned, unless that node is down or cut off then.
+    StartsAtAssignedNode = "starts_at_assigned_node",
     // --- timing
     /// Phase 2 ends (last confirm in, or the batch released) within `confirm_timeout` of its claim (#1061).
     Phase2Deadline = "phase2_deadline",
@@ -351,6 +355,7 @@ pub fn check(
     ordering::check(&ctx, &mut out);
     ordered::check(&ctx, &mut out);
     leases::check(&ctx, &mut out);
+    nodes::check(&ctx, &mut out);
     timing::check(&ctx, &mut out);
     retention::check(&ctx, &mut out);
     consumer::check(&ctx, &mut out);

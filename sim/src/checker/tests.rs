@@ -1389,6 +1389,26 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
                 },
             ),
         ),
+        // A client assigned rabbit-3 connected first to rabbit-1, every
+        // node up and no fault under way.
+        (
+            I::StartsAtAssignedNode,
+            producer()
+                .at(
+                    1,
+                    Event::BrokerAssigned {
+                        client: s("a"),
+                        node: s("rabbit-3"),
+                    },
+                )
+                .at(
+                    2,
+                    Event::MqConnected {
+                        client: s("a"),
+                        node: s("rabbit-1"),
+                    },
+                ),
+        ),
         // Readiness says ready with no sample taken at all.
         (
             I::GaugesTruthful,
@@ -2229,4 +2249,41 @@ fn a_sample_of_what_the_table_held_passes() {
         v.counts.contains_key(&Invariant::GaugesTruthful),
         "blocked with no parked head"
     );
+}
+
+#[test]
+fn a_client_that_starts_at_its_node_or_finds_it_down_passes() {
+    let run = |node: &str, down: bool| {
+        let r = producer().at(
+            1,
+            Event::BrokerAssigned {
+                client: s("a"),
+                node: s("rabbit-3"),
+            },
+        );
+        let r = if down {
+            r.at(
+                1,
+                Event::Host {
+                    host: s("rabbit-3"),
+                    up: false,
+                },
+            )
+        } else {
+            r
+        };
+        r.at(
+            2,
+            Event::MqConnected {
+                client: s("a"),
+                node: s(node),
+            },
+        )
+        .verdict()
+        .counts
+        .contains_key(&Invariant::StartsAtAssignedNode)
+    };
+    assert!(!run("rabbit-3", false));
+    assert!(!run("rabbit-1", true));
+    assert!(run("rabbit-2", false));
 }

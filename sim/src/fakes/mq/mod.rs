@@ -468,6 +468,11 @@ impl Conn {
         let (state, conn) = (&self.state, self.id);
         match req {
             MqRequest::Hello { client } => {
+                let node = state.node_hosts().swap_remove(self.node);
+                state.trace.now(Event::MqConnected {
+                    client: client.clone(),
+                    node,
+                });
                 self.client = client;
                 None
             }
