@@ -498,11 +498,13 @@ pub struct InboxEntry<'a> {
     pub routing_key: &'a str,
     /// The encoded envelope (stored as `payload` for replay).
     pub payload: &'a [u8],
-    /// Replay: give an existing unprocessed row a fresh budget (attempts 0,
-    /// dead-letter mark cleared) in this transaction, before the savepoint,
-    /// so the reset takes effect only with the attempt's commit: a replay
-    /// cut short never leaves a row out of the dead-lettered set without
-    /// its effect.
+    /// Replay: give an existing dead-lettered row a fresh budget (attempts
+    /// 0, dead-letter mark cleared) in this transaction, before the
+    /// savepoint, so the reset takes effect only with the attempt's commit:
+    /// a replay cut short never leaves a row out of the dead-lettered set
+    /// without its effect. A row still within its budget keeps its attempts
+    /// (so two replays or releases of one row that race never reset what
+    /// the other spent).
     pub fresh_budget: bool,
     /// Its ordering key and number, on an ordered subscription only: the
     /// row records them, and the insert first looks for an earlier event

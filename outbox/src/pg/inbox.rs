@@ -342,14 +342,17 @@ impl InboxStore for PgInboxStore {
                 match row {
                     Some(r) if r.get::<bool, _>("processed") => InsertOutcome::AlreadyProcessed,
                     Some(_) if holding => InsertOutcome::Held,
-                    Some(_) if entry.fresh_budget => {
-                        sqlx::query(sql::INBOX_RESET_ATTEMPTS)
+                    Some(r) if entry.fresh_budget => {
+                        let reset = sqlx::query(sql::INBOX_RESET_ATTEMPTS)
                             .bind([entry.event_id].as_slice())
                             .bind(entry.subscription)
                             .execute(&mut **tx)
                             .await
-                            .map_err(map_err)?;
-                        InsertOutcome::InFlightRetry { attempts: 0 }
+                            .map_err(map_err)?
+                            .rows_affected();
+                        InsertOutcome::InFlightRetry {
+                            attempts: if reset > 0 { 0 } else { r.get("attempts") },
+                        }
                     }
                     Some(r) => InsertOutcome::InFlightRetry {
                         attempts: r.get("attempts"),

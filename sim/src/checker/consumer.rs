@@ -219,6 +219,8 @@ struct Budget<'e> {
     handler_failures: BTreeMap<Uuid, u32>,
     records: BTreeMap<(&'e str, Uuid), Records>,
     replaying: BTreeSet<(&'e str, Uuid)>,
+    /// The rows each operator's replay under way asked for.
+    asked: BTreeMap<&'e str, Vec<Uuid>>,
     /// Rows marked dead-lettered: the mark stays until a replay resets it.
     dead: BTreeSet<Uuid>,
     /// An ordered subscription's deferrals: what was delivered, and what
@@ -255,6 +257,30 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
             Event::ConstraintFailed { events, .. } => {
                 for id in events {
                     *b.handler_failures.entry(*id).or_insert(0) += 1;
+                }
+            }
+            // A row an operator's replay asked for: a failure that client
+            // records of it while the replay runs is the replay's (a budget
+            // of one), a row within its budget keeping its attempts.
+            Event::ReplayStarted {
+                client,
+                ids,
+                matching,
+                ..
+            } => {
+                let asked: Vec<Uuid> = matching
+                    .iter()
+                    .chain(ids.iter().flatten())
+                    .copied()
+                    .collect();
+                for id in &asked {
+                    b.replaying.insert((client.as_str(), *id));
+                }
+                b.asked.insert(client, asked);
+            }
+            Event::ReplayEnded { client, .. } => {
+                for id in b.asked.remove(client.as_str()).unwrap_or_default() {
+                    b.replaying.remove(&(client.as_str(), id));
                 }
             }
             // A replay's reset: the next failure that client records of the
@@ -873,14 +899,28 @@ fn replay(ctx: &Context<'_>, out: &mut Findings) {
     // ordered subscription's own release may replay a row the operator's
     // replay failed, before the operator's outcome is reported).
     let mut superseded: BTreeSet<Uuid> = BTreeSet::new();
+    // Rows whose run committed (its failure recorded, or processed) while
+    // they were dead-lettered and with no reset: that run owed one.
+    let mut unreset_dead_runs: BTreeSet<Uuid> = BTreeSet::new();
     for (at, e) in ctx.events {
         match e {
             Event::ReplayStarted { .. } => reset.clear(),
-            Event::InboxReset { ids, .. } => {
+            Event::InboxReset { client, ids } => {
                 for id in ids {
                     reset.insert(*id);
+                    unreset_dead_runs.remove(id);
                     if last_record.remove(id) == Some(true) {
                         superseded.insert(*id);
+                    } else {
+                        // Once per replay or release: a budget is reset
+                        // only on a dead-lettered row.
+                        out.add(
+                            Invariant::ReplayFreshBudget,
+                            Some(*at),
+                            format!(
+                                "{client} reset the budget of {id}, which was not dead-lettered"
+                            ),
+                        );
                     }
                 }
             }
@@ -889,7 +929,19 @@ fn replay(ctx: &Context<'_>, out: &mut Findings) {
                 dead_lettered,
                 ..
             } => {
+                // A run of a dead-lettered row without a reset: its record
+                // comes before its report.
+                if last_record.get(event_id) == Some(&true) {
+                    unreset_dead_runs.insert(*event_id);
+                }
                 last_record.insert(*event_id, *dead_lettered);
+            }
+            Event::InboxCommitted { processed, .. } => {
+                for id in processed {
+                    if last_record.get(id) == Some(&true) {
+                        unreset_dead_runs.insert(*id);
+                    }
+                }
             }
             Event::Replayed {
                 client,
@@ -901,8 +953,17 @@ fn replay(ctx: &Context<'_>, out: &mut Findings) {
                 event_id,
                 outcome,
             } => {
+                // A fresh budget is a dead-lettered row's: one within its
+                // budget keeps its attempts. An operator's replay runs each
+                // row once, with a fresh budget; a release's later attempts
+                // go on with the budget its first gave (and may meet a row
+                // a racing release dead-lettered meanwhile, which a
+                // delivery may run too).
                 let ran = matches!(outcome, Replay::Applied | Replay::Failed);
-                if ran && !reset.remove(event_id) {
+                reset.remove(event_id);
+                let owed =
+                    unreset_dead_runs.remove(event_id) && matches!(e, Event::Replayed { .. });
+                if ran && owed {
                     out.add(
                         Invariant::ReplayFreshBudget,
                         Some(*at),

@@ -166,7 +166,7 @@ invariants! {
     EveryFailureCounted = "every_failure_counted",
     /// A delivery is dead-lettered exactly when its recorded attempts reach the budget, never before or after.
     DeadLetterAtBudget = "dead_letter_at_budget",
-    /// Replay gives a row a fresh budget before its handler runs.
+    /// Replay gives a dead-lettered row a fresh budget before its handler runs, and a budget is reset only on a dead-lettered row (once per replay or release).
     ReplayFreshBudget = "replay_fresh_budget",
     /// A replay touches exactly the rows it was asked for (by ids, by filter, up to its limit, after its cursor) and no other, says `more` exactly when it stopped at its limit, and its cursor is the place of the last row it replayed (paging is exact).
     ReplayExact = "replay_exact",

@@ -732,7 +732,8 @@ fn replay_cases() -> Vec<(Invariant, Run)> {
     vec![
         (
             I::ReplayFreshBudget,
-            consumer()
+            // A dead-lettered row replayed and applied with no reset.
+            failed_attempt(consumer(), 90, 3, true, Settle::DeadLetter)
                 .at(
                     200,
                     Event::ReplayStarted {
@@ -744,6 +745,15 @@ fn replay_cases() -> Vec<(Invariant, Run)> {
                     },
                 )
                 .at(
+                    205,
+                    Event::InboxCommitted {
+                        client: s("c#1"),
+                        began: ms(201),
+                        processed: vec![id(1)],
+                        effects: vec![(s("q"), id(1))],
+                    },
+                )
+                .at(
                     210,
                     Event::Replayed {
                         client: s("c#1"),
@@ -751,6 +761,18 @@ fn replay_cases() -> Vec<(Invariant, Run)> {
                         outcome: Replay::Applied,
                     },
                 ),
+        ),
+        (
+            I::ReplayFreshBudget,
+            // A budget reset on a row within its budget (a release racing
+            // another, resetting what it spent).
+            failed_attempt(consumer(), 90, 1, false, Settle::Requeue).at(
+                95,
+                Event::InboxReset {
+                    client: s("c#1"),
+                    ids: vec![id(1)],
+                },
+            ),
         ),
         (
             I::ReplayKeepsFailedFindable,

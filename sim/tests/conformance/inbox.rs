@@ -758,6 +758,43 @@ async fn replay_listing_filters_orders_and_resets_the_budget<A: InboxArm>(arm: A
     );
 }
 
+/// A fresh budget is a dead-lettered row's: a row within its budget keeps
+/// its attempts (two releases of one held row that race never reset what
+/// the other spent), and a dead-lettered one starts from zero.
+async fn a_fresh_budget_resets_a_dead_lettered_row_only<A: InboxArm>(arm: A) {
+    let s = arm.store();
+    let (live, dead) = (event("k"), event("k"));
+    assert!(!fail(&arm, s, &live, "k", 5).await.dead_lettered);
+    assert!(fail(&arm, s, &dead, "k", 1).await.dead_lettered);
+    assert_eq!(
+        reset(s, &entry(&live, "k")).await,
+        InsertOutcome::InFlightRetry { attempts: 1 }
+    );
+    assert_eq!(
+        fail(&arm, s, &live, "k", 5).await,
+        AttemptRecord {
+            attempts: 2,
+            dead_lettered: false
+        }
+    );
+    assert_eq!(
+        reset(s, &entry(&dead, "k")).await,
+        InsertOutcome::InFlightRetry { attempts: 0 }
+    );
+    // Reset once: now within its budget, a second reset leaves it.
+    assert_eq!(
+        fail(&arm, s, &dead, "k", 5).await,
+        AttemptRecord {
+            attempts: 1,
+            dead_lettered: false
+        }
+    );
+    assert_eq!(
+        reset(s, &entry(&dead, "k")).await,
+        InsertOutcome::InFlightRetry { attempts: 1 }
+    );
+}
+
 /// The subscriber pings when a handler overruns its deadline: the ping
 /// answers on a connection of its own, beside a handler transaction that
 /// holds an inbox row.
@@ -1711,6 +1748,7 @@ conformance!(postgres: with_real, fake: with_fake,
     two_subscriptions_each_take_an_events_effect,
     the_counts_say_what_was_processed_recently_is_retried_and_dead_lettered,
     a_replays_fresh_budget_takes_effect_only_with_its_commit,
+    a_fresh_budget_resets_a_dead_lettered_row_only,
     a_rolled_back_attempt_leaves_only_its_recorded_failure,
     a_concurrent_delivery_waits_for_the_first_and_sees_its_outcome,
     replay_listing_filters_orders_and_resets_the_budget,

@@ -808,7 +808,22 @@ impl Inbox {
                 }
                 return PgReply::Inbox(WireInsertOutcome::Held);
             }
-            if entry.fresh_budget {
+            // `inbox_reset_attempts.sql`: a dead-lettered row only, as
+            // this transaction sees it.
+            let dead = match tx.inserts.iter().find(|r| r.key() == k) {
+                Some(row) => row.dead_lettered_ms.is_some(),
+                None => match tx.failures.iter().rev().find(|f| f.0 == k) {
+                    Some(f) => f.3,
+                    None => {
+                        !tx.resets.contains(&k)
+                            && self
+                                .rows
+                                .get(&k)
+                                .is_some_and(|r| r.dead_lettered_ms.is_some())
+                    }
+                },
+            };
+            if entry.fresh_budget && dead {
                 if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
                     row.attempts = 0;
                     row.dead_lettered_ms = None;
@@ -831,7 +846,8 @@ impl Inbox {
                 tx.holds.push(k.clone());
                 WireInsertOutcome::Held
             }
-            Some(_) if entry.fresh_budget => {
+            // `inbox_reset_attempts.sql`: a dead-lettered row only.
+            Some(row) if entry.fresh_budget && row.dead_lettered_ms.is_some() => {
                 tx.resets.push(k.clone());
                 WireInsertOutcome::InFlightRetry { attempts: 0 }
             }
