@@ -13,7 +13,8 @@
 //!   exactly at the budget and are not claimed while parked.
 //! - [`leases`]: marks are guarded by `claimed_by`; a replica publishes only
 //!   rows it holds, with the envelope id as `message_id`, in claim order.
-//! - [`nodes`]: a broker client starts at the node it was assigned.
+//! - [`nodes`]: a broker client starts at the node it was assigned, and
+//!   leaves a node that falls silent within the heartbeat's bound.
 //! - [`timing`]: Phase 2 ends within `confirm_timeout` of the claim (#1061);
 //!   releases come before the lease expires; a replica backs off after a
 //!   failure and hands back every claim it holds first; claims keep to the
@@ -112,6 +113,8 @@ invariants! {
     PipelineDepth = "pipeline_depth",
     /// A broker client given a node list connects first to the node it was assigned, unless that node is down or cut off then.
     StartsAtAssignedNode = "starts_at_assigned_node",
+    /// A broker client whose node falls silent (cut off, its connections left open) is connected to another node within the heartbeat's bound.
+    LeavesASilentNode = "leaves_a_silent_node",
     // --- timing
     /// Phase 2 ends (last confirm in, or the batch released) within `confirm_timeout` of its claim (#1061).
     Phase2Deadline = "phase2_deadline",

@@ -1431,6 +1431,38 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
                     },
                 ),
         ),
+        // A client stayed on its node for 10 s after the node fell silent.
+        (
+            I::LeavesASilentNode,
+            producer()
+                .at(
+                    1,
+                    Event::MqConnected {
+                        client: s("c#1"),
+                        node: s("rabbit-3"),
+                    },
+                )
+                .at(
+                    1000,
+                    Event::FaultStart {
+                        kind: FaultKind::NodePartition,
+                        detail: s("NodePartition { node: 3, at_secs: 1.0, for_secs: 12.0 }"),
+                    },
+                )
+                .at(
+                    11_000,
+                    Event::MqConnected {
+                        client: s("c#1"),
+                        node: s("rabbit-1"),
+                    },
+                )
+                .at(
+                    13_000,
+                    Event::FaultEnd {
+                        kind: FaultKind::NodePartition,
+                    },
+                ),
+        ),
         // Readiness says ready with no sample taken at all.
         (
             I::GaugesTruthful,
