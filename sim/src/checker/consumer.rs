@@ -259,46 +259,11 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
                     *b.handler_failures.entry(*id).or_insert(0) += 1;
                 }
             }
-            // A row an operator's replay asked for: a failure that client
-            // records of it while the replay runs is the replay's (a budget
-            // of one), a row within its budget keeping its attempts.
-            Event::ReplayStarted {
-                client,
-                ids,
-                matching,
-                ..
-            } => {
-                let asked: Vec<Uuid> = matching
-                    .iter()
-                    .chain(ids.iter().flatten())
-                    .copied()
-                    .collect();
-                for id in &asked {
-                    b.replaying.insert((client.as_str(), *id));
-                }
-                b.asked.insert(client, asked);
-            }
-            Event::ReplayEnded { client, .. } => {
-                for id in b.asked.remove(client.as_str()).unwrap_or_default() {
-                    b.replaying.remove(&(client.as_str(), id));
-                }
-            }
-            // A replay's reset: the next failure that client records of the
-            // row is the replay's (a budget of one), not a delivery's.
-            Event::InboxReset { client, ids } => {
-                for id in ids {
-                    b.replaying.insert((client.as_str(), *id));
-                    b.dead.remove(id);
-                }
-            }
-            Event::Replayed {
-                client, event_id, ..
-            }
-            | Event::ReplayReleased {
-                client, event_id, ..
-            } => {
-                b.replaying.remove(&(client.as_str(), *event_id));
-            }
+            Event::ReplayStarted { .. }
+            | Event::ReplayEnded { .. }
+            | Event::InboxReset { .. }
+            | Event::Replayed { .. }
+            | Event::ReplayReleased { .. } => b.replays(e),
             Event::InboxFailure {
                 client,
                 event_id,
@@ -326,6 +291,52 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
 }
 
 impl<'e> Budget<'e> {
+    /// What replays tell the budget: while an operator's replay runs, a
+    /// failure its client records of a row it asked for is the replay's (a
+    /// budget of one), a row within its budget keeping its attempts; after
+    /// a reset, the next failure that client records of the row is the
+    /// replay's or release's, not a delivery's.
+    fn replays(&mut self, e: &'e Event) {
+        match e {
+            Event::ReplayStarted {
+                client,
+                ids,
+                matching,
+                ..
+            } => {
+                let asked: Vec<Uuid> = matching
+                    .iter()
+                    .chain(ids.iter().flatten())
+                    .copied()
+                    .collect();
+                for id in &asked {
+                    self.replaying.insert((client.as_str(), *id));
+                }
+                self.asked.insert(client, asked);
+            }
+            Event::ReplayEnded { client, .. } => {
+                for id in self.asked.remove(client.as_str()).unwrap_or_default() {
+                    self.replaying.remove(&(client.as_str(), id));
+                }
+            }
+            Event::InboxReset { client, ids } => {
+                for id in ids {
+                    self.replaying.insert((client.as_str(), *id));
+                    self.dead.remove(id);
+                }
+            }
+            Event::Replayed {
+                client, event_id, ..
+            }
+            | Event::ReplayReleased {
+                client, event_id, ..
+            } => {
+                self.replaying.remove(&(client.as_str(), *event_id));
+            }
+            _ => {}
+        }
+    }
+
     /// A failure recorded in the inbox: a handler's failure answers it, and
     /// it is dead-lettered exactly at the budget.
     fn failure(
@@ -892,55 +903,65 @@ fn replay_exact(ctx: &Context<'_>, out: &mut Findings) {
     }
 }
 
+/// What [`replay`] knows of each row so far.
+#[derive(Default)]
+struct ReplayBudgets {
+    /// Whether each row's last failure record dead-lettered it (none since
+    /// a reset).
+    last_record: BTreeMap<Uuid, bool>,
+    /// Rows whose dead-lettering record another replay then reset (an
+    /// ordered subscription's own release may replay a row the operator's
+    /// replay failed, before the operator's outcome is reported).
+    superseded: BTreeSet<Uuid>,
+    /// Rows whose run committed (its failure recorded, or processed) while
+    /// they were dead-lettered and with no reset: that run owed one.
+    unreset_dead_runs: BTreeSet<Uuid>,
+}
+
+impl ReplayBudgets {
+    /// A reset comes only to a dead-lettered row: once per replay or
+    /// release.
+    fn reset(&mut self, at: Duration, client: &str, ids: &[Uuid], out: &mut Findings) {
+        for id in ids {
+            self.unreset_dead_runs.remove(id);
+            if self.last_record.remove(id) == Some(true) {
+                self.superseded.insert(*id);
+            } else {
+                out.add(
+                    Invariant::ReplayFreshBudget,
+                    Some(at),
+                    format!("{client} reset the budget of {id}, which was not dead-lettered"),
+                );
+            }
+        }
+    }
+
+    /// A run of `id` committed (a failure record, or its processed mark):
+    /// one of a dead-lettered row with no reset owed one.
+    fn ran(&mut self, id: Uuid) {
+        if self.last_record.get(&id) == Some(&true) {
+            self.unreset_dead_runs.insert(id);
+        }
+    }
+}
+
 fn replay(ctx: &Context<'_>, out: &mut Findings) {
-    let mut reset: BTreeSet<Uuid> = BTreeSet::new();
-    let mut last_record: BTreeMap<Uuid, bool> = BTreeMap::new();
-    // Rows whose dead-lettering record another replay then reset (an
-    // ordered subscription's own release may replay a row the operator's
-    // replay failed, before the operator's outcome is reported).
-    let mut superseded: BTreeSet<Uuid> = BTreeSet::new();
-    // Rows whose run committed (its failure recorded, or processed) while
-    // they were dead-lettered and with no reset: that run owed one.
-    let mut unreset_dead_runs: BTreeSet<Uuid> = BTreeSet::new();
+    let mut b = ReplayBudgets::default();
     for (at, e) in ctx.events {
         match e {
-            Event::ReplayStarted { .. } => reset.clear(),
-            Event::InboxReset { client, ids } => {
-                for id in ids {
-                    reset.insert(*id);
-                    unreset_dead_runs.remove(id);
-                    if last_record.remove(id) == Some(true) {
-                        superseded.insert(*id);
-                    } else {
-                        // Once per replay or release: a budget is reset
-                        // only on a dead-lettered row.
-                        out.add(
-                            Invariant::ReplayFreshBudget,
-                            Some(*at),
-                            format!(
-                                "{client} reset the budget of {id}, which was not dead-lettered"
-                            ),
-                        );
-                    }
-                }
-            }
+            Event::InboxReset { client, ids } => b.reset(*at, client, ids, out),
             Event::InboxFailure {
                 event_id,
                 dead_lettered,
                 ..
             } => {
-                // A run of a dead-lettered row without a reset: its record
-                // comes before its report.
-                if last_record.get(event_id) == Some(&true) {
-                    unreset_dead_runs.insert(*event_id);
-                }
-                last_record.insert(*event_id, *dead_lettered);
+                // Its record comes before its report.
+                b.ran(*event_id);
+                b.last_record.insert(*event_id, *dead_lettered);
             }
             Event::InboxCommitted { processed, .. } => {
                 for id in processed {
-                    if last_record.get(id) == Some(&true) {
-                        unreset_dead_runs.insert(*id);
-                    }
+                    b.ran(*id);
                 }
             }
             Event::Replayed {
@@ -960,9 +981,8 @@ fn replay(ctx: &Context<'_>, out: &mut Findings) {
                 // a racing release dead-lettered meanwhile, which a
                 // delivery may run too).
                 let ran = matches!(outcome, Replay::Applied | Replay::Failed);
-                reset.remove(event_id);
                 let owed =
-                    unreset_dead_runs.remove(event_id) && matches!(e, Event::Replayed { .. });
+                    b.unreset_dead_runs.remove(event_id) && matches!(e, Event::Replayed { .. });
                 if ran && owed {
                     out.add(
                         Invariant::ReplayFreshBudget,
@@ -970,14 +990,15 @@ fn replay(ctx: &Context<'_>, out: &mut Findings) {
                         format!("{client} replayed {event_id} ({outcome:?}) without resetting its budget"),
                     );
                 }
+                let last = b.last_record.get(event_id);
                 if *outcome == Replay::Failed
-                    && last_record.get(event_id) != Some(&true)
-                    && !superseded.contains(event_id)
+                    && last != Some(&true)
+                    && !b.superseded.contains(event_id)
                 {
                     out.add(
                         Invariant::ReplayKeepsFailedFindable,
                         Some(*at),
-                        format!("{client}'s replay of {event_id} failed but left it not dead-lettered ({:?})", last_record.get(event_id)),
+                        format!("{client}'s replay of {event_id} failed but left it not dead-lettered ({last:?})"),
                     );
                 }
             }

@@ -792,47 +792,8 @@ impl Inbox {
         // A row this transaction already holds (an earlier delivery of the
         // same event in the batch): PostgreSQL's insert conflicts with it
         // and the lock sees it as this transaction left it.
-        if let Some((processed, attempts)) = tx.own_view(&k, self.rows.get(&k)) {
-            if processed {
-                caller.trace.now(Event::InboxDuplicate {
-                    client: caller.client.to_owned(),
-                    event_id: id,
-                });
-                return PgReply::Inbox(WireInsertOutcome::AlreadyProcessed);
-            }
-            if hold {
-                if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
-                    row.held_ms.get_or_insert(now);
-                } else {
-                    tx.holds.push(k);
-                }
-                return PgReply::Inbox(WireInsertOutcome::Held);
-            }
-            // `inbox_reset_attempts.sql`: a dead-lettered row only, as
-            // this transaction sees it.
-            let dead = match tx.inserts.iter().find(|r| r.key() == k) {
-                Some(row) => row.dead_lettered_ms.is_some(),
-                None => match tx.failures.iter().rev().find(|f| f.0 == k) {
-                    Some(f) => f.3,
-                    None => {
-                        !tx.resets.contains(&k)
-                            && self
-                                .rows
-                                .get(&k)
-                                .is_some_and(|r| r.dead_lettered_ms.is_some())
-                    }
-                },
-            };
-            if entry.fresh_budget && dead {
-                if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
-                    row.attempts = 0;
-                    row.dead_lettered_ms = None;
-                } else {
-                    tx.resets.push(k);
-                }
-                return PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts: 0 });
-            }
-            return PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts });
+        if let Some(view) = tx.own_view(&k, self.rows.get(&k)) {
+            return self.insert_own(entry, caller, tx, view, hold, now);
         }
         let outcome = match self.rows.get(&k) {
             Some(row) if row.processed_ms.is_some() => {
@@ -872,6 +833,60 @@ impl Inbox {
         };
         self.lock(tx, k, caller.session);
         PgReply::Inbox(outcome)
+    }
+
+    /// [`try_insert`](Self::try_insert) of a row this transaction already
+    /// holds, as it left it (`view`: processed, attempts).
+    fn insert_own(
+        &self,
+        entry: &WireInboxEntry,
+        caller: &Caller<'_>,
+        tx: &mut InboxTx,
+        (processed, attempts): (bool, i32),
+        hold: bool,
+        now: u64,
+    ) -> PgReply {
+        let (id, k) = (entry.event_id, key(&entry.subscription, entry.event_id));
+        if processed {
+            caller.trace.now(Event::InboxDuplicate {
+                client: caller.client.to_owned(),
+                event_id: id,
+            });
+            return PgReply::Inbox(WireInsertOutcome::AlreadyProcessed);
+        }
+        if hold {
+            if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
+                row.held_ms.get_or_insert(now);
+            } else {
+                tx.holds.push(k);
+            }
+            return PgReply::Inbox(WireInsertOutcome::Held);
+        }
+        // `inbox_reset_attempts.sql`: a dead-lettered row only, as this
+        // transaction sees it.
+        let dead = match tx.inserts.iter().find(|r| r.key() == k) {
+            Some(row) => row.dead_lettered_ms.is_some(),
+            None => match tx.failures.iter().rev().find(|f| f.0 == k) {
+                Some(f) => f.3,
+                None => {
+                    !tx.resets.contains(&k)
+                        && self
+                            .rows
+                            .get(&k)
+                            .is_some_and(|r| r.dead_lettered_ms.is_some())
+                }
+            },
+        };
+        if entry.fresh_budget && dead {
+            if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
+                row.attempts = 0;
+                row.dead_lettered_ms = None;
+            } else {
+                tx.resets.push(k);
+            }
+            return PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts: 0 });
+        }
+        PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts })
     }
 
     /// The rows `filter` selects now, oldest first: what a replay asking
