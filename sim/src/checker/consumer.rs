@@ -219,8 +219,9 @@ struct Budget<'e> {
     handler_failures: BTreeMap<Uuid, u32>,
     records: BTreeMap<(&'e str, Uuid), Records>,
     replaying: BTreeSet<(&'e str, Uuid)>,
-    /// The rows each operator's replay under way asked for.
+    /// The rows each operator's replay under way asked for, by client.
     asked: BTreeMap<&'e str, Vec<Uuid>>,
+    asked_now: BTreeSet<(&'e str, Uuid)>,
     /// Rows marked dead-lettered: the mark stays until a replay resets it.
     dead: BTreeSet<Uuid>,
     /// An ordered subscription's deferrals: what was delivered, and what
@@ -310,13 +311,13 @@ impl<'e> Budget<'e> {
                     .copied()
                     .collect();
                 for id in &asked {
-                    self.replaying.insert((client.as_str(), *id));
+                    self.asked_now.insert((client.as_str(), *id));
                 }
                 self.asked.insert(client, asked);
             }
             Event::ReplayEnded { client, .. } => {
                 for id in self.asked.remove(client.as_str()).unwrap_or_default() {
-                    self.replaying.remove(&(client.as_str(), id));
+                    self.asked_now.remove(&(client.as_str(), id));
                 }
             }
             Event::InboxReset { client, ids } => {
@@ -365,7 +366,13 @@ impl<'e> Budget<'e> {
         if self.replaying.remove(&(client, event_id)) {
             return; // a replay's budget is one (see `replay`)
         }
-        if dead_lettered != (attempts as u32 >= max || was_dead) {
+        // An operator's replay of a row still within its budget: its budget
+        // of one counts from the row's attempts (no reset). The record is a
+        // delivery's or the replay's; either counts.
+        let replays_within_budget = dead_lettered
+            && (attempts as u32) < max
+            && self.asked_now.contains(&(client, event_id));
+        if dead_lettered != (attempts as u32 >= max || was_dead) && !replays_within_budget {
             out.add(
                 Invariant::DeadLetterAtBudget,
                 at,
@@ -913,9 +920,15 @@ struct ReplayBudgets {
     /// ordered subscription's own release may replay a row the operator's
     /// replay failed, before the operator's outcome is reported).
     superseded: BTreeSet<Uuid>,
-    /// Rows whose run committed (its failure recorded, or processed) while
-    /// they were dead-lettered and with no reset: that run owed one.
-    unreset_dead_runs: BTreeSet<Uuid>,
+    /// Runs that committed (a failure recorded, or a processed mark) by a
+    /// client while its operator's replay was under way, of a row that
+    /// was dead-lettered and had no reset: that run owed one.
+    unreset_dead_runs: BTreeSet<(String, Uuid)>,
+    /// Clients whose operator's replay is under way, each with the rows
+    /// dead-lettered when it began and untouched since (a row another
+    /// run records or resets meanwhile, a release racing, is no longer
+    /// the replay's to judge).
+    under_way: BTreeMap<String, BTreeSet<Uuid>>,
 }
 
 impl ReplayBudgets {
@@ -923,7 +936,8 @@ impl ReplayBudgets {
     /// release.
     fn reset(&mut self, at: Duration, client: &str, ids: &[Uuid], out: &mut Findings) {
         for id in ids {
-            self.unreset_dead_runs.remove(id);
+            self.touched(*id);
+            self.unreset_dead_runs.remove(&(client.to_owned(), *id));
             if self.last_record.remove(id) == Some(true) {
                 self.superseded.insert(*id);
             } else {
@@ -938,9 +952,21 @@ impl ReplayBudgets {
 
     /// A run of `id` committed (a failure record, or its processed mark):
     /// one of a dead-lettered row with no reset owed one.
-    fn ran(&mut self, id: Uuid) {
-        if self.last_record.get(&id) == Some(&true) {
-            self.unreset_dead_runs.insert(id);
+    fn ran(&mut self, client: &str, id: Uuid) {
+        if self
+            .under_way
+            .get(client)
+            .is_some_and(|dead| dead.contains(&id))
+        {
+            self.unreset_dead_runs.insert((client.to_owned(), id));
+        }
+        self.touched(id);
+    }
+
+    /// A record or reset of `id`: no replay under way judges it any more.
+    fn touched(&mut self, id: Uuid) {
+        for dead in self.under_way.values_mut() {
+            dead.remove(&id);
         }
     }
 }
@@ -949,19 +975,34 @@ fn replay(ctx: &Context<'_>, out: &mut Findings) {
     let mut b = ReplayBudgets::default();
     for (at, e) in ctx.events {
         match e {
+            Event::ReplayStarted { client, .. } => {
+                let dead = b
+                    .last_record
+                    .iter()
+                    .filter(|(_, d)| **d)
+                    .map(|(id, _)| *id)
+                    .collect();
+                b.under_way.insert(client.clone(), dead);
+            }
+            Event::ReplayEnded { client, .. } => {
+                b.under_way.remove(client);
+            }
             Event::InboxReset { client, ids } => b.reset(*at, client, ids, out),
             Event::InboxFailure {
+                client,
                 event_id,
                 dead_lettered,
                 ..
             } => {
                 // Its record comes before its report.
-                b.ran(*event_id);
+                b.ran(client, *event_id);
                 b.last_record.insert(*event_id, *dead_lettered);
             }
-            Event::InboxCommitted { processed, .. } => {
+            Event::InboxCommitted {
+                client, processed, ..
+            } => {
                 for id in processed {
-                    b.ran(*id);
+                    b.ran(client, *id);
                 }
             }
             Event::Replayed {
@@ -981,8 +1022,8 @@ fn replay(ctx: &Context<'_>, out: &mut Findings) {
                 // a racing release dead-lettered meanwhile, which a
                 // delivery may run too).
                 let ran = matches!(outcome, Replay::Applied | Replay::Failed);
-                let owed =
-                    b.unreset_dead_runs.remove(event_id) && matches!(e, Event::Replayed { .. });
+                let owed = b.unreset_dead_runs.remove(&(client.clone(), *event_id))
+                    && matches!(e, Event::Replayed { .. });
                 if ran && owed {
                     out.add(
                         Invariant::ReplayFreshBudget,

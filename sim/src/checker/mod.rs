@@ -111,9 +111,9 @@ invariants! {
     PublishOrder = "publish_order",
     /// A replica has at most `pipeline_depth` publishes unconfirmed at once, overlapping batches included (#478).
     PipelineDepth = "pipeline_depth",
-    /// A broker client given a node list connects first to the node it was assigned, unless that node is down or cut off then.
+    /// A broker client given a node list connects first to the node it was assigned, unless that node is down or a fault came while it was trying.
     StartsAtAssignedNode = "starts_at_assigned_node",
-    /// A broker client whose node falls silent (cut off, its connections left open) is connected to another node within the heartbeat's bound.
+    /// A subscription's broker client whose node falls silent (cut off, its connections left open) is connected to another node within the heartbeat's bound.
     LeavesASilentNode = "leaves_a_silent_node",
     // --- timing
     /// Phase 2 ends (last confirm in, or the batch released) within `confirm_timeout` of its claim (#1061).

@@ -1,9 +1,10 @@
 //! Broker clients and their node lists: a client given a list of the
 //! cluster's nodes starts at the node it was assigned (so that clients
 //! spread over the nodes, and a node late in the list is tried at all),
-//! unless that node is down or cut off when it first connects; and a
-//! client whose node falls silent (cut off from everyone, its connections
-//! left open) is connected to another node within the heartbeat's bound.
+//! unless that node is down or a fault came while it was trying; and a
+//! subscription's client whose node falls silent (cut off from everyone,
+//! its connections left open) is connected to another node within the
+//! heartbeat's bound.
 //! Judged from the fake RabbitMQ's side: the node that accepted each
 //! connection.
 
@@ -65,8 +66,11 @@ fn leaves_a_silent_node(ctx: &Context<'_>, out: &mut Findings) {
                     .map(|n| format!("rabbit-{n}"));
                 match (kind, node) {
                     (FaultKind::NodePartition, Some(node)) if active == 0 => {
+                        // A subscription's clients: a drainer connects
+                        // when it next publishes (its batch's deadline
+                        // bounds that).
                         for (client, on) in &current {
-                            if *on == node {
+                            if *on == node && client.starts_with("consumer-") {
                                 due.insert(client, *at + SILENT_NODE_BOUND);
                             }
                         }
@@ -90,15 +94,22 @@ fn leaves_a_silent_node(ctx: &Context<'_>, out: &mut Findings) {
 }
 
 fn starts_at_assigned_node(ctx: &Context<'_>, out: &mut Findings) {
-    // Each client's assigned node, until its first connection.
-    let mut assigned: BTreeMap<&str, &str> = BTreeMap::new();
+    // Each client's assigned node, until its first connection, and
+    // whether a fault came while it was trying (any of them may be why
+    // the assigned node did not answer).
+    let mut assigned: BTreeMap<&str, (&str, bool)> = BTreeMap::new();
     // Faults under way (a node crashed, partitioned, a link cut, …): any
     // of them may be why the assigned node did not answer.
     let mut active: BTreeMap<String, usize> = BTreeMap::new();
     let mut down: BTreeSet<&str> = BTreeSet::new();
     for (at, e) in ctx.events {
         match e {
-            Event::FaultStart { kind, .. } => *active.entry(format!("{kind:?}")).or_default() += 1,
+            Event::FaultStart { kind, .. } => {
+                *active.entry(format!("{kind:?}")).or_default() += 1;
+                for (_, faulted) in assigned.values_mut() {
+                    *faulted = true;
+                }
+            }
             Event::FaultEnd { kind } => {
                 if let Some(n) = active.get_mut(&format!("{kind:?}")) {
                     *n = n.saturating_sub(1);
@@ -112,13 +123,14 @@ fn starts_at_assigned_node(ctx: &Context<'_>, out: &mut Findings) {
                 }
             }
             Event::BrokerAssigned { client, node } => {
-                assigned.insert(client, node);
+                let faulted = active.values().any(|n| *n > 0);
+                assigned.insert(client, (node, faulted));
             }
             Event::MqConnected { client, node } => {
-                let Some(first) = assigned.remove(client.as_str()) else {
+                let Some((first, faulted)) = assigned.remove(client.as_str()) else {
                     continue;
                 };
-                let excused = down.contains(first) || active.values().any(|n| *n > 0);
+                let excused = faulted || down.contains(first) || active.values().any(|n| *n > 0);
                 if node != first && !excused {
                     out.add(
                         Invariant::StartsAtAssignedNode,

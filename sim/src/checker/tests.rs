@@ -1438,7 +1438,7 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
                 .at(
                     1,
                     Event::MqConnected {
-                        client: s("c#1"),
+                        client: s("consumer-1#1"),
                         node: s("rabbit-3"),
                     },
                 )
@@ -1452,7 +1452,7 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
                 .at(
                     11_000,
                     Event::MqConnected {
-                        client: s("c#1"),
+                        client: s("consumer-1#1"),
                         node: s("rabbit-1"),
                     },
                 )
