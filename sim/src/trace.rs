@@ -339,6 +339,8 @@ pub enum Event {
     /// A broker client was given a list of nodes and the node it starts
     /// at (the cluster's clients start at different nodes).
     BrokerAssigned { client: String, node: String },
+    /// A broker client tries to connect to `node` (each try of its list).
+    BrokerConnecting { client: String, node: String },
     /// The fake RabbitMQ accepted a connection of `client` on `node`.
     MqConnected { client: String, node: String },
 

@@ -171,6 +171,10 @@ impl SimBroker {
         let mut errors = Vec::new();
         for i in 0..n {
             let node = (start + i) % n;
+            self.trace.now(Event::BrokerConnecting {
+                client: self.client.clone(),
+                node: self.nodes[node].clone(),
+            });
             match connect(&self.nodes[node], MQ_PORT).await {
                 Ok(stream) => {
                     self.node.store(node, Ordering::SeqCst);

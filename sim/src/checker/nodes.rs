@@ -1,14 +1,14 @@
 //! Broker clients and their node lists: a client given a list of the
 //! cluster's nodes starts at the node it was assigned (so that clients
 //! spread over the nodes, and a node late in the list is tried at all),
-//! unless that node is down or a fault came while it was trying; and a
+//! (the first node it tries, whatever answers); and a
 //! subscription's client whose node falls silent (cut off from everyone,
 //! its connections left open) is connected to another node within the
 //! heartbeat's bound.
 //! Judged from the fake RabbitMQ's side: the node that accepted each
 //! connection.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::{Context, Findings, Invariant};
@@ -94,51 +94,22 @@ fn leaves_a_silent_node(ctx: &Context<'_>, out: &mut Findings) {
 }
 
 fn starts_at_assigned_node(ctx: &Context<'_>, out: &mut Findings) {
-    // Each client's assigned node, until its first connection, and
-    // whether a fault came while it was trying (any of them may be why
-    // the assigned node did not answer).
-    let mut assigned: BTreeMap<&str, (&str, bool)> = BTreeMap::new();
-    // Faults under way (a node crashed, partitioned, a link cut, …): any
-    // of them may be why the assigned node did not answer.
-    let mut active: BTreeMap<String, usize> = BTreeMap::new();
-    let mut down: BTreeSet<&str> = BTreeSet::new();
+    // Each client's assigned node, until its first try.
+    let mut assigned: BTreeMap<&str, &str> = BTreeMap::new();
     for (at, e) in ctx.events {
         match e {
-            Event::FaultStart { kind, .. } => {
-                *active.entry(format!("{kind:?}")).or_default() += 1;
-                for (_, faulted) in assigned.values_mut() {
-                    *faulted = true;
-                }
-            }
-            Event::FaultEnd { kind } => {
-                if let Some(n) = active.get_mut(&format!("{kind:?}")) {
-                    *n = n.saturating_sub(1);
-                }
-            }
-            Event::Host { host, up } => {
-                if *up {
-                    down.remove(host.as_str());
-                } else {
-                    down.insert(host);
-                }
-            }
             Event::BrokerAssigned { client, node } => {
-                let faulted = active.values().any(|n| *n > 0);
-                assigned.insert(client, (node, faulted));
+                assigned.insert(client, node);
             }
-            Event::MqConnected { client, node } => {
-                let Some((first, faulted)) = assigned.remove(client.as_str()) else {
+            Event::BrokerConnecting { client, node } => {
+                let Some(first) = assigned.remove(client.as_str()) else {
                     continue;
                 };
-                let excused = faulted || down.contains(first) || active.values().any(|n| *n > 0);
-                if node != first && !excused {
+                if node != first {
                     out.add(
                         Invariant::StartsAtAssignedNode,
                         Some(*at),
-                        format!(
-                            "{client} was assigned {first} and first connected to {node}, \
-                             with {first} up and no fault under way"
-                        ),
+                        format!("{client} was assigned {first} and tried {node} first"),
                     );
                 }
             }
