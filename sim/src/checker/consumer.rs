@@ -220,8 +220,7 @@ struct Budget<'e> {
     records: BTreeMap<(&'e str, Uuid), Records>,
     replaying: BTreeSet<(&'e str, Uuid)>,
     /// The rows each operator's replay under way asked for, by client.
-    asked: BTreeMap<&'e str, Vec<Uuid>>,
-    asked_now: BTreeSet<(&'e str, Uuid)>,
+    asked: BTreeMap<&'e str, BTreeSet<Uuid>>,
     /// Rows marked dead-lettered: the mark stays until a replay resets it.
     dead: BTreeSet<Uuid>,
     /// An ordered subscription's deferrals: what was delivered, and what
@@ -305,20 +304,11 @@ impl<'e> Budget<'e> {
                 matching,
                 ..
             } => {
-                let asked: Vec<Uuid> = matching
-                    .iter()
-                    .chain(ids.iter().flatten())
-                    .copied()
-                    .collect();
-                for id in &asked {
-                    self.asked_now.insert((client.as_str(), *id));
-                }
-                self.asked.insert(client, asked);
+                let asked = matching.iter().chain(ids.iter().flatten()).copied();
+                self.asked.insert(client, asked.collect());
             }
             Event::ReplayEnded { client, .. } => {
-                for id in self.asked.remove(client.as_str()).unwrap_or_default() {
-                    self.asked_now.remove(&(client.as_str(), id));
-                }
+                self.asked.remove(client.as_str());
             }
             Event::InboxReset { client, ids } => {
                 for id in ids {
@@ -371,7 +361,10 @@ impl<'e> Budget<'e> {
         // delivery's or the replay's; either counts.
         let replays_within_budget = dead_lettered
             && (attempts as u32) < max
-            && self.asked_now.contains(&(client, event_id));
+            && self
+                .asked
+                .get(client)
+                .is_some_and(|asked| asked.contains(&event_id));
         if dead_lettered != (attempts as u32 >= max || was_dead) && !replays_within_budget {
             out.add(
                 Invariant::DeadLetterAtBudget,

@@ -13,7 +13,7 @@
 //!   exactly at the budget and are not claimed while parked.
 //! - [`leases`]: marks are guarded by `claimed_by`; a replica publishes only
 //!   rows it holds, with the envelope id as `message_id`, in claim order.
-//! - [`nodes`]: a broker client starts at the node it was assigned, and
+//! - [`nodes`]: a broker client tries first the node it was assigned, and
 //!   leaves a node that falls silent within the heartbeat's bound.
 //! - [`timing`]: Phase 2 ends within `confirm_timeout` of the claim (#1061);
 //!   releases come before the lease expires; a replica backs off after a
@@ -111,7 +111,7 @@ invariants! {
     PublishOrder = "publish_order",
     /// A replica has at most `pipeline_depth` publishes unconfirmed at once, overlapping batches included (#478).
     PipelineDepth = "pipeline_depth",
-    /// A broker client given a node list connects first to the node it was assigned, unless that node is down or a fault came while it was trying.
+    /// A broker client given a node list tries first the node it was assigned, whatever answers.
     StartsAtAssignedNode = "starts_at_assigned_node",
     /// A subscription's broker client whose node falls silent (cut off, its connections left open) is connected to another node within the heartbeat's bound.
     LeavesASilentNode = "leaves_a_silent_node",

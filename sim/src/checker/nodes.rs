@@ -1,12 +1,11 @@
 //! Broker clients and their node lists: a client given a list of the
-//! cluster's nodes starts at the node it was assigned (so that clients
+//! cluster's nodes tries first the node it was assigned (so that clients
 //! spread over the nodes, and a node late in the list is tried at all),
-//! (the first node it tries, whatever answers); and a
-//! subscription's client whose node falls silent (cut off from everyone,
-//! its connections left open) is connected to another node within the
-//! heartbeat's bound.
-//! Judged from the fake RabbitMQ's side: the node that accepted each
-//! connection.
+//! whatever answers; and a subscription's client whose node falls silent
+//! (cut off from everyone, its connections left open) is connected to
+//! another node within the heartbeat's bound. The tries are the client's
+//! own record (`BrokerConnecting`); the connections are judged from the
+//! fake RabbitMQ's side, by the node that accepted each one.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -34,7 +33,7 @@ fn leaves_a_silent_node(ctx: &Context<'_>, out: &mut Findings) {
     let mut active = 0usize;
     // The silent node, and each of its clients' deadline.
     let mut silent: Option<String> = None;
-    let mut due: BTreeMap<&str, std::time::Duration> = BTreeMap::new();
+    let mut due: BTreeMap<&str, Duration> = BTreeMap::new();
     for (at, e) in ctx.events {
         due.retain(|client, by| {
             if *at <= *by {

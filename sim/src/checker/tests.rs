@@ -876,6 +876,21 @@ fn hostile_cases() -> Vec<(Invariant, Run)> {
 
 /// The operator replays event 1; the handler fails again and the failure
 /// is recorded at attempt 1, `dead_lettered` as given.
+/// The consumer's run, then an operator's replay asking for one
+/// dead-lettered row of the two that matched (events 1 and 2).
+fn one_of_two_asked() -> Run {
+    consumer().at(
+        200,
+        Event::ReplayStarted {
+            client: s("c#1"),
+            ask: s("dead-lettered, limit 1"),
+            ids: None,
+            limit: 1,
+            matching: vec![id(1), id(2)],
+        },
+    )
+}
+
 fn failed_replay(run: Run, dead_lettered: bool) -> Run {
     run.at(
         200,
@@ -1284,17 +1299,7 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
         // and said nothing more matches.
         (
             I::ReplayExact,
-            consumer()
-                .at(
-                    200,
-                    Event::ReplayStarted {
-                        client: s("c#1"),
-                        ask: s("dead-lettered, limit 1"),
-                        ids: None,
-                        limit: 1,
-                        matching: vec![id(1), id(2)],
-                    },
-                )
+            one_of_two_asked()
                 .at(
                     210,
                     Event::ReplayEnded {
@@ -1318,17 +1323,7 @@ fn statement_cases() -> Vec<(Invariant, Run)> {
         // it, never replays the second.
         (
             I::ReplayExact,
-            consumer()
-                .at(
-                    200,
-                    Event::ReplayStarted {
-                        client: s("c#1"),
-                        ask: s("dead-lettered, limit 1"),
-                        ids: None,
-                        limit: 1,
-                        matching: vec![id(1), id(2)],
-                    },
-                )
+            one_of_two_asked()
                 .at(
                     205,
                     Event::Replayed {

@@ -864,8 +864,9 @@ impl Inbox {
         }
         // `inbox_reset_attempts.sql`: a dead-lettered row only, as this
         // transaction sees it.
-        let dead = match tx.inserts.iter().find(|r| r.key() == k) {
-            Some(row) => row.dead_lettered_ms.is_some(),
+        let inserted = tx.inserts.iter().position(|r| r.key() == k);
+        let dead = match inserted {
+            Some(i) => tx.inserts[i].dead_lettered_ms.is_some(),
             None => match tx.failures.iter().rev().find(|f| f.0 == k) {
                 Some(f) => f.3,
                 None => {
@@ -878,11 +879,12 @@ impl Inbox {
             },
         };
         if entry.fresh_budget && dead {
-            if let Some(row) = tx.inserts.iter_mut().find(|r| r.key() == k) {
-                row.attempts = 0;
-                row.dead_lettered_ms = None;
-            } else {
-                tx.resets.push(k);
+            match inserted {
+                Some(i) => {
+                    tx.inserts[i].attempts = 0;
+                    tx.inserts[i].dead_lettered_ms = None;
+                }
+                None => tx.resets.push(k),
             }
             return PgReply::Inbox(WireInsertOutcome::InFlightRetry { attempts: 0 });
         }
