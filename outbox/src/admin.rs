@@ -2,22 +2,23 @@
 //! fresh attempts budget, so the drainer republishes them. The HTTP surface
 //! that exposes these comes with the consumer half.
 
-use crate::core::ports::{OutboxStore, ParkedCursor, ParkedRow, UnparkSelector};
+use crate::core::ports::{OutboxStore, ParkedFilter, ParkedRow, UnparkSelector};
 use crate::error::StoreError;
 
 /// Most parked rows listed in one call.
 pub const LIST_LIMIT_MAX: u32 = 1000;
 
-/// Lists up to `limit` (capped at [`LIST_LIMIT_MAX`]) parked rows, oldest
-/// parked first, after `after` (the last row of the page before) if given.
+/// Lists the parked rows `filter` selects, oldest parked first: at most
+/// `filter.limit`, capped at [`LIST_LIMIT_MAX`] (see [`ParkedFilter`]).
 pub async fn list_parked<S: OutboxStore>(
     store: &S,
-    limit: u32,
-    after: Option<ParkedCursor>,
+    filter: &ParkedFilter,
 ) -> Result<Vec<ParkedRow>, StoreError> {
-    store
-        .outbox_list_parked(limit.min(LIST_LIMIT_MAX), after)
-        .await
+    let filter = ParkedFilter {
+        limit: filter.limit.min(LIST_LIMIT_MAX),
+        ..filter.clone()
+    };
+    store.outbox_list_parked(&filter).await
 }
 
 /// Unparks the selected rows, resetting their attempts to 0; the drainer

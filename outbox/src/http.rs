@@ -54,7 +54,8 @@ pub use console::{ACTION_BATCH, ACTION_MAX, ConsoleSettings};
 use crate::PgOutboxStore;
 use crate::admin;
 use crate::core::ports::{
-    Clock, ConsumerBroker, InboxCounts, InboxFilter, InboxRow, InboxStore, UnparkSelector,
+    Clock, ConsumerBroker, InboxCounts, InboxFilter, InboxRow, InboxStore, ParkedFilter,
+    UnparkSelector,
 };
 use crate::core::ports::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
 use crate::core::stats::Readiness;
@@ -742,7 +743,7 @@ async fn list_parked(
         Ok(Query(q)) => q.limit.unwrap_or(100),
         Err(r) => return error(StatusCode::BAD_REQUEST, &r.body_text()),
     };
-    match admin::list_parked(store, limit, None).await {
+    match admin::list_parked(store, &ParkedFilter::page(limit, None)).await {
         Ok(rows) => Json(serde_json::json!({ "parked": rows })).into_response(),
         Err(e) => store_error(&e),
     }

@@ -57,9 +57,9 @@ pub use config::{DrainerConfig, DrainerConfigBuilder};
 pub use core::drainer::{Drainer, TickReport};
 pub use core::janitor::InboxJanitorSettings;
 pub use core::ports::{
-    InboxCounts, InboxCursor, InboxFilter, InboxRow, KeySeq, OutboxStats, ParkedCursor, ParkedRow,
-    PartitionsRetired, QUORUM_DELIVERY_LIMIT, QueueType, SUBSCRIBER_MAX_ATTEMPTS_MAX,
-    SubscriptionSpec, TxBounds, UnparkSelector,
+    InboxCounts, InboxCursor, InboxFilter, InboxRow, KeySeq, OutboxStats, ParkedCursor,
+    ParkedFilter, ParkedRow, PartitionsRetired, QUORUM_DELIVERY_LIMIT, QueueType,
+    SUBSCRIBER_MAX_ATTEMPTS_MAX, SubscriptionSpec, TxBounds, UnparkSelector,
 };
 pub use core::stats::{OutboxHealth, Readiness, UnreadyReason};
 pub use core::subscriber::{

@@ -335,10 +335,9 @@ impl OutboxStore for StuckMark {
     }
     async fn outbox_list_parked(
         &self,
-        l: u32,
-        a: Option<outbox::ParkedCursor>,
+        f: &outbox::ParkedFilter,
     ) -> Result<Vec<outbox::ParkedRow>, outbox::StoreError> {
-        self.0.outbox_list_parked(l, a).await
+        self.0.outbox_list_parked(f).await
     }
     async fn outbox_unpark(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
         self.0.outbox_unpark(s).await
@@ -577,7 +576,9 @@ async fn unpublishable_rows_park_at_the_budget_and_unpark_gives_a_fresh_one(pool
     // Parked: no longer claimed.
     assert_eq!(d.tick().await.unwrap().claimed, 0);
     let store = PgOutboxStore::new(pool.clone());
-    let parked = outbox::admin::list_parked(&store, 10, None).await.unwrap();
+    let parked = outbox::admin::list_parked(&store, &outbox::ParkedFilter::page(10, None))
+        .await
+        .unwrap();
     assert_eq!(
         (parked.len(), parked[0].id, parked[0].attempts),
         (1, bad.id, 3)

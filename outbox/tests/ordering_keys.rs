@@ -295,7 +295,10 @@ async fn a_parked_head_holds_its_key_until_it_is_skipped_or_unparked(pool: PgPoo
     );
     let stats = store.outbox_stats().await.unwrap();
     assert_eq!((stats.pending, stats.parked, stats.blocked), (2, 1, 2));
-    let parked = store.outbox_list_parked(10, None).await.unwrap();
+    let parked = store
+        .outbox_list_parked(&outbox::ParkedFilter::page(10, None))
+        .await
+        .unwrap();
     assert_eq!(
         parked[0].ordering,
         Some(KeySeq {

@@ -182,6 +182,12 @@ pub enum PgRequest {
         /// Rows after this one (parked ms, id) only.
         after: Option<(u64, Uuid)>,
         limit: u32,
+        /// These rows only.
+        ids: Option<Vec<Uuid>>,
+        /// Rows whose event payload holds a value at a path only.
+        payload_field: Option<outbox::core::ports::PayloadField>,
+        /// Each row's envelope left out (empty).
+        omit_envelope: bool,
     },
     /// `None`: every parked row.
     Unpark {

@@ -289,6 +289,46 @@ impl ParkedCursor {
     }
 }
 
+/// Which parked rows a listing reads, and how much of each.
+///
+/// ```
+/// use outbox::core::ports::{ParkedFilter, PayloadField};
+/// // The first page of rows whose payload's `customer.id` is 42, without
+/// // their envelopes (a list of many large rows reads none of them).
+/// let f = ParkedFilter {
+///     payload_field: Some(PayloadField::dotted("customer.id", "42")),
+///     omit_envelope: true,
+///     ..ParkedFilter::page(50, None)
+/// };
+/// assert_eq!(f.limit, 50);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ParkedFilter {
+    /// At most this many rows.
+    pub limit: u32,
+    /// Only rows after this one in the listing's order.
+    pub after: Option<ParkedCursor>,
+    /// Exactly these rows (those that are parked).
+    pub ids: Option<Vec<Uuid>>,
+    /// Only rows whose event payload holds a value at a path, matched by
+    /// the database (see [`PayloadField`]).
+    pub payload_field: Option<PayloadField>,
+    /// Leave each row's `envelope` empty: a listing that shows rows, not
+    /// their envelopes, reads no envelope from the database.
+    pub omit_envelope: bool,
+}
+
+impl ParkedFilter {
+    /// Up to `limit` rows with their envelopes, after `after` if given.
+    pub fn page(limit: u32, after: Option<ParkedCursor>) -> Self {
+        Self {
+            limit,
+            after,
+            ..Self::default()
+        }
+    }
+}
+
 /// Which parked rows to unpark or skip.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UnparkSelector {
@@ -373,12 +413,12 @@ pub trait OutboxStore: Send + Sync + 'static {
         older_than: Duration,
     ) -> impl Future<Output = Result<PartitionsRetired, StoreError>> + Send;
 
-    /// Lists up to `limit` parked rows, oldest parked first, after `after`
-    /// (a page's last row) if given.
+    /// Lists the parked rows `filter` selects, oldest parked first: at
+    /// most `filter.limit`, after `filter.after` (a page's last row) if
+    /// given.
     fn outbox_list_parked(
         &self,
-        limit: u32,
-        after: Option<ParkedCursor>,
+        filter: &ParkedFilter,
     ) -> impl Future<Output = Result<Vec<ParkedRow>, StoreError>> + Send;
 
     /// Unparks rows: clears `parked_at` and the lease and resets `attempts`

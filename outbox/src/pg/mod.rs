@@ -11,7 +11,8 @@ use uuid::Uuid;
 
 use crate::core::ports::{
     ClaimParams, ClaimPosition, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats,
-    OutboxStore, ParkedCursor, ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
+    OutboxStore, ParkedFilter, ParkedRow, PartitionsRetired, PayloadField, RowFailure,
+    UnparkSelector,
 };
 use crate::error::StoreError;
 use crate::trace_context::TraceContext;
@@ -441,16 +442,18 @@ impl OutboxStore for PgOutboxStore {
         partitions::retire(&self.pool, partitions::OUTBOX, older_than).await
     }
 
-    async fn outbox_list_parked(
-        &self,
-        limit: u32,
-        after: Option<ParkedCursor>,
-    ) -> Result<Vec<ParkedRow>, StoreError> {
+    async fn outbox_list_parked(&self, f: &ParkedFilter) -> Result<Vec<ParkedRow>, StoreError> {
         bounded(async {
+            let field = f.payload_field.as_ref();
             let rows = sqlx::query(sql::LIST_PARKED)
-                .bind(i64::from(limit))
-                .bind(after.map(|c| c.parked_at))
-                .bind(after.map(|c| c.id))
+                .bind(i64::from(f.limit))
+                .bind(f.after.map(|c| c.parked_at))
+                .bind(f.after.map(|c| c.id))
+                .bind(f.ids.as_deref())
+                .bind(f.omit_envelope)
+                .bind(field.map(|p| p.path.clone()))
+                .bind(field.map(|p| p.value.clone()))
+                .bind(field.and_then(PayloadField::value_json))
                 .fetch_all(&self.pool)
                 .await
                 .map_err(map_err)?;

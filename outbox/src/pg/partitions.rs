@@ -31,18 +31,22 @@ pub(crate) struct Table {
     pub done: &'static str,
     /// The columns a row is deleted by.
     pub key: &'static str,
+    /// The column the table is partitioned by (a UUID v7).
+    pub range: &'static str,
 }
 
 pub(crate) const OUTBOX: Table = Table {
     parent: "event_outbox",
     done: "published_at",
     key: "id",
+    range: "id",
 };
 
 pub(crate) const INBOX: Table = Table {
     parent: "event_inbox",
     done: "processed_at",
     key: "subscription, event_id",
+    range: "event_id",
 };
 
 /// How long a drop or a create waits for the parent's lock before it gives
@@ -227,9 +231,9 @@ pub(crate) async fn retire(
 }
 
 /// Creates the partitions of the current width and `ahead` more that no
-/// partition covers yet. A create that cannot take its lock, or that the
-/// DEFAULT partition refuses (it holds a row of that range), is logged and
-/// left to the next pass; rows of that range go to DEFAULT meanwhile.
+/// partition covers yet. A create that cannot take its lock is logged and
+/// left to the next pass; rows of that range go to DEFAULT meanwhile, and
+/// the create that comes takes them along ([`create_one`]).
 async fn create_ahead(
     pool: &PgPool,
     table: Table,
@@ -243,6 +247,10 @@ async fn create_ahead(
             None => false,
         })
     };
+    let default = parts
+        .iter()
+        .find(|p| p.range.is_none())
+        .map(|p| p.name.as_str());
     let first = now_ms / s.width_ms;
     let mut created = Vec::new();
     for bucket in first..=first + s.ahead {
@@ -251,37 +259,76 @@ async fn create_ahead(
             continue;
         }
         let name = partition_name(table.parent, lo);
-        let fill = if table.parent == OUTBOX.parent {
-            " WITH (fillfactor = 50)"
-        } else {
-            ""
-        };
-        let ddl = format!(
-            "CREATE TABLE {} PARTITION OF {} FOR VALUES FROM ('{}') TO ('{}'){fill}",
-            ident(&name),
-            table.parent,
-            bound_at(lo),
-            bound_at(hi)
-        );
-        let mut tx = pool.begin().await.map_err(map_err)?;
-        sqlx::query(safe(format!("SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")))
-            .execute(&mut *tx)
-            .await
-            .map_err(map_err)?;
-        match sqlx::query(safe(ddl.clone())).execute(&mut *tx).await {
-            Ok(_) => {
-                tx.commit().await.map_err(map_err)?;
-                created.push(name);
+        match create_one(pool, table, &name, (lo, hi), default).await {
+            Ok(()) => created.push(name),
+            Err(lost @ StoreError::Unavailable(_)) => return Err(lost),
+            Err(e) => {
+                tracing::warn!(partition = %name, error = %e, "partition not created; the next pass tries again")
             }
-            Err(e) => match map_err(e) {
-                lost @ StoreError::Unavailable(_) => return Err(lost),
-                e => {
-                    tracing::warn!(partition = %name, error = %e, "partition not created; the next pass tries again")
-                }
-            },
         }
     }
     Ok(created)
+}
+
+/// Creates partition `name` for `[lo, hi)` in one transaction. PostgreSQL
+/// refuses to create a partition while DEFAULT holds a row of its range,
+/// so the rows DEFAULT holds there (ids ahead of the partitions, from a
+/// writer whose clock ran fast) are moved into it as it is created: under
+/// the parent's lock, nobody sees them gone or twice. Without the move one
+/// such row would send its whole width to DEFAULT, to be deleted row by
+/// row. (Rows are moved by delete and insert: a row trigger a user put on
+/// the table sees them again.)
+async fn create_one(
+    pool: &PgPool,
+    table: Table,
+    name: &str,
+    (lo, hi): (u64, u64),
+    default: Option<&str>,
+) -> Result<(), StoreError> {
+    let fill = if table.parent == OUTBOX.parent {
+        " WITH (fillfactor = 50)"
+    } else {
+        ""
+    };
+    let range = format!(
+        "{col} >= '{}' AND {col} < '{}'",
+        bound_at(lo),
+        bound_at(hi),
+        col = table.range
+    );
+    let mut tx = pool.begin().await.map_err(map_err)?;
+    let mut steps = vec![
+        format!("SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"),
+        format!("LOCK TABLE ONLY {} IN ACCESS EXCLUSIVE MODE", table.parent),
+    ];
+    if let Some(default) = default {
+        steps.push(format!(
+            "CREATE TEMP TABLE canopy_partition_move ON COMMIT DROP AS \
+             SELECT * FROM ONLY {d} WHERE {range}",
+            d = ident(default)
+        ));
+        steps.push(format!("DELETE FROM ONLY {} WHERE {range}", ident(default)));
+    }
+    steps.push(format!(
+        "CREATE TABLE {} PARTITION OF {} FOR VALUES FROM ('{}') TO ('{}'){fill}",
+        ident(name),
+        table.parent,
+        bound_at(lo),
+        bound_at(hi)
+    ));
+    if default.is_some() {
+        steps.push(format!(
+            "INSERT INTO {} SELECT * FROM canopy_partition_move",
+            ident(name)
+        ));
+    }
+    for step in steps {
+        sqlx::query(safe(step))
+            .execute(&mut *tx)
+            .await
+            .map_err(map_err)?;
+    }
+    tx.commit().await.map_err(map_err)
 }
 
 /// Drops partition `name` if, under the parent's lock, no row in it is

@@ -13,7 +13,7 @@ use std::time::Duration;
 use outbox::StoreError;
 use outbox::core::ports::{
     ClaimParams, ClaimPosition, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats,
-    OutboxStore, ParkedCursor, ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
+    OutboxStore, ParkedFilter, ParkedRow, PartitionsRetired, RowFailure, UnparkSelector,
 };
 use outbox::trace_context::TraceContext;
 use uuid::Uuid;
@@ -332,17 +332,20 @@ impl OutboxStore for SimStore {
         }
     }
 
-    async fn outbox_list_parked(
-        &self,
-        limit: u32,
-        after: Option<ParkedCursor>,
-    ) -> Result<Vec<ParkedRow>, StoreError> {
+    async fn outbox_list_parked(&self, f: &ParkedFilter) -> Result<Vec<ParkedRow>, StoreError> {
         let epoch = time::OffsetDateTime::UNIX_EPOCH;
-        let after = after.map(|c| {
+        let after = f.after.map(|c| {
             let ms = (c.parked_at - epoch).whole_milliseconds();
             (u64::try_from(ms).unwrap_or(0), c.id)
         });
-        match self.pg.call(PgRequest::ListParked { limit, after }).await? {
+        let request = PgRequest::ListParked {
+            limit: f.limit,
+            after,
+            ids: f.ids.clone(),
+            payload_field: f.payload_field.clone(),
+            omit_envelope: f.omit_envelope,
+        };
+        match self.pg.call(request).await? {
             PgReply::Parked(rows) => Ok(rows
                 .into_iter()
                 .map(|r| ParkedRow {

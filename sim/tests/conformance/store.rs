@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use outbox::core::janitor;
-use outbox::core::ports::{ClaimParams, OutboxStore, ParkedCursor, RowFailure, UnparkSelector};
+use outbox::core::ports::{
+    ClaimParams, OutboxStore, ParkedCursor, ParkedFilter, PayloadField, RowFailure, UnparkSelector,
+};
 use outbox::trace_context::TraceContext;
 use outbox::{DrainerConfig, EventEnvelope, PgOutboxStore, Publisher};
 use sim::adapters::{Hooks, PgClient, SimStore};
@@ -54,6 +56,8 @@ trait StoreArm {
     /// axis): the wall clock on the real server, simulated time on the
     /// fake.
     fn id_now_ms(&self) -> u64;
+    /// The partition that holds row `id` (`None` on the plain layout).
+    async fn partition_of(&self, id: Uuid) -> Option<String>;
     /// An open transaction of the caller's.
     type Tx;
     async fn begin(&self) -> Self::Tx;
@@ -113,6 +117,16 @@ impl StoreArm for RealStore {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_millis() as u64
+    }
+    async fn partition_of(&self, id: Uuid) -> Option<String> {
+        sqlx::query_scalar(
+            "SELECT c.relname::TEXT FROM event_outbox o JOIN pg_class c ON c.oid = o.tableoid \
+             WHERE o.id = $1 AND c.relispartition",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .unwrap()
     }
     async fn backdate_published(&self, id: Uuid, secs: u64) {
         sqlx::query("UPDATE event_outbox SET published_at = published_at - make_interval(secs => $2) WHERE id = $1")
@@ -189,6 +203,12 @@ impl StoreArm for FakeStore {
     }
     fn id_now_ms(&self) -> u64 {
         pg::id_ms(pg::now_ms())
+    }
+    async fn partition_of(&self, id: Uuid) -> Option<String> {
+        let db = self.state.lock();
+        let parts = db.outbox.partitions.as_ref()?;
+        db.outbox.row(&id)?;
+        Some(parts.name(parts.home(id)))
     }
 }
 
@@ -489,20 +509,47 @@ async fn parked_rows_list_a_page_at_a_time<A: StoreArm>(arm: A) {
         assert_eq!(f.parked, 1);
     }
     let s = arm.store();
-    let all = s.outbox_list_parked(10, None).await.unwrap();
+    let list = |f: ParkedFilter| async move { s.outbox_list_parked(&f).await.unwrap() };
+    let all = list(ParkedFilter::page(10, None)).await;
     assert_eq!(all.len(), 3);
-    let first = s.outbox_list_parked(2, None).await.unwrap();
+    let first = list(ParkedFilter::page(2, None)).await;
     assert_eq!(first, all[..2]);
-    let rest = s
-        .outbox_list_parked(10, Some(ParkedCursor::of(&first[1])))
-        .await
-        .unwrap();
+    let rest = list(ParkedFilter::page(10, Some(ParkedCursor::of(&first[1])))).await;
     assert_eq!(rest, all[2..]);
-    let past = s
-        .outbox_list_parked(10, Some(ParkedCursor::of(&all[2])))
-        .await
-        .unwrap();
+    let past = list(ParkedFilter::page(10, Some(ParkedCursor::of(&all[2])))).await;
     assert!(past.is_empty());
+    // Without envelopes: the same rows, no envelope read.
+    let bare = list(ParkedFilter {
+        omit_envelope: true,
+        ..ParkedFilter::page(10, None)
+    })
+    .await;
+    let stripped: Vec<_> = all
+        .iter()
+        .map(|r| outbox::ParkedRow {
+            envelope: String::new(),
+            ..r.clone()
+        })
+        .collect();
+    assert_eq!(bare, stripped);
+    // By id, and by a payload field the database matches ({"i": n}).
+    let two = list(ParkedFilter {
+        ids: Some(vec![ids[2], ids[0], Uuid::from_u128(7)]),
+        ..ParkedFilter::page(10, None)
+    })
+    .await;
+    let mut want = vec![ids[0], ids[2]];
+    want.sort_by_key(|id| all.iter().position(|r| r.id == *id));
+    assert_eq!(two.iter().map(|r| r.id).collect::<Vec<_>>(), want);
+    for (value, matched) in [("1", Some(ids[1])), ("1.0", Some(ids[1])), ("\"1\"", None)] {
+        let by_field = list(ParkedFilter {
+            payload_field: Some(PayloadField::dotted("i", value)),
+            ..ParkedFilter::page(10, None)
+        })
+        .await;
+        let got: Vec<Uuid> = by_field.iter().map(|r| r.id).collect();
+        assert_eq!(got, matched.into_iter().collect::<Vec<_>>(), "i = {value}");
+    }
 }
 
 async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm>(arm: A) {
@@ -548,7 +595,11 @@ async fn failures_bump_attempts_park_at_the_budget_and_unpark_resets<A: StoreArm
     assert_eq!(rows.iter().map(|r| r.id).collect::<Vec<_>>(), [ids[1]]);
     let stats = arm.store().outbox_stats().await.unwrap();
     assert_eq!((stats.pending, stats.parked), (1, 1));
-    let parked = arm.store().outbox_list_parked(10, None).await.unwrap();
+    let parked = arm
+        .store()
+        .outbox_list_parked(&ParkedFilter::page(10, None))
+        .await
+        .unwrap();
     assert_eq!(parked.len(), 1);
     assert_eq!((parked[0].id, parked[0].attempts), (ids[0], 3));
     assert_eq!(parked[0].last_error.as_deref(), Some("nack 3"));
@@ -757,10 +808,9 @@ impl<S: OutboxStore> OutboxStore for PausedRowSweep<S> {
     }
     async fn outbox_list_parked(
         &self,
-        l: u32,
-        a: Option<ParkedCursor>,
+        f: &ParkedFilter,
     ) -> Result<Vec<outbox::ParkedRow>, outbox::StoreError> {
-        self.inner.outbox_list_parked(l, a).await
+        self.inner.outbox_list_parked(f).await
     }
     async fn outbox_unpark(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
         self.inner.outbox_unpark(s).await
@@ -827,6 +877,48 @@ async fn whole_partitions_go_once_every_row_expired<A: StoreArm>(arm: A) {
     let again = s.outbox_retire_partitions(older).await.unwrap();
     assert!(!again.dropped.contains(&held), "{again:?}");
     assert!(arm.row(d.id).await.is_some(), "never an unpublished row");
+}
+
+/// A row whose id is ahead of every partition (its writer's clock ran
+/// fast) waits in DEFAULT only until its width's partition is created:
+/// the creation takes it along, so the width's later rows go to their
+/// partition and not to DEFAULT.
+async fn a_row_ahead_of_the_partitions_never_blocks_its_partition<A: StoreArm>(arm: A) {
+    let s = arm.store();
+    let older = Duration::from_secs(50);
+    if !s.outbox_retire_partitions(older).await.unwrap().partitioned {
+        return;
+    }
+    // Three widths ahead are created; this id is six seconds on.
+    let lo = (arm.id_now_ms() / 1_000 + 6) * 1_000;
+    let at = |ms: u64, n: u8| {
+        let mut e = EventEnvelope::new("k", serde_json::json!({ "n": n }));
+        e.id = uuid::Builder::from_unix_timestamp_millis(ms, &[n; 10]).into_uuid();
+        e
+    };
+    let early = at(lo + 500, 1);
+    arm.insert_envelope(&early).await;
+    let default = arm.partition_of(early.id).await.unwrap();
+    assert!(default.ends_with("_default"), "{default}");
+    let name = outbox::pg::partitions::partition_name("event_outbox", lo);
+    let mut created = Vec::new();
+    for _ in 0..12 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        created.extend(s.outbox_retire_partitions(older).await.unwrap().created);
+        if created.contains(&name) {
+            break;
+        }
+    }
+    assert!(created.contains(&name), "{name} never created: {created:?}");
+    assert_eq!(arm.partition_of(early.id).await.as_ref(), Some(&name));
+    let later = at(lo + 900, 2);
+    arm.insert_envelope(&later).await;
+    assert_eq!(arm.partition_of(later.id).await.as_ref(), Some(&name));
+    let row = arm.row(early.id).await.unwrap();
+    assert!(
+        !row.published && row.attempts == 0,
+        "moved as it was: {row:?}"
+    );
 }
 
 async fn two_concurrent_claimers_never_share_a_row<A: StoreArm>(arm: A) {
@@ -1067,6 +1159,7 @@ conformance!(postgres: with_real, fake: with_fake_store,
     the_retention_sweep_deletes_only_old_published_rows,
     one_sweep_deletes_every_expired_row_however_many_statements,
     a_partition_that_closes_during_a_sweep_goes_in_that_sweep,
+    a_row_ahead_of_the_partitions_never_blocks_its_partition,
     two_concurrent_claimers_never_share_a_row,
     a_claim_takes_only_each_keys_head,
     a_parked_head_holds_its_key_until_skipped,

@@ -19,7 +19,7 @@ use super::lists::{dead_matching, parked_matching, parked_where};
 use super::session::{Session, same};
 use super::{ACTION_BATCH, ACTION_MAX, Console, html, problem};
 use crate::admin;
-use crate::core::ports::{InboxFilter, UnparkSelector};
+use crate::core::ports::{InboxFilter, ParkedFilter, UnparkSelector};
 use crate::core::subscriber::ReplayOutcome;
 
 /// The session and the form of a POST whose CSRF token is the session's,
@@ -420,14 +420,18 @@ async fn run_parked(
         .collect();
     // Which of them are parked (the others are reported as not parked).
     let wanted: BTreeSet<Uuid> = uuids.iter().copied().collect();
-    let parked: BTreeSet<Uuid> =
-        match parked_where(console, wanted.len(), |r| wanted.contains(&r.id)).await {
-            Ok(rows) => rows.iter().map(|r| r.id).collect(),
-            Err(m) => {
-                report.stopped = Some(m);
-                return report;
-            }
-        };
+    let select = ParkedFilter {
+        ids: Some(wanted.iter().copied().collect()),
+        ..ParkedFilter::default()
+    };
+    let parked: BTreeSet<Uuid> = match parked_where(console, &select, wanted.len(), |_| true).await
+    {
+        Ok(rows) => rows.iter().map(|r| r.id).collect(),
+        Err(m) => {
+            report.stopped = Some(m);
+            return report;
+        }
+    };
     let batches = uuids.len().div_ceil(ACTION_BATCH);
     for (i, batch) in uuids.chunks(ACTION_BATCH).enumerate() {
         let selector = UnparkSelector::Ids(batch.to_vec());

@@ -5,7 +5,6 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use crate::core::ports::{InboxRow, ParkedRow};
-use crate::envelope::EventEnvelope;
 
 /// `application/x-www-form-urlencoded` fields, repeated names kept.
 #[derive(Debug, Default)]
@@ -145,12 +144,12 @@ impl Filter {
         after && before
     }
 
-    /// Whether a parked row matches (its payload: the envelope's).
+    /// Whether a parked row matches, but for the payload field, which a
+    /// listing leaves to the database ([`payload_field`](Self::payload_field)).
     pub fn parked(&self, row: &ParkedRow) -> bool {
         self.routing_key_matches(&row.routing_key)
             && self.error_matches(row.last_error.as_deref())
             && self.time_matches(Some(row.parked_at))
-            && self.payload_matches(row.envelope.as_bytes())
     }
 
     /// Whether a dead-lettered inbox row matches, but for the payload
@@ -174,37 +173,11 @@ impl Filter {
             _ => None,
         }
     }
-
-    fn payload_matches(&self, payload: &[u8]) -> bool {
-        let (Some(path), Some(want)) = (&self.path, &self.value) else {
-            return true;
-        };
-        let Ok(envelope) = EventEnvelope::decode(payload) else {
-            return false;
-        };
-        match field(&envelope.payload, path) {
-            Some(serde_json::Value::String(s)) => s == want,
-            Some(other) => {
-                serde_json::from_str::<serde_json::Value>(want).is_ok_and(|w| w == *other)
-            }
-            None => false,
-        }
-    }
-}
-
-/// The value at a dotted `path` (`a.b.0`: object keys, array indexes).
-pub fn field<'v>(value: &'v serde_json::Value, path: &str) -> Option<&'v serde_json::Value> {
-    path.split('.').try_fold(value, |v, step| match v {
-        serde_json::Value::Object(map) => map.get(step),
-        serde_json::Value::Array(items) => step.parse::<usize>().ok().and_then(|i| items.get(i)),
-        _ => None,
-    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
 
     #[test]
     fn a_form_keeps_repeated_fields_and_a_filter_round_trips() {
@@ -221,14 +194,5 @@ mod tests {
         let bad = Filter::from_form(&Form::parse(b"from=yesterday")).unwrap_err();
         assert!(bad.contains("from must be"), "{bad}");
         assert!(Filter::from_form(&Form::parse(b"path=a")).is_err());
-    }
-
-    #[test]
-    fn a_payload_field_is_found_by_its_path() {
-        let v = json!({"a": [{"b": "x"}, 7], "c": true});
-        assert_eq!(field(&v, "a.0.b"), Some(&json!("x")));
-        assert_eq!(field(&v, "a.1"), Some(&json!(7)));
-        assert_eq!(field(&v, "a.9"), None);
-        assert_eq!(field(&v, "c.d"), None);
     }
 }

@@ -18,7 +18,7 @@ use super::session::Session;
 use super::{ACTION_MAX, Console, html, problem, signed_in};
 use crate::admin;
 use crate::core::ports::{
-    InboxCursor, InboxFilter, InboxRow, OutboxStore, ParkedCursor, ParkedRow,
+    InboxCursor, InboxFilter, InboxRow, OutboxStore, ParkedCursor, ParkedFilter, ParkedRow,
 };
 use crate::envelope::EventEnvelope;
 use crate::error::StoreError;
@@ -201,18 +201,26 @@ where
     Ok(())
 }
 
-/// The parked rows a filter matches, oldest first (see [`scan`]), until
-/// more match than [`ACTION_MAX`].
+/// The parked rows a filter matches, oldest first (see [`scan`]), without
+/// their envelopes, until more match than [`ACTION_MAX`]. The database
+/// matches the payload field and sends no envelope, so a list costs the
+/// same for small events and large ones.
 pub(super) async fn parked_matching(
     console: &Console,
     f: &Filter,
 ) -> Result<Vec<ParkedRow>, String> {
-    parked_where(console, ACTION_MAX + 1, |r| f.parked(r)).await
+    let select = ParkedFilter {
+        payload_field: f.payload_field(),
+        ..ParkedFilter::default()
+    };
+    parked_where(console, &select, ACTION_MAX + 1, |r| f.parked(r)).await
 }
 
-/// The parked rows `keep` takes, oldest first, until there are `enough`.
+/// The parked rows `select` selects and `keep` takes, oldest first,
+/// without their envelopes, until there are `enough`.
 pub(super) async fn parked_where(
     console: &Console,
+    select: &ParkedFilter,
     enough: usize,
     keep: impl Fn(&ParkedRow) -> bool,
 ) -> Result<Vec<ParkedRow>, String> {
@@ -220,7 +228,15 @@ pub(super) async fn parked_where(
         return Err("No outbox is mounted here.".into());
     };
     let mut rows = Vec::new();
-    let page = |after| admin::list_parked(store, LIST_WINDOW, after);
+    let page = |after| {
+        let filter = ParkedFilter {
+            after,
+            limit: LIST_WINDOW,
+            omit_envelope: true,
+            ..select.clone()
+        };
+        async move { admin::list_parked(store, &filter).await }
+    };
     scan(&mut rows, enough, page, ParkedCursor::of, keep)
         .await
         .map_err(|e| {
@@ -494,9 +510,20 @@ pub(super) async fn parked_row(
             "That is not an event id.",
         );
     };
-    let rows = match parked_where(&console, 1, |r| r.id == id).await {
+    let Some(store) = &console.app.outbox else {
+        let m = "No outbox is mounted here.";
+        return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), m);
+    };
+    let one = ParkedFilter {
+        ids: Some(vec![id]),
+        ..ParkedFilter::page(1, None)
+    };
+    let rows = match admin::list_parked(store, &one).await {
         Ok(r) => r,
-        Err(m) => return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), &m),
+        Err(e) => {
+            tracing::warn!(error = %e, "console: reading a parked row failed");
+            return problem(StatusCode::SERVICE_UNAVAILABLE, Some(&session), UNAVAILABLE);
+        }
     };
     let Some(r) = rows.iter().find(|r| r.id == id) else {
         return problem(

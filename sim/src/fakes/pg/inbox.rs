@@ -105,7 +105,7 @@ impl ListFilter {
 /// PostgreSQL's `payload -> 'payload' #> path` compares: the string itself,
 /// or a value that is no string and equals `f.value` read as JSON (jsonb
 /// equality: numbers by value).
-fn payload_holds(payload: &str, f: &outbox::core::ports::PayloadField) -> bool {
+pub(super) fn payload_holds(payload: &str, f: &outbox::core::ports::PayloadField) -> bool {
     let Ok(envelope) = serde_json::from_str::<serde_json::Value>(payload) else {
         return false;
     };

@@ -972,9 +972,19 @@ fn janitor_or_operator(at: &At<'_>, table: &mut OutboxTable, req: &PgRequest) ->
             }
             reply
         }
-        PgRequest::ListParked { limit, after } => {
-            PgReply::Parked(table.list_parked(*limit, *after))
-        }
+        PgRequest::ListParked {
+            limit,
+            after,
+            ids,
+            payload_field,
+            omit_envelope,
+        } => PgReply::Parked(table.list_parked(&self::outbox::ParkedSelect {
+            limit: *limit,
+            after: *after,
+            ids: ids.as_deref(),
+            payload_field: payload_field.as_ref(),
+            omit_envelope: *omit_envelope,
+        })),
         PgRequest::Unpark { ids } => {
             let ids = table.unpark(ids.as_deref());
             let n = ids.len() as u64;

@@ -84,6 +84,17 @@ pub struct Restored {
 /// restored if the transaction rolls back.
 pub type PriorLease = (Uuid, Option<u64>, Option<String>);
 
+/// What `outbox_list_parked.sql` selects and reads.
+#[derive(Debug, Clone, Copy)]
+pub struct ParkedSelect<'a> {
+    pub limit: u32,
+    /// Rows after this one (parked ms, id) only.
+    pub after: Option<(u64, Uuid)>,
+    pub ids: Option<&'a [Uuid]>,
+    pub payload_field: Option<&'a outbox::core::ports::PayloadField>,
+    pub omit_envelope: bool,
+}
+
 /// The committed table plus the locks of open claim transactions.
 #[derive(Debug, Default)]
 pub struct OutboxTable {
@@ -572,12 +583,17 @@ impl OutboxTable {
         (PgReply::Retired(retired), gone.into_iter().collect())
     }
 
-    /// `outbox_list_parked.sql`: after `after` (parked ms, id) if given.
-    pub fn list_parked(&self, limit: u32, after: Option<(u64, Uuid)>) -> Vec<WireParked> {
+    /// `outbox_list_parked.sql`: the parked rows `s` selects.
+    pub fn list_parked(&self, s: &ParkedSelect<'_>) -> Vec<WireParked> {
         let mut parked: Vec<WireParked> = self
             .rows
             .values()
             .filter(|r| r.published_ms.is_none())
+            .filter(|r| s.ids.is_none_or(|ids| ids.contains(&r.id)))
+            .filter(|r| {
+                s.payload_field
+                    .is_none_or(|f| super::inbox::payload_holds(&r.body, f))
+            })
             .filter_map(|r| {
                 r.parked_ms.map(|p| WireParked {
                     id: r.id,
@@ -587,13 +603,17 @@ impl OutboxTable {
                     enqueued_ms: r.enqueued_ms,
                     parked_ms: p,
                     ordering: r.ordering.clone(),
-                    envelope: r.body.clone(),
+                    envelope: if s.omit_envelope {
+                        String::new()
+                    } else {
+                        r.body.clone()
+                    },
                 })
             })
             .collect();
-        parked.retain(|p| after.is_none_or(|a| (p.parked_ms, p.id) > a));
+        parked.retain(|p| s.after.is_none_or(|a| (p.parked_ms, p.id) > a));
         parked.sort_by_key(|p| (p.parked_ms, p.id));
-        parked.truncate(limit as usize);
+        parked.truncate(s.limit as usize);
         parked
     }
 

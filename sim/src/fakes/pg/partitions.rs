@@ -4,9 +4,9 @@
 //! partition holds every id below the cut (the table as it was when it was
 //! partitioned), one partition per width follows, and DEFAULT takes the
 //! ids no partition covers. A row's partition is a function of its id and
-//! the partitions that exist: PostgreSQL refuses to create a partition
-//! while DEFAULT holds a row of its range, and a dropped partition's range
-//! goes to DEFAULT from then on.
+//! the partitions that exist: a partition created while DEFAULT holds rows
+//! of its range takes them along (the janitor moves them as it creates
+//! it), and a dropped partition's range goes to DEFAULT from then on.
 
 use std::collections::BTreeSet;
 
@@ -111,22 +111,17 @@ impl Partitions {
     }
 
     /// Creates the current width's partition and `ahead` more where none
-    /// covers the range and DEFAULT holds none of its ids (`ids`: every
-    /// row's id). Returns their names.
-    pub fn create_ahead(&mut self, now_id_ms: u64, ids: &[Uuid]) -> Vec<String> {
+    /// covers the range; the rows DEFAULT held of that range are in it
+    /// from then on. Returns their names.
+    pub fn create_ahead(&mut self, now_id_ms: u64) -> Vec<String> {
         let first = now_id_ms / self.width_ms;
         let mut created = Vec::new();
         for bucket in first..=first + self.ahead {
             let lo = bucket * self.width_ms;
-            let hi = lo + self.width_ms;
             let covered = (self.first && lo < self.cut_ms) || self.ranges.contains(&lo);
-            let in_default = ids.iter().any(|id| {
-                let ms = ms_of(*id);
-                lo <= ms && ms < hi && self.home(*id) == Home::Default
-            });
             // (The first partition is dropped only once closed, so a
             // bucket from now on never lies below the cut after that.)
-            if covered || in_default {
+            if covered {
                 continue;
             }
             self.ranges.insert(lo);
@@ -229,8 +224,7 @@ pub fn retire(
     older_than_ms: u64,
     now: u64,
 ) -> (WireRetired, BTreeSet<Uuid>) {
-    let ids: Vec<Uuid> = rows.iter().map(|(id, _, _)| *id).collect();
-    let created = parts.create_ahead(super::id_ms(now), &ids);
+    let created = parts.create_ahead(super::id_ms(now));
     let mut dropped = Vec::new();
     let mut gone = BTreeSet::new();
     for home in parts.closed_homes(super::id_ms(now)) {
