@@ -27,13 +27,19 @@ pub struct Model {
     pub hostile_applies: BTreeSet<Uuid>,
     /// Envelope ids inside hostile messages it must never apply.
     pub hostile_rejected: BTreeSet<Uuid>,
+    /// Keyed hostile messages it must give up on (on an ordered
+    /// subscription), by the id their record in the inbox takes: their
+    /// `message_id` (every such message carries a UUID there).
+    pub given_up: BTreeSet<Uuid>,
     /// Events whose effect takes a deferred unique key, and the key.
     pub unique: BTreeMap<Uuid, String>,
     /// Events written with trace context, and the context.
     pub traced: BTreeMap<Uuid, crate::wire::WireTrace>,
-    /// Committed events with an ordering key: the key and their number.
+    /// Committed events with an ordering key: the key and their number
+    /// (and keyed hostile messages, by the id the subscriber keys them by).
     pub keyed: BTreeMap<Uuid, (String, i64)>,
-    /// Per ordering key, its committed events by number.
+    /// Per ordering key, its committed events by number (and a foreign
+    /// publisher's keyed hostile messages).
     pub by_key: BTreeMap<String, BTreeMap<i64, Uuid>>,
     /// Parked rows an operator skipped: given up, never to be published.
     pub skipped: BTreeSet<Uuid>,
@@ -72,9 +78,24 @@ impl Model {
                     kind,
                     message_id,
                     envelope_id,
+                    ordering,
                 } => {
                     if let Some(mid) = message_id {
                         m.hostile.insert(mid.clone(), (*kind, *envelope_id));
+                    }
+                    if let Some((key, seq)) = ordering {
+                        let id = if kind.applies() {
+                            *envelope_id
+                        } else {
+                            message_id.as_deref().and_then(|m| Uuid::parse_str(m).ok())
+                        };
+                        if let Some(id) = id {
+                            if !kind.applies() {
+                                m.given_up.insert(id);
+                            }
+                            m.keyed.insert(id, (key.clone(), *seq));
+                            m.by_key.entry(key.clone()).or_default().insert(*seq, id);
+                        }
                     }
                     if let Some(id) = envelope_id {
                         if kind.applies() {
@@ -180,8 +201,9 @@ pub struct Oracle<'a> {
 impl Oracle<'_> {
     /// Whether everything the run owes has happened: every committed row is
     /// published (or parked for good), every event the subscription must
-    /// apply is processed, and every hostile message that must be
-    /// dead-lettered is in the dead-letter queue. The world stops early
+    /// apply is processed, every hostile message that must be
+    /// dead-lettered is in the dead-letter queue, and the record of every
+    /// keyed one given up on was skipped. The world stops early
     /// once it is.
     pub fn quiescent(&self) -> bool {
         let db = self.pg.lock();
@@ -207,8 +229,14 @@ impl Oracle<'_> {
             })
             .chain(self.mq.hostile_applies().iter())
             .all(|id| db.inbox.processed_ever(id) || db.inbox.lost_its_unique_key(id));
+        // A keyed delivery given up on: its record skipped, its key gone on.
+        let given_up = self
+            .mq
+            .given_up()
+            .iter()
+            .all(|id| db.inbox.processed_ever(id));
         drop(db);
-        must_apply && self.mq.hostiles_dead_lettered()
+        must_apply && given_up && self.mq.hostiles_dead_lettered()
     }
 
     /// Reads the final state.

@@ -380,6 +380,8 @@ pub enum Event {
         kind: HostileKind,
         message_id: Option<String>,
         envelope_id: Option<Uuid>,
+        /// Its ordering key and number headers, if it carries them.
+        ordering: Option<crate::wire::WireOrdering>,
     },
 
     // --- statements as the fake PostgreSQL ran them ---------------------------

@@ -226,6 +226,10 @@ fn hostile_deliveries() {
     check("hostile_deliveries");
 }
 #[test]
+fn hostile_keyed_deliveries() {
+    check("hostile_keyed_deliveries");
+}
+#[test]
 fn refused_amid_failures() {
     check("refused_amid_failures");
 }

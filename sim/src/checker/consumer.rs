@@ -21,7 +21,13 @@
 //! - **rejected at once**: a delivery that is not a valid envelope, is over
 //!   the size limit, or holds data the inbox refuses is dead-lettered at
 //!   once: never acked or requeued, never handled, never recorded, and the
-//!   inbox is asked to store it at most once per delivery.
+//!   inbox is asked to store it at most once per delivery. On an ordered
+//!   subscription a keyed one keeps its place in its key's order instead:
+//!   it leaves a record under its key and number (a dead-lettered inbox
+//!   row, or one held behind an earlier event of its key) and is never
+//!   handled; it may then be acked (held) or requeued (it comes back). Its
+//!   key's later events wait behind the record (`key_applied_in_order`)
+//!   until an operator skips it.
 //! - **keyed by envelope id**: nothing is ever keyed by a foreign AMQP
 //!   `message_id`.
 //! - **ack after commit**: a delivery is acked only once its event's
@@ -264,6 +270,16 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
             | Event::InboxReset { .. }
             | Event::Replayed { .. }
             | Event::ReplayReleased { .. } => b.replays(e),
+            // A keyed delivery given up on: its record (`rejected`).
+            Event::InboxFailure {
+                event_id,
+                dead_lettered,
+                ..
+            } if ctx.model.given_up.contains(event_id) => {
+                if *dead_lettered {
+                    b.dead.insert(*event_id);
+                }
+            }
             Event::InboxFailure {
                 client,
                 event_id,
@@ -1049,6 +1065,7 @@ fn rejected(ctx: &Context<'_>, out: &mut Findings) {
     let rejected = &model.hostile_rejected;
     let mut deliveries: BTreeMap<&str, u32> = BTreeMap::new();
     let mut refused: BTreeMap<Uuid, u32> = BTreeMap::new();
+    let (mut held, mut recorded) = (BTreeSet::new(), BTreeSet::new());
     // A refusal whose reply was lost on the way (the fault follows it at
     // once) never reached the subscriber, which rightly retried in place.
     let mut last_refusal: Option<(&str, Uuid)> = None;
@@ -1084,7 +1101,8 @@ fn rejected(ctx: &Context<'_>, out: &mut Findings) {
                 message_id: Some(mid),
                 settle,
             } if *settle != Settle::DeadLetter
-                && model.hostile.get(mid).is_some_and(|(k, _)| !k.applies()) =>
+                && model.hostile.get(mid).is_some_and(|(k, _)| !k.applies())
+                && !given_up_settled(ctx, mid, *settle, &held) =>
             {
                 let kind = model.hostile[mid].0;
                 out.add(
@@ -1101,9 +1119,19 @@ fn rejected(ctx: &Context<'_>, out: &mut Findings) {
                 at,
                 format!("{client} ran the handler for rejected delivery {event_id}"),
             ),
+            Event::InboxHeld { events, .. } => held.extend(events.iter().copied()),
+            // A keyed delivery given up on is recorded dead-lettered: its
+            // record holds its key.
+            Event::InboxFailure {
+                event_id,
+                dead_lettered: true,
+                ..
+            } if model.given_up.contains(event_id) => {
+                recorded.insert(*event_id);
+            }
             Event::InboxFailure {
                 client, event_id, ..
-            } if rejected.contains(event_id) => out.add(
+            } if rejected.contains(event_id) || model.given_up.contains(event_id) => out.add(
                 Invariant::RejectedAtOnce,
                 at,
                 format!("{client} recorded an attempt for rejected delivery {event_id}"),
@@ -1112,6 +1140,43 @@ fn rejected(ctx: &Context<'_>, out: &mut Findings) {
         }
     }
     rejected_at_end(model, fin, &refused, &deliveries, out);
+    recorded.extend(held.iter().filter(|id| model.given_up.contains(id)));
+    given_up_at_end(model, &recorded, out);
+}
+
+/// Whether a keyed delivery given up on (`mid`) was rightly settled with
+/// `settle` (not a dead-letter): acked once its record was held behind an
+/// earlier event of its key (`held`), or requeued (behind an earlier event
+/// of its key that waits for a retry, or because the database could not
+/// take its record: it comes back either way).
+fn given_up_settled(ctx: &Context<'_>, mid: &str, settle: Settle, held: &BTreeSet<Uuid>) -> bool {
+    let Some(id) = Uuid::parse_str(mid)
+        .ok()
+        .filter(|id| ctx.model.given_up.contains(id))
+    else {
+        return false;
+    };
+    match settle {
+        Settle::Ack => held.contains(&id),
+        Settle::Requeue => true,
+        Settle::DeadLetter => true,
+    }
+}
+
+/// At the end: each keyed delivery given up on left its record in the
+/// inbox (dead-lettered, or held behind an earlier event of its key), the
+/// record that holds its key's later events until an operator acts.
+fn given_up_at_end(model: &Model, recorded: &BTreeSet<Uuid>, out: &mut Findings) {
+    for id in &model.given_up {
+        if !recorded.contains(id) {
+            let (key, seq) = &model.keyed[id];
+            out.add(
+                Invariant::RejectedAtOnce,
+                None,
+                format!("keyed delivery {id} ({key:?} #{seq}) was given up on and left no record that holds its key"),
+            );
+        }
+    }
 }
 
 /// At the end: each rejected delivery is in the dead-letter queue, the
@@ -1125,7 +1190,8 @@ fn rejected_at_end(
     out: &mut Findings,
 ) {
     for (mid, (kind, envelope)) in model.hostile.iter().filter(|(_, (k, _))| !k.applies()) {
-        if !fin.dead_letters.contains_key(&Some(mid.clone())) {
+        let keyed = Uuid::parse_str(mid).is_ok_and(|id| model.given_up.contains(&id));
+        if !keyed && !fin.dead_letters.contains_key(&Some(mid.clone())) {
             out.add(
                 Invariant::RejectedAtOnce,
                 None,
@@ -1144,7 +1210,7 @@ fn rejected_at_end(
                 format!("the inbox was asked to store {kind:?} delivery {id} {asked} times over {delivered} deliveries: retried in place"),
             );
         }
-        if fin.rows.contains(id) {
+        if !keyed && fin.rows.contains(id) {
             out.add(
                 Invariant::RejectedAtOnce,
                 None,

@@ -7,7 +7,11 @@
 //!   operator). So a key's effects commit in the order its transactions
 //!   committed, a dead-lettered event holds back its key's later events
 //!   until it is replayed or skipped, and a duplicate or a redelivery never
-//!   reorders what took effect.
+//!   reorders what took effect. A foreign publisher's keyed messages count
+//!   by their key and number too, the ones the subscriber must give up on
+//!   (not an envelope, too large, refused by the inbox) among them: those
+//!   can never take effect, so their key goes on only once they are
+//!   skipped.
 //! - **held, not lost**: a delivery recorded held waits behind an earlier
 //!   event of its key that is unprocessed (dead-lettered or held itself)
 //!   in the inbox when it commits.

@@ -37,6 +37,12 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
                     processed.insert(*id, *began);
                 }
             }
+            // An operator's skip marks a row processed, without its effect.
+            Event::InboxSkipped { events, .. } => {
+                for id in events {
+                    processed.insert(*id, *at);
+                }
+            }
             Event::Deleted { ids } => scope(
                 out,
                 Invariant::OutboxJanitorScope,

@@ -299,6 +299,7 @@ fn hostile(kind: HostileKind, mid: &str, envelope: Option<Uuid>) -> Event {
         kind,
         message_id: Some(mid.to_owned()),
         envelope_id: envelope,
+        ordering: None,
     }
 }
 
@@ -830,9 +831,98 @@ fn a_refusal_whose_reply_was_lost_may_be_asked_again() {
     assert!(v.ok(), "{:#?}", v.violations);
 }
 
+/// A foreign publisher's key on an ordered subscription: #1 is not JSON
+/// (given up on: its record takes `message_id` id(9)), #2 a valid envelope
+/// id(10) that took effect. `recorded` and `skipped` say whether #1 left
+/// its dead-lettered record and whether the operator skipped it before #2
+/// took effect.
+fn given_up_then_applied(recorded: bool, skipped: bool) -> Run {
+    let c = || s("c#1");
+    let foreign = |kind, mid: &str, envelope, seq| Event::Hostile {
+        kind,
+        message_id: Some(mid.to_owned()),
+        envelope_id: envelope,
+        ordering: Some((s("foreign-a"), seq)),
+    };
+    let mut run = consumer()
+        .ordered()
+        .at(
+            140,
+            foreign(HostileKind::NotJson, &id(9).to_string(), None, 1),
+        )
+        .at(
+            141,
+            foreign(
+                HostileKind::AtTheLimit,
+                &id(10).to_string(),
+                Some(id(10)),
+                2,
+            ),
+        );
+    if recorded {
+        run = run.at(
+            150,
+            Event::InboxFailure {
+                client: c(),
+                event_id: id(9),
+                attempts: 1,
+                dead_lettered: true,
+            },
+        );
+    }
+    run = run.at(
+        155,
+        Event::Settled {
+            client: c(),
+            message_id: Some(id(9).to_string()),
+            settle: Settle::DeadLetter,
+        },
+    );
+    if skipped {
+        run = run.at(
+            160,
+            Event::InboxSkipped {
+                client: c(),
+                events: vec![id(9)],
+            },
+        );
+    }
+    run.at(
+        170,
+        Event::InboxCommitted {
+            client: c(),
+            began: ms(165),
+            processed: vec![id(10)],
+            effects: vec![(s("q"), id(10))],
+        },
+    )
+    .with(|f| {
+        let c = f.consumer.as_mut().unwrap();
+        c.effects.insert(id(10), 1);
+        c.rows.extend([id(9), id(10)]);
+        c.dead_letters.insert(Some(id(9).to_string()), 1);
+    })
+}
+
+#[test]
+fn a_keyed_delivery_given_up_on_recorded_and_skipped_passes() {
+    let v = given_up_then_applied(true, true).verdict();
+    assert!(v.ok(), "{:#?}", v.violations);
+}
+
 fn hostile_cases() -> Vec<(Invariant, Run)> {
     use Invariant as I;
     vec![
+        (
+            // Given up on with no record: nothing held its key.
+            I::RejectedAtOnce,
+            given_up_then_applied(false, true),
+        ),
+        (
+            // Recorded, never skipped: its key's later event went past it.
+            I::KeyAppliedInOrder,
+            given_up_then_applied(true, false),
+        ),
         (
             // Requeued, and never in the dead-letter queue.
             I::RejectedAtOnce,

@@ -98,10 +98,15 @@ pub enum Fault {
     DomainLock { at_secs: f64, for_secs: f64 },
     /// The broker delivers hostile messages to the subscription, about
     /// `per_sec` a second, of the listed kinds (all kinds if none listed).
+    /// A share `keyed` of them (none unless set; an ordered subscription
+    /// only) carry an ordering key of a foreign publisher's and the key's
+    /// next number, as the drainer's keyed events do.
     Hostile {
         per_sec: f64,
         #[serde(default)]
         kinds: Option<Vec<HostileKind>>,
+        #[serde(default)]
+        keyed: f64,
         at_secs: f64,
         for_secs: f64,
     },
@@ -227,9 +232,12 @@ impl Fault {
                 duplicate_prob,
                 ..
             } => prob(*drop_conn_prob) && prob(*duplicate_prob),
-            Fault::Hostile { per_sec, kinds, .. } => {
-                *per_sec > 0.0 && kinds.as_ref().is_none_or(|k| !k.is_empty())
-            }
+            Fault::Hostile {
+                per_sec,
+                kinds,
+                keyed,
+                ..
+            } => *per_sec > 0.0 && kinds.as_ref().is_none_or(|k| !k.is_empty()) && prob(*keyed),
             _ => true,
         };
         if ok {

@@ -260,6 +260,7 @@ impl Family {
             Family::Hostile => Fault::Hostile {
                 per_sec: 0.5,
                 kinds: None,
+                keyed: 0.0,
                 at_secs,
                 for_secs,
             },

@@ -34,8 +34,9 @@ pub struct Env {
     pub healed: Arc<AtomicBool>,
     /// The subscribers' `max_body_bytes` (hostile bodies are sized to it).
     pub delivery_limit: usize,
-    /// Hostile faults now active: (fault index, per-step probability, kinds).
-    hostile: Vec<(usize, f64, Vec<HostileKind>)>,
+    /// Hostile faults now active: (fault index, per-step probability,
+    /// kinds, keyed share).
+    hostile: Vec<(usize, f64, Vec<HostileKind>, f64)>,
     /// Decides, step by step, when a hostile message is sent.
     fault_rng: SmallRng,
     crashed: BTreeSet<String>,
@@ -187,11 +188,12 @@ impl Env {
                 }
             }
             Fault::Pg { .. } | Fault::Mq { .. } => self.set_service_faults(fault, start),
-            Fault::Hostile { per_sec, .. } => {
-                self.hostile.retain(|(i, _, _)| *i != index);
+            Fault::Hostile { per_sec, keyed, .. } => {
+                self.hostile.retain(|h| h.0 != index);
                 if start {
                     let per_step = (per_sec * STEP.as_secs_f64()).min(1.0);
-                    self.hostile.push((index, per_step, fault.hostile_kinds()));
+                    self.hostile
+                        .push((index, per_step, fault.hostile_kinds(), *keyed));
                 }
             }
         }
@@ -271,10 +273,15 @@ impl Env {
 
     /// Sends the hostile messages this step draws.
     pub fn send_hostiles(&mut self) {
-        for (_, per_step, kinds) in &self.hostile {
+        for (_, per_step, kinds, keyed) in &self.hostile {
             if self.fault_rng.random_bool(*per_step) {
-                self.mq
-                    .inject_hostile(EXCHANGE, CONSUMER_QUEUE, kinds, self.delivery_limit);
+                let to = crate::fakes::mq::HostileTarget {
+                    exchange: EXCHANGE,
+                    queue: CONSUMER_QUEUE,
+                    delivery_limit: self.delivery_limit,
+                    keyed: *keyed,
+                };
+                self.mq.inject_hostile(&to, kinds);
             }
         }
     }

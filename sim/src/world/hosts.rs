@@ -13,6 +13,7 @@ use outbox::core::janitor::InboxJanitorSettings;
 use outbox::core::ports::{InboxCursor, InboxFilter};
 use outbox::core::subscriber::ReplayOutcome;
 use outbox::{DrainerConfig, SubscriberSettings};
+use uuid::Uuid;
 
 use super::env::Env;
 use super::{CONSUMER_QUEUE, EXCHANGE, REPLAY_EVERY};
@@ -280,20 +281,43 @@ async fn operate(
         if round % 3 == 0 {
             after = page.next;
         }
-        for (event_id, outcome) in page.results {
-            trace.now(Event::Replayed {
-                client: who.clone(),
-                event_id,
-                outcome: replay_of(&outcome),
-            });
+        // What no replay can apply (a record of a keyed delivery given up
+        // on) the operator skips, so that its key goes on.
+        let unreadable: Vec<Uuid> = page
+            .results
+            .iter()
+            .filter(|(_, o)| matches!(o, ReplayOutcome::Undecodable { .. }))
+            .map(|(id, _)| *id)
+            .collect();
+        record_page(&trace, &who, page);
+        if !unreadable.is_empty()
+            && let Ok(skipped) = subscriber.skip(&unreadable).await
+        {
+            // The skips themselves are the fake's `InboxSkipped`.
+            let released = outbox::ReplayPage {
+                results: Vec::new(),
+                ..skipped
+            };
+            record_page(&trace, &who, released);
         }
-        for (event_id, outcome) in page.released {
-            trace.now(Event::ReplayReleased {
-                client: who.clone(),
-                event_id,
-                outcome: replay_of(&outcome),
-            });
-        }
+    }
+}
+
+/// The trace's record of what a replay or a skip did to each row.
+fn record_page(trace: &Trace, who: &str, page: outbox::ReplayPage) {
+    for (event_id, outcome) in page.results {
+        trace.now(Event::Replayed {
+            client: who.to_owned(),
+            event_id,
+            outcome: replay_of(&outcome),
+        });
+    }
+    for (event_id, outcome) in page.released {
+        trace.now(Event::ReplayReleased {
+            client: who.to_owned(),
+            event_id,
+            outcome: replay_of(&outcome),
+        });
     }
 }
 

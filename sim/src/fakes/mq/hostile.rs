@@ -30,7 +30,7 @@ use uuid::Uuid;
 
 use super::queues::QueuedMessage;
 use crate::trace::HostileKind;
-use crate::wire::{WireBody, WireTrace};
+use crate::wire::{WireBody, WireOrdering, WireTrace};
 
 /// One hostile message and what the checker needs to know of it.
 #[derive(Debug, Clone)]
@@ -42,11 +42,27 @@ pub struct Hostile {
 }
 
 /// Builds a hostile message of `kind`; `limit` is the subscriber's
-/// `max_body_bytes`.
-pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
+/// `max_body_bytes`. With `ordering` it carries that key and number as
+/// headers, with the key's bucket, and an envelope inside names the key
+/// too, as the drainer's keyed events do.
+pub fn build(
+    kind: HostileKind,
+    rng: &mut SmallRng,
+    limit: usize,
+    ordering: Option<WireOrdering>,
+) -> Hostile {
     let routing_key = format!("hostile.{kind:?}").to_lowercase();
     let mut trace = None;
-    let (body, message_id, envelope_id) = body_of(kind, rng, &routing_key, limit, &mut trace);
+    let key = ordering.as_ref().map(|(k, _)| k.as_str());
+    let (body, message_id, envelope_id) =
+        body_of(kind, rng, (&routing_key, key), limit, &mut trace);
+    let bucket = ordering.as_ref().map(|(key, seq)| {
+        let o = outbox::KeySeq {
+            key: key.clone(),
+            seq: *seq,
+        };
+        outbox::core::ports::bucket_of(Some(&o), Uuid::nil()).to_string()
+    });
     Hostile {
         kind,
         message: QueuedMessage {
@@ -55,8 +71,8 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
             body,
             redelivered: false,
             trace,
-            ordering: None,
-            bucket: None,
+            ordering,
+            bucket,
         },
         envelope_id,
     }
@@ -68,7 +84,7 @@ pub fn build(kind: HostileKind, rng: &mut SmallRng, limit: usize) -> Hostile {
 fn body_of(
     kind: HostileKind,
     rng: &mut SmallRng,
-    routing_key: &str,
+    (routing_key, key): (&str, Option<&str>),
     limit: usize,
     trace: &mut Option<WireTrace>,
 ) -> (WireBody, Option<String>, Option<Uuid>) {
@@ -88,13 +104,13 @@ fn body_of(
             )
         }
         HostileKind::NotV7 => {
-            let mut e = envelope(rng, routing_key, 0);
+            let mut e = envelope(rng, (routing_key, key), 0);
             e.id = random_v4(rng);
             let body = serde_json::to_string(&e).expect("envelopes encode");
             (WireBody::Text(body), Some(e.id.to_string()), Some(e.id))
         }
         HostileKind::ForeignMessageId => {
-            let e = envelope(rng, routing_key, 0);
+            let e = envelope(rng, (routing_key, key), 0);
             let message_id = match rng.random_range(0..3) {
                 0 => Some(random_v4(rng).to_string()),
                 1 => Some(format!("not-a-uuid-{}", rng.random::<u32>())),
@@ -108,7 +124,7 @@ fn body_of(
                 1 => format!("not-w3c-{}", rng.random::<u32>()),
                 _ => "f".repeat(300),
             };
-            let e = envelope(rng, routing_key, 0)
+            let e = envelope(rng, (routing_key, key), 0)
                 .with_header("traceparent", garbage.clone())
                 .with_header("tracestate", "a=\u{1}b");
             let body = serde_json::to_string(&e).expect("envelopes encode");
@@ -116,7 +132,7 @@ fn body_of(
             (WireBody::Text(body), Some(e.id.to_string()), Some(e.id))
         }
         HostileKind::NulEscape | HostileKind::LoneSurrogate | HostileKind::NumberOutOfRange => {
-            let e = envelope(rng, routing_key, 0);
+            let e = envelope(rng, (routing_key, key), 0);
             let extra = match kind {
                 HostileKind::NulEscape => r#""note":"\u0000""#,
                 HostileKind::LoneSurrogate => r#""note":"\ud800""#,
@@ -135,7 +151,7 @@ fn body_of(
             } else {
                 limit
             };
-            let e = sized_envelope(rng, routing_key, len);
+            let e = sized_envelope(rng, (routing_key, key), len);
             (
                 WireBody::Text(encode(&e)),
                 Some(e.id.to_string()),
@@ -149,24 +165,33 @@ fn random_v4(rng: &mut SmallRng) -> Uuid {
     uuid::Builder::from_random_bytes(rng.random()).into_uuid()
 }
 
-/// A valid envelope with a seeded v7 id and a payload of `pad` bytes.
-fn envelope(rng: &mut SmallRng, key: &str, pad: usize) -> outbox::EventEnvelope {
+/// A valid envelope with a seeded v7 id and a payload of `pad` bytes,
+/// under `routing_key` and ordering key `key` (if any).
+fn envelope(
+    rng: &mut SmallRng,
+    (routing_key, key): (&str, Option<&str>),
+    pad: usize,
+) -> outbox::EventEnvelope {
     let ms = crate::sim_now_ms() + crate::workload::EPOCH_MS;
     let random: [u8; 10] = rng.random();
     outbox::EventEnvelope {
         id: uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid(),
-        routing_key: key.to_owned(),
+        routing_key: routing_key.to_owned(),
         occurred_at: time::OffsetDateTime::UNIX_EPOCH + std::time::Duration::from_millis(ms),
         headers: Default::default(),
         payload: serde_json::json!({ "hostile": true, "pad": "p".repeat(pad) }),
-        ordering_key: None,
+        ordering_key: key.map(str::to_owned),
     }
 }
 
 /// A valid envelope whose encoding is exactly `len` bytes (each padding
 /// character adds one byte).
-fn sized_envelope(rng: &mut SmallRng, key: &str, len: usize) -> outbox::EventEnvelope {
-    let mut e = envelope(rng, key, 0);
+fn sized_envelope(
+    rng: &mut SmallRng,
+    keys: (&str, Option<&str>),
+    len: usize,
+) -> outbox::EventEnvelope {
+    let mut e = envelope(rng, keys, 0);
     let bare = encode(&e).len();
     assert!(
         len >= bare,
@@ -195,7 +220,7 @@ mod tests {
     fn each_kind_is_what_it_claims_to_be() {
         let mut rng = SmallRng::seed_from_u64(1);
         for kind in HostileKind::ALL {
-            let h = build(*kind, &mut rng, 2048);
+            let h = build(*kind, &mut rng, 2048, None);
             let bytes = h.message.body.as_bytes();
             let decoded = outbox::EventEnvelope::decode_delivery(bytes);
             let refused = std::str::from_utf8(bytes)

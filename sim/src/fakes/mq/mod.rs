@@ -81,7 +81,24 @@ pub struct Injected {
     pub queue: String,
     pub message_id: Option<String>,
     pub envelope_id: Option<Uuid>,
+    /// Its foreign ordering key and number, if it carries one.
+    pub ordering: Option<crate::wire::WireOrdering>,
 }
+
+/// Where hostile messages go, and how.
+#[derive(Debug, Clone, Copy)]
+pub struct HostileTarget<'a> {
+    pub exchange: &'a str,
+    pub queue: &'a str,
+    /// The subscribers' `max_body_bytes`.
+    pub delivery_limit: usize,
+    /// The share of messages that carry a foreign ordering key.
+    pub keyed: f64,
+}
+
+/// The ordering keys a foreign publisher's keyed hostile messages carry
+/// (no producer of the simulation writes them).
+pub const FOREIGN_KEYS: [&str; 3] = ["foreign-a", "foreign-b", "foreign-c"];
 
 /// What the broker stored: every acked message it kept, in order (one a
 /// classic queue out of reach dropped is acked, and not kept).
@@ -204,35 +221,43 @@ impl MqState {
     }
 
     /// Puts a hostile message of one of `kinds` (drawn from the broker's
-    /// RNG) in `queue`, as a foreign publisher on `exchange` would;
-    /// `delivery_limit` is the subscribers' `max_body_bytes`.
-    pub fn inject_hostile(
-        &self,
-        exchange: &str,
-        queue: &str,
-        kinds: &[HostileKind],
-        delivery_limit: usize,
-    ) {
+    /// RNG) in `to.queue`, as a foreign publisher on `to.exchange` would.
+    /// A share `to.keyed` of them carry one of [`FOREIGN_KEYS`] and its
+    /// next number (no draw when the share is 0).
+    pub fn inject_hostile(&self, to: &HostileTarget<'_>, kinds: &[HostileKind]) {
         if kinds.is_empty() {
             return;
         }
+        let mut injected = self.injected.lock().expect("injected");
         let h = {
             let mut rng = self.rng.lock().expect("rng");
             let kind = kinds[rng.random_range(0..kinds.len())];
-            hostile::build(kind, &mut rng, delivery_limit)
+            let ordering = (to.keyed > 0.0 && rng.random_bool(to.keyed.min(1.0))).then(|| {
+                let key = FOREIGN_KEYS[rng.random_range(0..FOREIGN_KEYS.len())];
+                let seq = injected
+                    .iter()
+                    .filter(|h| h.ordering.as_ref().is_some_and(|(k, _)| k == key))
+                    .count() as i64
+                    + 1;
+                (key.to_owned(), seq)
+            });
+            hostile::build(kind, &mut rng, to.delivery_limit, ordering)
         };
         self.trace.now(Event::Hostile {
             kind: h.kind,
             message_id: h.message.message_id.clone(),
             envelope_id: h.envelope_id,
+            ordering: h.message.ordering.clone(),
         });
-        self.injected.lock().expect("injected").push(Injected {
+        injected.push(Injected {
             kind: h.kind,
-            queue: queue.to_owned(),
+            queue: to.queue.to_owned(),
             message_id: h.message.message_id.clone(),
             envelope_id: h.envelope_id,
+            ordering: h.message.ordering.clone(),
         });
-        self.with_queues(crate::sim_now(), |q| q.inject(exchange, h.message));
+        drop(injected);
+        self.with_queues(crate::sim_now(), |q| q.inject(to.exchange, h.message));
     }
 
     /// Envelope ids of injected hostile messages that must take effect.
@@ -246,12 +271,28 @@ impl MqState {
             .collect()
     }
 
-    /// Whether every hostile message that must be dead-lettered is in its
-    /// queue's dead-letter queue (the world's quiescence).
+    /// The ids the records of keyed hostile messages the subscriber must
+    /// give up on take (their `message_id`s, each a UUID).
+    pub fn given_up(&self) -> Vec<Uuid> {
+        self.injected
+            .lock()
+            .expect("injected")
+            .iter()
+            .filter(|h| h.ordering.is_some() && !h.kind.applies())
+            .filter_map(|h| h.message_id.as_deref())
+            .filter_map(|m| Uuid::parse_str(m).ok())
+            .collect()
+    }
+
+    /// Whether every unkeyed hostile message that must be dead-lettered is
+    /// in its queue's dead-letter queue (the world's quiescence). A keyed
+    /// one may be held in the inbox instead (acked): its record there, not
+    /// the dead-letter queue, is what the checker asks of it.
     pub fn hostiles_dead_lettered(&self) -> bool {
         let injected = self.injected.lock().expect("injected");
         let queues = self.queues.lock().expect("queues");
-        injected.iter().filter(|h| !h.kind.applies()).all(|h| {
+        let unkeyed = injected.iter().filter(|h| h.ordering.is_none());
+        unkeyed.filter(|h| !h.kind.applies()).all(|h| {
             queues
                 .ready(&format!("{}.dlq", h.queue))
                 .iter()
