@@ -10,7 +10,10 @@
 //!   effect; an effect commits in the same transaction as its inbox row's
 //!   processed mark; an event whose effect committed is never dead-lettered.
 //! - **budget**: an attempt is recorded only for a handler failure of the
-//!   handler's own (never for database or broker trouble); a delivery is
+//!   handler's own (never for database or broker trouble; an overrun only
+//!   from a delivery's second, the first being run once more, or from a
+//!   replay's or release's first: a run dropped with no result of its own
+//!   overran); a delivery is
 //!   dead-lettered exactly when its recorded attempts reach the budget:
 //!   each dead-letter (requeue) answers a record of that consumer that did
 //!   (did not) reach it, and each record says so exactly at the budget (or
@@ -233,6 +236,13 @@ struct Budget<'e> {
     /// took effect or was skipped, so far.
     delivered: BTreeSet<Uuid>,
     settled_for_good: BTreeSet<Uuid>,
+    /// Deliveries each client holds unsettled, by event.
+    open: BTreeMap<(&'e str, Uuid), u32>,
+    /// Events whose handler overran in a client while it held a delivery
+    /// of theirs, since it last held none.
+    overran_in_hand: BTreeSet<(&'e str, Uuid)>,
+    /// Handler runs under way that reported no result yet.
+    unreported: BTreeSet<(&'e str, Uuid)>,
 }
 
 fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
@@ -240,9 +250,13 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
     for (at, e) in ctx.events {
         let at = Some(*at);
         match e {
-            Event::Delivered { message_id, .. } => {
-                b.delivered
-                    .extend(ctx.model.event_of(message_id.as_deref()));
+            Event::Delivered {
+                client, message_id, ..
+            } => {
+                if let Some(event) = ctx.model.event_of(message_id.as_deref()) {
+                    b.delivered.insert(event);
+                    *b.open.entry((client.as_str(), event)).or_insert(0) += 1;
+                }
             }
             Event::InboxCommitted { effects, .. } => {
                 b.settled_for_good.extend(effects.iter().map(|(_, id)| *id));
@@ -253,11 +267,30 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
                     b.settled_for_good.remove(id);
                 }
             }
+            Event::HandlerStarted {
+                client, event_id, ..
+            } => {
+                b.unreported.insert((client.as_str(), *event_id));
+            }
+            // A run the subscriber dropped with no result of its own: it
+            // overran (at its deadline; or its host went down).
+            Event::HandlerEnded { client, event_id } => {
+                if b.unreported.remove(&(client.as_str(), *event_id)) {
+                    b.overran(client, *event_id);
+                }
+            }
             Event::HandlerRan {
+                client,
                 event_id,
-                result: HandlerResult::Failed | HandlerResult::Overran,
-                ..
-            } => *b.handler_failures.entry(*event_id).or_insert(0) += 1,
+                result,
+            } => {
+                b.unreported.remove(&(client.as_str(), *event_id));
+                match result {
+                    HandlerResult::Failed => *b.handler_failures.entry(*event_id).or_insert(0) += 1,
+                    HandlerResult::Overran => b.overran(client, *event_id),
+                    HandlerResult::Ok | HandlerResult::Unavailable => {}
+                }
+            }
             // The handler's work cannot commit: its data breaks a deferred
             // constraint (its `Ok` notwithstanding).
             Event::ConstraintFailed { events, .. } => {
@@ -307,6 +340,21 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
 }
 
 impl<'e> Budget<'e> {
+    /// A handler run that overran: a failure of the handler's (an attempt
+    /// to record) only where the subscriber counts one. A delivery's first
+    /// overrun is not: the database answering at its deadline, the run may
+    /// still have waited on a stall that just ended, so the delivery runs
+    /// once more, watched, and only a second overrun counts (if the
+    /// database answered throughout, which the record then says). A run
+    /// that is no delivery's (a replay, or the release of a held row) has
+    /// no retry in place: its first overrun counts.
+    fn overran(&mut self, client: &'e str, event: Uuid) {
+        let in_hand = self.open.get(&(client, event)).is_some_and(|n| *n > 0);
+        if !in_hand || !self.overran_in_hand.insert((client, event)) {
+            *self.handler_failures.entry(event).or_insert(0) += 1;
+        }
+    }
+
     /// What replays tell the budget: while an operator's replay runs, a
     /// failure its client records of a row it asked for is the replay's (a
     /// budget of one), a row within its budget keeping its attempts; after
@@ -413,6 +461,13 @@ impl<'e> Budget<'e> {
         let Some(event) = ctx.model.event_of(message_id) else {
             return;
         };
+        if let Some(n) = self.open.get_mut(&(client, event)) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.open.remove(&(client, event));
+                self.overran_in_hand.remove(&(client, event));
+            }
+        }
         let r = self.records.entry((client, event)).or_default();
         let Err(what) = r.answer(settle) else {
             return;
@@ -596,10 +651,8 @@ impl Trouble {
 /// does not say which one failed: turmoil seed 7 of
 /// `producer_and_consumer_swarm`, a duplicate's ack came while the failed
 /// delivery's rerun waited on a lock, and its consumer died before it
-/// settled). Overruns are left to the scenarios that make them
-/// count (`handler_blocked_on_a_lock`: events dead-letter at their budget):
-/// which overrun counts depends on the delivery, which the trace cannot
-/// tell apart.
+/// settled). Overruns are left out here: whether one counts depends on
+/// the pings, and `budget` judges the records they make.
 fn every_failure_counted(ctx: &Context<'_>, out: &mut Findings) {
     let probe = ctx.limits.handler_timeout / outbox::core::subscriber::PROBE_DIVISOR;
     let trouble = Trouble::of(ctx.events, probe);

@@ -261,6 +261,63 @@ fn failed_attempt(run: Run, t: u64, attempts: i32, dead: bool, settle: Settle) -
     )
 }
 
+/// `consumer()` with `n` runs of id(1)'s handler that overran from `t` on
+/// (inside the delivery's window, 100–130 ms, or after it: a replay's),
+/// the last recorded as attempt 1.
+fn overran(n: u64, t: u64) -> Run {
+    let c = || s("c#1");
+    let mut run = consumer();
+    for i in 0..n {
+        let at = t + 3 * i;
+        run = run
+            .at(
+                at,
+                Event::HandlerStarted {
+                    client: c(),
+                    event_id: id(1),
+                    session: Some(1),
+                },
+            )
+            .at(
+                at + 1,
+                Event::HandlerRan {
+                    client: c(),
+                    event_id: id(1),
+                    result: HandlerResult::Overran,
+                },
+            )
+            .at(
+                at + 2,
+                Event::HandlerEnded {
+                    client: c(),
+                    event_id: id(1),
+                },
+            );
+    }
+    run.at(
+        t + 3 * n,
+        Event::InboxFailure {
+            client: c(),
+            event_id: id(1),
+            attempts: 1,
+            dead_lettered: false,
+        },
+    )
+}
+
+#[test]
+fn an_overrun_counts_from_a_deliverys_second_or_a_replays_first() {
+    for run in [overran(2, 101), overran(1, 140)] {
+        let v = run.verdict();
+        assert!(
+            !v.counts
+                .contains_key(&Invariant::AttemptOnlyOnHandlerFailure),
+            "{:#?}",
+            v.violations
+        );
+    }
+}
+
 fn nack(t: u64) -> (u64, Event) {
     (
         t,
@@ -686,6 +743,11 @@ fn effect_cases() -> Vec<(Invariant, Run)> {
 fn budget_cases() -> Vec<(Invariant, Run)> {
     use Invariant as I;
     vec![
+        (
+            // A delivery's first overrun counted: it runs once more first.
+            I::AttemptOnlyOnHandlerFailure,
+            overran(1, 101),
+        ),
         (
             I::AttemptOnlyOnHandlerFailure,
             consumer().at(
