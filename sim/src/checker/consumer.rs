@@ -13,7 +13,9 @@
 //!   handler's own (never for database or broker trouble; an overrun only
 //!   from a delivery's second, the first being run once more, or from a
 //!   replay's or release's first: a run dropped with no result of its own
-//!   overran); a delivery is
+//!   overran; a failure of a consumer's one delivery it has not recorded
+//!   when it runs that delivery's handler again was forgotten with its
+//!   transaction, and answers no later record); a delivery is
 //!   dead-lettered exactly when its recorded attempts reach the budget:
 //!   each dead-letter (requeue) answers a record of that consumer that did
 //!   (did not) reach it, and each record says so exactly at the budget (or
@@ -201,6 +203,29 @@ fn consumer_of(client: &str) -> &str {
     client.split('/').next().unwrap_or(client)
 }
 
+/// Handler failures of one consumer for one event not yet recorded.
+#[derive(Default)]
+struct Credits {
+    /// Of runs of the one delivery the consumer held.
+    delivery: u32,
+    /// Of other runs (replays, releases, beside a duplicate).
+    other: u32,
+}
+
+impl Credits {
+    fn any(&self) -> bool {
+        self.delivery + self.other > 0
+    }
+
+    fn take(&mut self) {
+        if self.delivery > 0 {
+            self.delivery -= 1;
+        } else {
+            self.other = self.other.saturating_sub(1);
+        }
+    }
+}
+
 /// Unused failure records of one consumer for one event.
 #[derive(Default)]
 struct Records {
@@ -225,7 +250,10 @@ impl Records {
 /// What [`budget`] knows so far of the run.
 #[derive(Default)]
 struct Budget<'e> {
-    handler_failures: BTreeMap<Uuid, u32>,
+    /// Handler failures not yet recorded, per consumer and event: those of
+    /// a run of the one delivery the consumer held (forgotten when it
+    /// runs that delivery's handler again), and the others.
+    handler_failures: BTreeMap<(&'e str, Uuid), Credits>,
     records: BTreeMap<(&'e str, Uuid), Records>,
     replaying: BTreeSet<(&'e str, Uuid)>,
     /// The rows each operator's replay under way asked for, by client.
@@ -269,9 +297,7 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
             }
             Event::HandlerStarted {
                 client, event_id, ..
-            } => {
-                b.unreported.insert((client.as_str(), *event_id));
-            }
+            } => b.started(client, *event_id),
             // A run the subscriber dropped with no result of its own: it
             // overran (at its deadline; or its host went down).
             Event::HandlerEnded { client, event_id } => {
@@ -286,16 +312,16 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
             } => {
                 b.unreported.remove(&(client.as_str(), *event_id));
                 match result {
-                    HandlerResult::Failed => *b.handler_failures.entry(*event_id).or_insert(0) += 1,
+                    HandlerResult::Failed => b.failed(client, *event_id),
                     HandlerResult::Overran => b.overran(client, *event_id),
                     HandlerResult::Ok | HandlerResult::Unavailable => {}
                 }
             }
             // The handler's work cannot commit: its data breaks a deferred
             // constraint (its `Ok` notwithstanding).
-            Event::ConstraintFailed { events, .. } => {
+            Event::ConstraintFailed { client, events, .. } => {
                 for id in events {
-                    *b.handler_failures.entry(*id).or_insert(0) += 1;
+                    b.failed(client, *id);
                 }
             }
             Event::ReplayStarted { .. }
@@ -348,10 +374,46 @@ impl<'e> Budget<'e> {
     /// database answered throughout, which the record then says). A run
     /// that is no delivery's (a replay, or the release of a held row) has
     /// no retry in place: its first overrun counts.
+    /// Whether `client`'s runs of `event` now are its one delivery's: it
+    /// holds exactly one, and no operator's replay of its is under way.
+    fn one_delivery(&self, client: &'e str, event: Uuid) -> bool {
+        self.open.get(&(client, event)) == Some(&1) && !self.asked.contains_key(client)
+    }
+
+    /// A failure of the handler's own: an attempt the consumer owes.
+    fn failed(&mut self, client: &'e str, event: Uuid) {
+        let delivery = self.one_delivery(client, event);
+        let c = self
+            .handler_failures
+            .entry((consumer_of(client), event))
+            .or_default();
+        if delivery {
+            c.delivery += 1;
+        } else {
+            c.other += 1;
+        }
+    }
+
+    /// A handler run begins. A consumer runs its one delivery's handler
+    /// again only once that delivery's earlier failures are recorded, or
+    /// forgotten with a transaction that did not commit (met again, then,
+    /// if they recur): none of them can be recorded after this. (With a
+    /// duplicate in hand, or beside a replay or a release, a failure of
+    /// another run may still be recorded by its own pass.)
+    fn started(&mut self, client: &'e str, event: Uuid) {
+        self.unreported.insert((client, event));
+        if self.one_delivery(client, event)
+            && let Some(c) = self.handler_failures.get_mut(&(consumer_of(client), event))
+        {
+            c.delivery = 0;
+        }
+    }
+
     fn overran(&mut self, client: &'e str, event: Uuid) {
-        let in_hand = self.open.get(&(client, event)).is_some_and(|n| *n > 0);
+        let in_hand = self.open.get(&(client, event)).is_some_and(|n| *n > 0)
+            && !self.asked.contains_key(client);
         if !in_hand || !self.overran_in_hand.insert((client, event)) {
-            *self.handler_failures.entry(event).or_insert(0) += 1;
+            self.failed(client, event);
         }
     }
 
@@ -402,8 +464,9 @@ impl<'e> Budget<'e> {
         out: &mut Findings,
     ) {
         let max = ctx.limits.consumer_max_attempts;
-        match self.handler_failures.get_mut(&event_id).filter(|n| **n > 0) {
-            Some(n) => *n -= 1,
+        let key = (consumer_of(client), event_id);
+        match self.handler_failures.get_mut(&key).filter(|c| c.any()) {
+            Some(c) => c.take(),
             None => out.add(
                 Invariant::AttemptOnlyOnHandlerFailure,
                 at,
