@@ -295,16 +295,17 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
                     b.settled_for_good.remove(id);
                 }
             }
+            // Run, so delivered (whatever its `message_id` said: a foreign
+            // publisher's may name no event).
             Event::HandlerStarted {
                 client, event_id, ..
-            } => b.started(client, *event_id),
+            } => {
+                b.delivered.insert(*event_id);
+                b.started(client, *event_id);
+            }
             // A run the subscriber dropped with no result of its own: it
             // overran (at its deadline; or its host went down).
-            Event::HandlerEnded { client, event_id } => {
-                if b.unreported.remove(&(client.as_str(), *event_id)) {
-                    b.overran(client, *event_id);
-                }
-            }
+            Event::HandlerEnded { client, event_id } => b.ended(client, *event_id),
             Event::HandlerRan {
                 client,
                 event_id,
@@ -332,13 +333,12 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
             // A keyed delivery given up on: its record (`rejected`).
             Event::InboxFailure {
                 event_id,
-                dead_lettered,
+                dead_lettered: true,
                 ..
             } if ctx.model.given_up.contains(event_id) => {
-                if *dead_lettered {
-                    b.dead.insert(*event_id);
-                }
+                b.dead.insert(*event_id);
             }
+            Event::InboxFailure { event_id, .. } if ctx.model.given_up.contains(event_id) => {}
             Event::InboxFailure {
                 client,
                 event_id,
@@ -406,6 +406,13 @@ impl<'e> Budget<'e> {
             && let Some(c) = self.handler_failures.get_mut(&(consumer_of(client), event))
         {
             c.delivery = 0;
+        }
+    }
+
+    /// A handler run ended: dropped with no result of its own, it overran.
+    fn ended(&mut self, client: &'e str, event: Uuid) {
+        if self.unreported.remove(&(client, event)) {
+            self.overran(client, event);
         }
     }
 
