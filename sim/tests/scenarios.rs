@@ -108,6 +108,7 @@ fn every_scenario_file_has_a_test_here() {
         "deferred_constraint",
         "handler_blocked_on_a_lock",
         "hostile_deliveries",
+        "hostile_keyed_deliveries",
         "lease_expiry_mid_confirm",
         "ordering_keys_consumer_swarm",
         "ordering_keys_consumers",
