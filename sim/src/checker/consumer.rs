@@ -295,36 +295,10 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
                     b.settled_for_good.remove(id);
                 }
             }
-            // Run, so delivered (whatever its `message_id` said: a foreign
-            // publisher's may name no event).
-            Event::HandlerStarted {
-                client, event_id, ..
-            } => {
-                b.delivered.insert(*event_id);
-                b.started(client, *event_id);
-            }
-            // A run the subscriber dropped with no result of its own: it
-            // overran (at its deadline; or its host went down).
-            Event::HandlerEnded { client, event_id } => b.ended(client, *event_id),
-            Event::HandlerRan {
-                client,
-                event_id,
-                result,
-            } => {
-                b.unreported.remove(&(client.as_str(), *event_id));
-                match result {
-                    HandlerResult::Failed => b.failed(client, *event_id),
-                    HandlerResult::Overran => b.overran(client, *event_id),
-                    HandlerResult::Ok | HandlerResult::Unavailable => {}
-                }
-            }
-            // The handler's work cannot commit: its data breaks a deferred
-            // constraint (its `Ok` notwithstanding).
-            Event::ConstraintFailed { client, events, .. } => {
-                for id in events {
-                    b.failed(client, *id);
-                }
-            }
+            Event::HandlerStarted { .. }
+            | Event::HandlerEnded { .. }
+            | Event::HandlerRan { .. }
+            | Event::ConstraintFailed { .. } => b.runs(e),
             Event::ReplayStarted { .. }
             | Event::ReplayEnded { .. }
             | Event::InboxReset { .. }
@@ -406,6 +380,43 @@ impl<'e> Budget<'e> {
             && let Some(c) = self.handler_failures.get_mut(&(consumer_of(client), event))
         {
             c.delivery = 0;
+        }
+    }
+
+    /// What handler runs tell the budget: the failures they owe records.
+    fn runs(&mut self, e: &'e Event) {
+        match e {
+            // Run, so delivered (whatever its `message_id` said: a foreign
+            // publisher's may name no event).
+            Event::HandlerStarted {
+                client, event_id, ..
+            } => {
+                self.delivered.insert(*event_id);
+                self.started(client, *event_id);
+            }
+            // A run the subscriber dropped with no result of its own: it
+            // overran (at its deadline; or its host went down).
+            Event::HandlerEnded { client, event_id } => self.ended(client, *event_id),
+            Event::HandlerRan {
+                client,
+                event_id,
+                result,
+            } => {
+                self.unreported.remove(&(client.as_str(), *event_id));
+                match result {
+                    HandlerResult::Failed => self.failed(client, *event_id),
+                    HandlerResult::Overran => self.overran(client, *event_id),
+                    HandlerResult::Ok | HandlerResult::Unavailable => {}
+                }
+            }
+            // The handler's work cannot commit: its data breaks a deferred
+            // constraint (its `Ok` notwithstanding).
+            Event::ConstraintFailed { client, events, .. } => {
+                for id in events {
+                    self.failed(client, *id);
+                }
+            }
+            _ => {}
         }
     }
 
@@ -1194,18 +1205,7 @@ fn rejected(ctx: &Context<'_>, out: &mut Findings) {
     let mut last_refusal: Option<(&str, Uuid)> = None;
     for (at, e) in ctx.events {
         let at = Some(*at);
-        if let (
-            Some((client, id)),
-            Event::Fault {
-                kind: FaultKind::PgReplyLost,
-                detail,
-            },
-        ) = (last_refusal, e)
-            && detail.strip_prefix(client) == Some(" inbox_try_insert")
-            && let Some(n) = refused.get_mut(&id)
-        {
-            *n -= 1;
-        }
+        unrefuse_if_lost(last_refusal, e, &mut refused);
         last_refusal = match e {
             Event::InboxRefused {
                 client, event_id, ..
@@ -1265,6 +1265,23 @@ fn rejected(ctx: &Context<'_>, out: &mut Findings) {
     rejected_at_end(model, fin, &refused, &deliveries, out);
     recorded.extend(held.iter().filter(|id| model.given_up.contains(id)));
     given_up_at_end(model, &recorded, out);
+}
+
+/// A refusal (`last`) whose reply `e` says was lost never reached the
+/// subscriber: it does not count as asked.
+fn unrefuse_if_lost(last: Option<(&str, Uuid)>, e: &Event, refused: &mut BTreeMap<Uuid, u32>) {
+    if let (
+        Some((client, id)),
+        Event::Fault {
+            kind: FaultKind::PgReplyLost,
+            detail,
+        },
+    ) = (last, e)
+        && detail.strip_prefix(client) == Some(" inbox_try_insert")
+        && let Some(n) = refused.get_mut(&id)
+    {
+        *n -= 1;
+    }
 }
 
 /// Whether a keyed delivery given up on (`mid`) was rightly settled with

@@ -345,15 +345,7 @@ impl Scenario {
         if consumer_faults && self.topology.consumers == 0 {
             return Err("consumer faults need topology.consumers >= 1".into());
         }
-        let keyed_hostile = self
-            .faults
-            .iter()
-            .any(|f| matches!(f, Fault::Hostile { keyed, .. } if *keyed > 0.0));
-        if keyed_hostile && self.config.consumer_partitions.unwrap_or(0) == 0 {
-            return Err("keyed hostile messages need an ordered subscription \
-                        (config.consumer_partitions > 0)"
-                .into());
-        }
+        self.check_keyed_hostile()?;
         if let Some(name) = self
             .expect
             .reach
@@ -364,6 +356,20 @@ impl Scenario {
             return Err(format!(
                 "expect.reach names {name:?}, which is no mark; known: {known:?}"
             ));
+        }
+        Ok(())
+    }
+
+    /// Keyed hostile messages need an ordered subscription.
+    fn check_keyed_hostile(&self) -> Result<(), String> {
+        let keyed_hostile = self
+            .faults
+            .iter()
+            .any(|f| matches!(f, Fault::Hostile { keyed, .. } if *keyed > 0.0));
+        if keyed_hostile && self.config.consumer_partitions.unwrap_or(0) == 0 {
+            return Err("keyed hostile messages need an ordered subscription \
+                        (config.consumer_partitions > 0)"
+                .into());
         }
         Ok(())
     }
