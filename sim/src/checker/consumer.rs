@@ -203,6 +203,34 @@ fn consumer_of(client: &str) -> &str {
     client.split('/').next().unwrap_or(client)
 }
 
+/// The deliveries each client holds unsettled, by event: from its
+/// `Delivered` to its `Settled`.
+#[derive(Default)]
+struct InHand<'e>(BTreeMap<(&'e str, Uuid), u32>);
+
+impl<'e> InHand<'e> {
+    fn delivered(&mut self, client: &'e str, event: Uuid) {
+        *self.0.entry((client, event)).or_insert(0) += 1;
+    }
+
+    /// One settled; whether the client now holds none of `event`.
+    fn settled(&mut self, client: &'e str, event: Uuid) -> bool {
+        let Some(n) = self.0.get_mut(&(client, event)) else {
+            return true;
+        };
+        *n = n.saturating_sub(1);
+        if *n > 0 {
+            return false;
+        }
+        self.0.remove(&(client, event));
+        true
+    }
+
+    fn count(&self, client: &'e str, event: Uuid) -> u32 {
+        self.0.get(&(client, event)).copied().unwrap_or(0)
+    }
+}
+
 /// Handler failures of one consumer for one event not yet recorded.
 #[derive(Default)]
 struct Credits {
@@ -264,8 +292,8 @@ struct Budget<'e> {
     /// took effect or was skipped, so far.
     delivered: BTreeSet<Uuid>,
     settled_for_good: BTreeSet<Uuid>,
-    /// Deliveries each client holds unsettled, by event.
-    open: BTreeMap<(&'e str, Uuid), u32>,
+    /// Deliveries each client holds unsettled.
+    open: InHand<'e>,
     /// Events whose handler overran in a client while it held a delivery
     /// of theirs, since it last held none.
     overran_in_hand: BTreeSet<(&'e str, Uuid)>,
@@ -283,7 +311,7 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
             } => {
                 if let Some(event) = ctx.model.event_of(message_id.as_deref()) {
                     b.delivered.insert(event);
-                    *b.open.entry((client.as_str(), event)).or_insert(0) += 1;
+                    b.open.delivered(client, event);
                 }
             }
             Event::InboxCommitted { effects, .. } => {
@@ -340,18 +368,10 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
 }
 
 impl<'e> Budget<'e> {
-    /// A handler run that overran: a failure of the handler's (an attempt
-    /// to record) only where the subscriber counts one. A delivery's first
-    /// overrun is not: the database answering at its deadline, the run may
-    /// still have waited on a stall that just ended, so the delivery runs
-    /// once more, watched, and only a second overrun counts (if the
-    /// database answered throughout, which the record then says). A run
-    /// that is no delivery's (a replay, or the release of a held row) has
-    /// no retry in place: its first overrun counts.
     /// Whether `client`'s runs of `event` now are its one delivery's: it
     /// holds exactly one, and no operator's replay of its is under way.
     fn one_delivery(&self, client: &'e str, event: Uuid) -> bool {
-        self.open.get(&(client, event)) == Some(&1) && !self.asked.contains_key(client)
+        self.open.count(client, event) == 1 && !self.asked.contains_key(client)
     }
 
     /// A failure of the handler's own: an attempt the consumer owes.
@@ -427,9 +447,16 @@ impl<'e> Budget<'e> {
         }
     }
 
+    /// A handler run that overran: a failure of the handler's (an attempt
+    /// to record) only where the subscriber counts one. A delivery's first
+    /// overrun is not: the database answering at its deadline, the run may
+    /// still have waited on a stall that just ended, so the delivery runs
+    /// once more, watched, and only a second overrun counts (if the
+    /// database answered throughout, which the record then says). A run
+    /// that is no delivery's (a replay, or the release of a held row) has
+    /// no retry in place: its first overrun counts.
     fn overran(&mut self, client: &'e str, event: Uuid) {
-        let in_hand = self.open.get(&(client, event)).is_some_and(|n| *n > 0)
-            && !self.asked.contains_key(client);
+        let in_hand = self.open.count(client, event) > 0 && !self.asked.contains_key(client);
         if !in_hand || !self.overran_in_hand.insert((client, event)) {
             self.failed(client, event);
         }
@@ -542,12 +569,8 @@ impl<'e> Budget<'e> {
         let Some(event) = ctx.model.event_of(message_id) else {
             return;
         };
-        if let Some(n) = self.open.get_mut(&(client, event)) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.open.remove(&(client, event));
-                self.overran_in_hand.remove(&(client, event));
-            }
+        if self.open.settled(client, event) {
+            self.overran_in_hand.remove(&(client, event));
         }
         let r = self.records.entry((client, event)).or_default();
         let Err(what) = r.answer(settle) else {
@@ -740,8 +763,7 @@ fn every_failure_counted(ctx: &Context<'_>, out: &mut Findings) {
     // Per (consumer, event): failures not yet matched by a record, each
     // with when it happened and when its delivery was settled after it.
     let mut pending: BTreeMap<(String, Uuid), VecDeque<Unmatched>> = BTreeMap::new();
-    // Deliveries each (client, event) holds unsettled.
-    let mut held: BTreeMap<(String, Uuid), u32> = BTreeMap::new();
+    let mut held = InHand::default();
     let mut pg_down = false;
     for (at, e) in ctx.events {
         match e {
@@ -760,10 +782,9 @@ fn every_failure_counted(ctx: &Context<'_>, out: &mut Findings) {
                 event_id,
                 result: HandlerResult::Failed,
             } if !pg_down => {
-                let key = (client.clone(), *event_id);
-                let unsettled = held.get(&key).copied().unwrap_or(0).max(1);
+                let unsettled = held.count(client, *event_id).max(1);
                 pending
-                    .entry(key)
+                    .entry((client.clone(), *event_id))
                     .or_default()
                     .push_back((*at, None, unsettled));
             }
@@ -771,7 +792,7 @@ fn every_failure_counted(ctx: &Context<'_>, out: &mut Findings) {
                 client, message_id, ..
             } => {
                 if let Some(id) = ctx.model.event_of(message_id.as_deref()) {
-                    *held.entry((client.clone(), id)).or_default() += 1;
+                    held.delivered(client, id);
                 }
             }
             // Counted; or its delivery found the event already processed
@@ -792,11 +813,8 @@ fn every_failure_counted(ctx: &Context<'_>, out: &mut Findings) {
                 let Some(id) = ctx.model.event_of(message_id.as_deref()) else {
                     continue;
                 };
-                let key = (client.clone(), id);
-                if let Some(n) = held.get_mut(&key) {
-                    *n = n.saturating_sub(1);
-                }
-                if let Some(q) = pending.get_mut(&key) {
+                held.settled(client, id);
+                if let Some(q) = pending.get_mut(&(client.clone(), id)) {
                     for f in q.iter_mut().filter(|f| f.1.is_none()) {
                         f.2 = f.2.saturating_sub(1);
                         if f.2 == 0 {
