@@ -179,6 +179,12 @@ pub struct ConsumerFinal {
     pub overdue_processed: Vec<Uuid>,
     /// Messages in the subscription's dead-letter queue, by `message_id`.
     pub dead_letters: BTreeMap<Option<String>, u32>,
+    /// Dead letters still on their way to the dead-letter queue (waiting
+    /// for it to take them), by `message_id`.
+    pub dead_letters_waiting: BTreeMap<Option<String>, u32>,
+    /// Whether the subscription is configured with quorum queues, whose
+    /// dead-lettering must lose nothing.
+    pub quorum: bool,
     /// Inbox rows marked dead-lettered.
     pub dead_lettered: BTreeSet<Uuid>,
     /// The domain table's committed unique keys, and the event that took
@@ -192,6 +198,8 @@ pub struct Oracle<'a> {
     pub mq: &'a MqState,
     /// The subscription's queue, if the run had consumers.
     pub queue: Option<&'a str>,
+    /// Its configured queue type.
+    pub queue_type: outbox::QueueType,
     /// Published rows older than this must be gone.
     pub outbox_retention_bound: Duration,
     /// Processed inbox rows older than this must be gone.
@@ -269,16 +277,17 @@ impl Oracle<'_> {
             consumer: None,
         };
         if let Some(queue) = self.queue {
-            let mut dead_letters = BTreeMap::new();
-            let dlq = self
-                .mq
-                .queues
-                .lock()
-                .expect("queues")
-                .ready(&format!("{queue}.dlq"));
-            for m in dlq {
+            let (mut dead_letters, mut dead_letters_waiting) = (BTreeMap::new(), BTreeMap::new());
+            let queues = self.mq.queues.lock().expect("queues");
+            for m in queues.ready(&format!("{queue}.dlq")) {
                 *dead_letters.entry(m.message_id).or_insert(0) += 1;
             }
+            for m in queues.waiting_dead_letters() {
+                *dead_letters_waiting
+                    .entry(m.message_id.clone())
+                    .or_insert(0) += 1;
+            }
+            drop(queues);
             fin.consumer = Some(ConsumerFinal {
                 effects: db
                     .inbox
@@ -298,6 +307,8 @@ impl Oracle<'_> {
                     now,
                 ),
                 dead_letters,
+                dead_letters_waiting,
+                quorum: self.queue_type == outbox::QueueType::Quorum,
                 dead_lettered: db
                     .inbox
                     .rows()

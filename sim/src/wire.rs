@@ -6,6 +6,7 @@
 //! and is subject to its faults (held links black-hole, partitions and
 //! crashes break connections).
 
+use outbox::core::topology::{ArgumentValue, QueueArguments};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -473,6 +474,14 @@ pub struct WireRetired {
     pub dropped: Vec<String>,
 }
 
+/// A queue declaration's arguments as they travel to the fake RabbitMQ.
+pub type WireArguments = Vec<(String, ArgumentValue)>;
+
+/// `args` (as the core decides them) on the wire.
+pub fn wire_arguments(args: QueueArguments) -> WireArguments {
+    args.into_iter().map(|(n, v)| (n.to_owned(), v)).collect()
+}
+
 /// A request to the fake RabbitMQ.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum MqRequest {
@@ -502,8 +511,9 @@ pub enum MqRequest {
         channel: u32,
     },
     /// The subscription's topology: `<queue>.dlq` on `canopy.dlq`, the
-    /// queue with its dead-letter route, its bindings on `exchange`; both
-    /// queues quorum queues, or classic ones. With `partitions`, an ordered
+    /// queue with its dead-letter route, its bindings on `exchange`, each
+    /// queue declared with the arguments the core decides
+    /// (`outbox::core::topology`). With `partitions`, an ordered
     /// subscription's instead: `<queue>.route` bound to `exchange` with the
     /// bindings, and partition `partition`'s queue (every one if `None`)
     /// with a single active consumer, bound by its buckets.
@@ -512,7 +522,10 @@ pub enum MqRequest {
         queue: String,
         exchange: String,
         bindings: Vec<String>,
-        quorum: bool,
+        /// The queue's (or each partition queue's) declaration arguments.
+        arguments: WireArguments,
+        /// `<queue>.dlq`'s.
+        dlq_arguments: WireArguments,
         partitions: u16,
         partition: Option<u16>,
     },

@@ -105,6 +105,7 @@ fn every_scenario_file_has_a_test_here() {
         "db_crash_loses_async_commits",
         "db_outage",
         "db_trouble_amid_batches",
+        "dead_letters_amid_elections",
         "deferred_constraint",
         "handler_blocked_on_a_lock",
         "hostile_deliveries",
@@ -225,6 +226,10 @@ fn rate_bounded_backlog() {
 #[test]
 fn hostile_deliveries() {
     check("hostile_deliveries");
+}
+#[test]
+fn dead_letters_amid_elections() {
+    check("dead_letters_amid_elections");
 }
 #[test]
 fn hostile_keyed_deliveries() {

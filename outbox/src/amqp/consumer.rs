@@ -16,8 +16,11 @@ use lapin::{Channel, ExchangeKind};
 
 use super::{CLOSE_TIMEOUT, LapinBroker, channel_err};
 use crate::core::ports::{
-    BUCKET_HEADER, ConsumerBroker, DLQ_DELIVERY_LIMIT, DLQ_EXCHANGE, Delivery, DeliverySource,
-    QUORUM_DELIVERY_LIMIT, QueueType, SubscriptionSpec, Unsettled,
+    BUCKET_HEADER, ConsumerBroker, DLQ_EXCHANGE, Delivery, DeliverySource, SubscriptionSpec,
+    Unsettled,
+};
+use crate::core::topology::{
+    ArgumentValue, QueueArguments, dlq_arguments, partition_arguments, queue_arguments,
 };
 use crate::error::BrokerError;
 
@@ -25,37 +28,18 @@ fn text(value: &str) -> AMQPValue {
     AMQPValue::LongString(value.into())
 }
 
-/// The subscription queue's arguments, every one that decides whether a
-/// message can be dropped set explicitly: its kind, where it dead-letters
-/// (`canopy.dlq`, routing key the queue's name) and, for a quorum queue,
-/// dead-lettering that cannot lose a message (`at-least-once`, which
-/// RabbitMQ only honours with `x-overflow = reject-publish`: with another
-/// overflow it silently falls back to at-most-once) and the delivery limit
-/// ([`QUORUM_DELIVERY_LIMIT`], far above the inbox's own attempt budget).
-pub(crate) fn queue_arguments(spec: &SubscriptionSpec) -> FieldTable {
-    let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), text(spec.queue_type.as_str()));
-    args.insert("x-dead-letter-exchange".into(), text(DLQ_EXCHANGE));
-    args.insert("x-dead-letter-routing-key".into(), text(&spec.queue));
-    if spec.queue_type == QueueType::Quorum {
-        args.insert("x-dead-letter-strategy".into(), text("at-least-once"));
-        args.insert("x-overflow".into(), text("reject-publish"));
-        args.insert(
-            "x-delivery-limit".into(),
-            AMQPValue::LongLongInt(QUORUM_DELIVERY_LIMIT.into()),
-        );
+/// `args` as an AMQP field table.
+fn field_table(args: QueueArguments) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (name, value) in args {
+        let value = match value {
+            ArgumentValue::Text(t) => text(&t),
+            ArgumentValue::Int(i) => AMQPValue::LongLongInt(i),
+            ArgumentValue::Bool(b) => AMQPValue::Boolean(b),
+        };
+        table.insert(name.into(), value);
     }
-    args
-}
-
-/// A partition queue's arguments: the subscription queue's, and a single
-/// active consumer (one consumer of one replica at a time gets its
-/// deliveries; the others wait, and the next takes over, the unsettled
-/// deliveries redelivered first in their order, when it goes).
-pub(crate) fn partition_arguments(spec: &SubscriptionSpec) -> FieldTable {
-    let mut args = queue_arguments(spec);
-    args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
-    args
+    table
 }
 
 /// The binding of bucket `bucket` to a partition queue on `<queue>.route`.
@@ -63,24 +47,6 @@ fn bucket_binding(bucket: u16) -> FieldTable {
     let mut args = FieldTable::default();
     args.insert("x-match".into(), text("all"));
     args.insert(BUCKET_HEADER.into(), text(&bucket.to_string()));
-    args
-}
-
-/// `<queue>.dlq`'s arguments: the same kind as the queue; a quorum one
-/// refuses publishes when full rather than dropping its oldest (a full
-/// dead-letter queue makes at-least-once dead-lettering keep the message in
-/// the subscription queue and retry), and has in effect no delivery limit
-/// ([`DLQ_DELIVERY_LIMIT`]).
-pub(crate) fn dlq_arguments(spec: &SubscriptionSpec) -> FieldTable {
-    let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), text(spec.queue_type.as_str()));
-    if spec.queue_type == QueueType::Quorum {
-        args.insert("x-overflow".into(), text("reject-publish"));
-        args.insert(
-            "x-delivery-limit".into(),
-            AMQPValue::LongLongInt(DLQ_DELIVERY_LIMIT.into()),
-        );
-    }
     args
 }
 
@@ -151,7 +117,11 @@ impl LapinBroker {
             .map_err(channel_err)?;
         let dlq = spec.dlq_name();
         channel
-            .queue_declare(dlq.as_str().into(), durable_queue, dlq_arguments(spec))
+            .queue_declare(
+                dlq.as_str().into(),
+                durable_queue,
+                field_table(dlq_arguments(spec)),
+            )
             .await
             .map_err(|e| declare_err(spec, e))?;
         channel
@@ -171,7 +141,7 @@ impl LapinBroker {
             .queue_declare(
                 spec.queue.as_str().into(),
                 durable_queue,
-                queue_arguments(spec),
+                field_table(queue_arguments(spec)),
             )
             .await
             .map_err(|e| declare_err(spec, e))?;
@@ -259,7 +229,11 @@ impl LapinBroker {
             ..QueueDeclareOptions::default()
         };
         channel
-            .queue_declare(queue.as_str().into(), durable, partition_arguments(spec))
+            .queue_declare(
+                queue.as_str().into(),
+                durable,
+                field_table(partition_arguments(spec)),
+            )
             .await
             .map_err(|e| declare_err(spec, e))?;
         let mut sources: Vec<(String, FieldTable)> = spec

@@ -15,6 +15,7 @@ pub mod marks;
 pub mod ports;
 pub mod stats;
 pub mod subscriber;
+pub mod topology;
 
 use std::future::Future;
 use std::time::Duration;

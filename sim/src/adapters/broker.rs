@@ -22,6 +22,7 @@ use outbox::core::ports::{
     Broker, Confirm, ConsumerBroker, Delivery, DeliverySource, OutgoingMessage, PublishChannel,
     SubscriptionSpec, Unsettled,
 };
+use outbox::core::topology;
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
@@ -30,7 +31,8 @@ use super::net::connect;
 use crate::fakes::mq::MQ_PORT;
 use crate::trace::{Event, Trace};
 use crate::wire::{
-    HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, MqReply, MqRequest, WireBody, read_frame, write_frame,
+    HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, MqReply, MqRequest, WireBody, read_frame, wire_arguments,
+    write_frame,
 };
 
 /// One live connection to the fake broker.
@@ -450,7 +452,8 @@ impl ConsumerBroker for SimBroker {
                 queue: spec.queue.clone(),
                 exchange: spec.exchange.clone(),
                 bindings: spec.bindings.clone(),
-                quorum: spec.queue_type == outbox::QueueType::Quorum,
+                arguments: wire_arguments(topology::consumed_arguments(spec)),
+                dlq_arguments: wire_arguments(topology::dlq_arguments(spec)),
                 partitions: spec.partitions,
                 partition: spec.partition,
             },

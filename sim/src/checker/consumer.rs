@@ -38,6 +38,12 @@
 //! - **ack after commit**: a delivery is acked only once its event's
 //!   processed mark has committed (the ADR's step 4: commit, then ack;
 //!   with batches, after the batch's commit).
+//! - **dead letters kept**: on quorum queues, every delivery the broker
+//!   took back without requeue is in the dead-letter queue at the end, or
+//!   still waiting for it to take it, once for each time; a dead-letter
+//!   queue without a leader, a majority or room delays a dead letter and
+//!   never drops it. (A classic queue's dead letters are lost while its
+//!   node is down: the cost the quorum default exists to avoid.)
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
@@ -67,6 +73,7 @@ pub fn check(ctx: &Context<'_>, out: &mut Findings) {
     rejected(ctx, out);
     keyed(ctx, out);
     acked_after_commit(ctx, out);
+    dead_letters_kept(ctx, fin, out);
     let mut expected = ctx.model.expected_effects();
     for (key, events) in ctx.model.unique_groups() {
         unique_key(key, &events, fin, &mut expected, out);
@@ -1373,6 +1380,40 @@ fn rejected_at_end(
                 Invariant::RejectedAtOnce,
                 None,
                 format!("rejected delivery {id} ({kind:?}) has an inbox row"),
+            );
+        }
+    }
+}
+
+/// On quorum queues, each delivery the broker took back without requeue is
+/// in the dead-letter queue at the end, or waiting for it, as many times as
+/// it was dead-lettered.
+fn dead_letters_kept(ctx: &Context<'_>, fin: &ConsumerFinal, out: &mut Findings) {
+    if !fin.quorum {
+        return;
+    }
+    let mut sent: BTreeMap<&Option<String>, (u32, Duration)> = BTreeMap::new();
+    for (at, e) in ctx.events {
+        if let Event::Settled {
+            message_id,
+            settle: Settle::DeadLetter,
+            ..
+        } = e
+        {
+            let n = sent.entry(message_id).or_insert((0, *at));
+            *n = (n.0 + 1, *at);
+        }
+    }
+    for (mid, (n, last)) in sent {
+        let kept = fin.dead_letters.get(mid).copied().unwrap_or(0)
+            + fin.dead_letters_waiting.get(mid).copied().unwrap_or(0);
+        if kept < n {
+            out.add(
+                Invariant::DeadLettersKept,
+                Some(last),
+                format!(
+                    "{mid:?} was dead-lettered {n} time(s) but the dead-letter queue holds {kept}"
+                ),
             );
         }
     }

@@ -181,6 +181,8 @@ invariants! {
     KeyedByEnvelopeId = "keyed_by_envelope_id",
     /// A delivery is acked only after its event's processed mark committed (#433 step 4: commit, then ack).
     AckAfterCommit = "ack_after_commit",
+    /// On quorum queues every delivery taken back without requeue ends in the dead-letter queue (or on its way there): a node or a leader lost never drops one.
+    DeadLettersKept = "dead_letters_kept",
     /// Every delivery of an event written with trace context carries that context (its traceparent and tracestate AMQP headers), republishes included.
     TraceContextCarried = "trace_context_carried",
     /// A transaction of deliveries holds at most `CANOPY_MQ_SUBSCRIBER_BATCH_MAX` of them, whatever the prefetch.

@@ -726,6 +726,12 @@ fn effect_cases() -> Vec<(Invariant, Run)> {
             failed_attempt(consumer(), 200, 3, true, Settle::DeadLetter),
         ),
         (
+            // Dead-lettered at its budget on quorum queues; the dead-letter
+            // queue holds nothing of it, nor is it on its way there.
+            I::DeadLettersKept,
+            dead_lettered_on_quorum(|_| {}),
+        ),
+        (
             // Acked before the batch's commit.
             I::AckAfterCommit,
             consumer().at(
@@ -738,6 +744,68 @@ fn effect_cases() -> Vec<(Invariant, Run)> {
             ),
         ),
     ]
+}
+
+/// Event 1 fails its last attempt and is dead-lettered, on quorum queues;
+/// `end` sets where its dead letter is at the end.
+fn dead_lettered_on_quorum(end: impl Fn(&mut ConsumerFinal)) -> Run {
+    let delivered = producer().at(
+        100,
+        Event::Delivered {
+            client: s("c#1"),
+            message_id: Some(id(1).to_string()),
+            redelivered: true,
+            trace: None,
+        },
+    );
+    failed_attempt(delivered, 110, 3, true, Settle::DeadLetter).with(|f| {
+        let mut c = ConsumerFinal {
+            dead_lettered: [id(1)].into(),
+            rows: [id(1)].into(),
+            quorum: true,
+            ..ConsumerFinal::default()
+        };
+        end(&mut c);
+        f.consumer = Some(c);
+    })
+}
+
+#[test]
+fn a_dead_letter_in_its_queue_or_on_its_way_or_on_classic_queues_passes() {
+    let fine = |run: Run| {
+        let v = run.verdict();
+        assert!(
+            !v.counts.contains_key(&Invariant::DeadLettersKept),
+            "{:#?}",
+            v.violations
+        );
+    };
+    let mid = Some(id(1).to_string());
+    fine(dead_lettered_on_quorum(|c| {
+        c.dead_letters.insert(mid.clone(), 1);
+    }));
+    fine(dead_lettered_on_quorum(|c| {
+        c.dead_letters_waiting.insert(mid.clone(), 1);
+    }));
+    fine(dead_lettered_on_quorum(|c| c.quorum = false));
+    // Dead-lettered twice (a duplicate delivery), kept once: one lost.
+    let twice = dead_lettered_on_quorum(|c| {
+        c.dead_letters.insert(mid.clone(), 1);
+    })
+    .at(
+        210,
+        Event::Settled {
+            client: s("c#1"),
+            message_id: mid.clone(),
+            settle: Settle::DeadLetter,
+        },
+    );
+    assert!(
+        twice
+            .verdict()
+            .counts
+            .contains_key(&Invariant::DeadLettersKept)
+    );
 }
 
 fn budget_cases() -> Vec<(Invariant, Run)> {

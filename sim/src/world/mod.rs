@@ -26,6 +26,7 @@ use crate::model::Oracle;
 use crate::scenario::{Expect, Fault, Scenario};
 use crate::trace::{Event, FaultKind, Trace};
 use outbox::core::marks::Mark;
+use outbox::core::topology;
 
 /// Simulated time per step: the world applies its fault schedule at this
 /// granularity on both engines, and it is turmoil's scheduling quantum.
@@ -371,11 +372,14 @@ fn populate(
         let mut queues = env.mq.queues.lock().expect("queues");
         let last = queues.node_count() - 1;
         let spec = subscriber_settings(scenario).spec;
+        let arguments = crate::wire::wire_arguments(topology::consumed_arguments(&spec));
+        let dlq_arguments = crate::wire::wire_arguments(topology::dlq_arguments(&spec));
         let topology = crate::fakes::mq::queues::Topology {
             queue: CONSUMER_QUEUE,
             exchange: EXCHANGE,
             bindings: &["#".to_owned()],
-            kind: spec.queue_type,
+            arguments: &arguments,
+            dlq_arguments: &dlq_arguments,
             partitions: spec.partitions,
             partition: None,
         };
@@ -410,6 +414,7 @@ fn oracle<'a>(env: &'a Env, scenario: &Scenario, queue: Option<&'a str>) -> Orac
         pg: &env.pg,
         mq: &env.mq,
         queue,
+        queue_type: subscriber_settings(scenario).spec.queue_type,
         outbox_retention_bound: retention_bound(d.retention, d.janitor_interval),
         inbox_retention_bound: retention_bound(inbox.retention, inbox.interval),
     }

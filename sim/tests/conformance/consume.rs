@@ -21,6 +21,9 @@ use crate::harness::in_sim;
 
 /// Longest wait for a delivery that must come.
 const ARRIVES: Duration = Duration::from_secs(5);
+/// Longest wait for a dead letter that waited for room: the dead-letter
+/// worker retries every second here.
+const DEAD_LETTER_RETRY: Duration = Duration::from_secs(20);
 /// How long to watch for a delivery that must not come.
 const QUIET: Duration = Duration::from_millis(400);
 
@@ -38,6 +41,12 @@ trait ConsumeArm {
     /// Publishes an empty message with `routing_key` and no headers at
     /// all (as a foreign publisher might), not through the library.
     async fn publish_bare(&self, exchange: &str, routing_key: &str);
+    /// Sets a `max-length` policy on `<queue>.dlq` (`None` clears it), as
+    /// an operator would with `rabbitmqctl set_policy`.
+    async fn dlq_max_length(&self, max: Option<usize>);
+    /// Purges `<queue>.dlq`, as an operator draining it would; how many
+    /// messages went.
+    async fn dlq_purge(&self) -> usize;
 }
 
 #[cfg(not(madsim))]
@@ -103,6 +112,50 @@ impl ConsumeArm for Real {
         .await
         .unwrap();
     }
+    async fn dlq_max_length(&self, max: Option<usize>) {
+        let name = format!("{}.dlq", self.queue);
+        let definition = max.map(|n| format!("{{\"max-length\": {n}}}"));
+        let args: Vec<String> = match &definition {
+            Some(d) => [
+                "set_policy",
+                "--apply-to",
+                "queues",
+                &name,
+                &format!("^{name}$"),
+                d,
+            ]
+            .map(String::from)
+            .to_vec(),
+            None => vec!["clear_policy".into(), name.clone()],
+        };
+        rabbitmqctl(args).await;
+    }
+    async fn dlq_purge(&self) -> usize {
+        let ch = self.admin.create_channel().await.unwrap();
+        let name = format!("{}.dlq", self.queue);
+        let purged = ch
+            .queue_purge(name.as_str().into(), Default::default())
+            .await
+            .unwrap();
+        purged as usize
+    }
+}
+
+/// Runs `rabbitmqctl -q` on the local node; panics naming the command if it
+/// fails.
+#[cfg(not(madsim))]
+async fn rabbitmqctl(args: Vec<String>) {
+    let status = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("timeout")
+            .args(["60", "rabbitmqctl", "-q"])
+            .args(&args)
+            .status()
+            .map(|s| (s, args))
+    })
+    .await
+    .unwrap();
+    let (status, args) = status.expect("rabbitmqctl runs");
+    assert!(status.success(), "rabbitmqctl {args:?}: {status}");
 }
 
 struct Fake {
@@ -156,6 +209,25 @@ impl ConsumeArm for Fake {
             },
         );
     }
+    async fn dlq_max_length(&self, max: Option<usize>) {
+        self.state
+            .queues
+            .lock()
+            .unwrap()
+            .set_max_length("billing.orders.dlq", max);
+        self.state.tick(sim::sim_now());
+    }
+    async fn dlq_purge(&self) -> usize {
+        let purged = self
+            .state
+            .queues
+            .lock()
+            .unwrap()
+            .purge("billing.orders.dlq");
+        // What waited for room goes now, as the broker's retry would.
+        self.state.tick(sim::sim_now());
+        purged
+    }
 }
 
 #[cfg(not(madsim))]
@@ -168,6 +240,19 @@ where
     let admin = common::connect().await;
     let queue = common::unique("consume");
     let exchange = common::unique("consume.x");
+    // A quorum queue's dead-letter worker retries what a target refused
+    // every this many milliseconds (180 000 by default), read when the
+    // queue starts: short, so the dead-letter body waits seconds, not
+    // minutes. RabbitMQ's own test suites set it the same way.
+    rabbitmqctl(
+        [
+            "eval",
+            "application:set_env(rabbit, dead_letter_worker_publisher_confirm_timeout, 1000).",
+        ]
+        .map(String::from)
+        .to_vec(),
+    )
+    .await;
     let arm = Real {
         broker: LapinBroker::new(proxy.amqp_url()),
         publisher: LapinBroker::new(common::amqp_url()),
@@ -455,6 +540,48 @@ async fn deliveries_are_acked_requeued_and_dead_lettered<A: ConsumeArm>(arm: A) 
     c.consumer_close().await;
 }
 
+/// A dead letter that its dead-letter queue cannot take (full under a
+/// `max-length` policy) waits, and arrives once there is room: quorum
+/// queues declared as the library declares them dead-letter at least once.
+/// A declaration that falls back to at-most-once drops it. (A quorum queue
+/// is full once it holds more than its `max-length`, so the first dead
+/// letter fills it; it takes more again once an operator drains it.)
+async fn a_dead_letter_waits_for_room_in_the_dead_letter_queue<A: ConsumeArm>(arm: A) {
+    let spec = arm.spec(10);
+    let c = arm.broker().subscription_open(&spec).await.unwrap();
+    arm.dlq_max_length(Some(0)).await;
+    let sent = publish(&arm, &spec.exchange, &["orders.a", "orders.b"]).await;
+    let (first, second) = (next(&c).await, next(&c).await);
+    assert_eq!([id_of(&first), id_of(&second)], [sent[0].id, sent[1].id]);
+    c.delivery_nack(first.tag, false).await.unwrap();
+    dlq_reaches(&arm, 1).await;
+    c.delivery_nack(second.tag, false).await.unwrap();
+    quiet(&c).await;
+    assert_eq!(
+        arm.dlq_len().await,
+        1,
+        "a full dead-letter queue takes nothing"
+    );
+    assert_eq!(arm.dlq_purge().await, 1);
+    dlq_reaches(&arm, 1).await;
+    arm.dlq_max_length(None).await;
+    quiet(&c).await;
+    assert_eq!(arm.dlq_len().await, 1);
+    c.consumer_close().await;
+}
+
+/// Waits until `<queue>.dlq` holds `n` messages.
+async fn dlq_reaches<A: ConsumeArm>(arm: &A, n: usize) {
+    let deadline = tokio::time::Instant::now() + DEAD_LETTER_RETRY;
+    while arm.dlq_len().await < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the dead-letter queue never held {n}: a dead letter was dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 async fn unacked_deliveries_come_back_after_the_connection_is_cut<A: ConsumeArm>(arm: A) {
     let spec = arm.spec(10);
     let c = arm.broker().subscription_open(&spec).await.unwrap();
@@ -543,6 +670,7 @@ conformance!(rabbitmq: with_real, fake: with_fake;
     trace_context_headers_travel_with_the_message,
     an_ordered_subscription_has_one_active_consumer_per_partition,
     deliveries_are_acked_requeued_and_dead_lettered,
+    a_dead_letter_waits_for_room_in_the_dead_letter_queue,
     unacked_deliveries_come_back_after_the_connection_is_cut,
     the_prefetch_bounds_unacked_deliveries,
     ack_many_settles_exactly_the_tags_it_is_given,

@@ -545,24 +545,21 @@ impl Conn {
             queue,
             exchange,
             bindings,
-            quorum,
+            arguments,
+            dlq_arguments,
             partitions,
             partition,
         } = req
         else {
             unreachable!("only a declaration comes here");
         };
-        let kind = if quorum {
-            outbox::QueueType::Quorum
-        } else {
-            outbox::QueueType::Classic
-        };
         let node = self.node;
         let topology = queues::Topology {
             queue: &queue,
             exchange: &exchange,
             bindings: &bindings,
-            kind,
+            arguments: &arguments,
+            dlq_arguments: &dlq_arguments,
             partitions,
             partition,
         };
@@ -742,6 +739,8 @@ fn closed(channel: u32, reason: &str) -> MqReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::wire_arguments;
+    use outbox::core::topology;
 
     /// A publish held by a quorum queue without a leader is confirmed (and
     /// stored) once the queue has one again, however the leader comes back.
@@ -749,6 +748,15 @@ mod tests {
     fn a_held_publish_is_confirmed_once_its_queue_has_a_leader_again() {
         for heal in ["election", "node"] {
             let state = MqState::cluster(1, Trace::default(), 3);
+            let spec = outbox::core::ports::SubscriptionSpec {
+                queue: "q".into(),
+                exchange: "x".into(),
+                bindings: vec!["#".into()],
+                prefetch: 1,
+                queue_type: outbox::QueueType::Quorum,
+                partitions: 0,
+                partition: None,
+            };
             let (out, mut frames) = tokio::sync::mpsc::unbounded_channel();
             let mut conn = state.open_connection(out, 0);
             let t0 = Duration::from_secs(10);
@@ -760,7 +768,8 @@ mod tests {
                     queue: "q".into(),
                     exchange: "x".into(),
                     bindings: vec!["#".into()],
-                    quorum: true,
+                    arguments: wire_arguments(topology::queue_arguments(&spec)),
+                    dlq_arguments: wire_arguments(topology::dlq_arguments(&spec)),
                     partitions: 0,
                     partition: None,
                 },

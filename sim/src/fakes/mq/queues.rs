@@ -40,6 +40,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use outbox::QueueType;
+use outbox::core::topology::{ArgumentValue, text_argument};
 use uuid::Uuid;
 
 use crate::trace::{Event, FaultKind, Settle, Trace};
@@ -81,8 +82,20 @@ pub struct Queue {
     /// `x-single-active-consumer`: only its earliest consumer still
     /// registered gets deliveries.
     single_active: bool,
-    /// (exchange, routing key) a message nacked without requeue goes to.
-    dead_letter: Option<(String, String)>,
+    /// (exchange, routing key) a message nacked without requeue goes to
+    /// (`x-dead-letter-exchange`, `x-dead-letter-routing-key`; without a
+    /// routing key the message keeps its own).
+    dead_letter: Option<(String, Option<String>)>,
+    /// A quorum queue declared with `x-dead-letter-strategy =
+    /// at-least-once` and `x-overflow = reject-publish`: a dead letter that
+    /// its dead-letter queue cannot take waits. Otherwise dead-lettering is
+    /// at-most-once: such a dead letter is dropped.
+    at_least_once: bool,
+    /// A policy's `max-length` (with `reject-publish`): while the queue
+    /// holds more than this many (a quorum queue's limit is checked before
+    /// each message, so the first one over it goes in), it takes no dead
+    /// letter.
+    max_length: Option<usize>,
     pub kind: QueueType,
     /// A classic queue's node; a quorum queue's leader (`None` while it
     /// elects one).
@@ -106,13 +119,15 @@ impl Queue {
         Some(m)
     }
 
-    fn new(kind: QueueType, node: usize) -> Self {
+    fn new(d: &Declared, node: usize) -> Self {
         Self {
             ready: VecDeque::new(),
             returns: 0,
-            single_active: false,
-            dead_letter: None,
-            kind,
+            single_active: d.single_active,
+            dead_letter: d.dead_letter.clone(),
+            at_least_once: d.at_least_once,
+            max_length: None,
+            kind: d.kind,
             leader: Some(node),
             elect_at: Duration::ZERO,
         }
@@ -191,11 +206,50 @@ pub struct Topology<'a> {
     pub queue: &'a str,
     pub exchange: &'a str,
     pub bindings: &'a [String],
-    pub kind: QueueType,
+    /// The queue's (or each partition queue's) declaration arguments.
+    pub arguments: &'a [(String, ArgumentValue)],
+    /// `<queue>.dlq`'s.
+    pub dlq_arguments: &'a [(String, ArgumentValue)],
     /// 0: one queue; else the partition count of an ordered subscription.
     pub partitions: u16,
     /// The partition declared (every one if `None`).
     pub partition: Option<u16>,
+}
+
+/// What a queue's declaration arguments make of it, as RabbitMQ reads
+/// them: the kind (`x-queue-type`, classic when absent), the dead-letter
+/// route, the dead-letter strategy and a single active consumer.
+#[derive(Debug, Clone)]
+struct Declared {
+    kind: QueueType,
+    dead_letter: Option<(String, Option<String>)>,
+    at_least_once: bool,
+    single_active: bool,
+}
+
+impl Declared {
+    fn of(args: &[(String, ArgumentValue)]) -> Self {
+        let arg = |name| text_argument(args, name);
+        let kind = match arg("x-queue-type") {
+            Some("quorum") => QueueType::Quorum,
+            _ => QueueType::Classic,
+        };
+        Self {
+            kind,
+            dead_letter: arg("x-dead-letter-exchange").map(|x| {
+                (
+                    x.to_owned(),
+                    arg("x-dead-letter-routing-key").map(str::to_owned),
+                )
+            }),
+            at_least_once: kind == QueueType::Quorum
+                && arg("x-dead-letter-strategy") == Some("at-least-once")
+                && arg("x-overflow") == Some("reject-publish"),
+            single_active: args
+                .iter()
+                .any(|(n, v)| n == "x-single-active-consumer" && *v == ArgumentValue::Bool(true)),
+        }
+    }
 }
 
 /// Every queue, binding and consumer of the broker.
@@ -432,7 +486,7 @@ impl Queues {
             }
         }
         for (x, m) in std::mem::take(&mut self.held_dead_letters) {
-            self.dead_letter(&x, m);
+            self.dead_letter(&x, m, true);
         }
         done
     }
@@ -477,12 +531,13 @@ impl Queues {
     /// RabbitMQ refuses it (`PRECONDITION_FAILED - inequivalent arg
     /// 'x-queue-type'`).
     pub fn declare_subscription(&mut self, t: &Topology<'_>, node: usize) -> Result<(), String> {
+        let (queue, dlq_declared) = (Declared::of(t.arguments), Declared::of(t.dlq_arguments));
         let spec = outbox::core::ports::SubscriptionSpec {
             queue: t.queue.to_owned(),
             exchange: t.exchange.to_owned(),
             bindings: t.bindings.to_vec(),
             prefetch: 1,
-            queue_type: t.kind,
+            queue_type: queue.kind,
             partitions: t.partitions,
             partition: t.partition,
         };
@@ -492,32 +547,33 @@ impl Queues {
             (_, Some(p)) => vec![p],
             (n, None) => (0..n).collect(),
         };
-        let mut queues = vec![dlq.clone()];
+        let mut queues = vec![(dlq.clone(), &dlq_declared)];
         if t.partitions == 0 {
-            queues.push(t.queue.to_owned());
+            queues.push((t.queue.to_owned(), &queue));
         }
-        queues.extend(partitions.iter().map(|p| spec.partition_queue(*p)));
-        for name in &queues {
+        queues.extend(
+            partitions
+                .iter()
+                .map(|p| (spec.partition_queue(*p), &queue)),
+        );
+        for (name, declared) in &queues {
             if let Some(q) = self.queues.get(name)
-                && q.kind != t.kind
+                && q.kind != declared.kind
             {
                 return Err(format!(
                     "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue \
                      '{name}': received '{}' but current is '{}'",
-                    t.kind, q.kind
+                    declared.kind, q.kind
                 ));
             }
         }
-        self.queues
-            .entry(dlq.clone())
-            .or_insert_with(|| Queue::new(t.kind, node));
-        self.bind(DLQ_EXCHANGE, t.queue, &dlq);
-        let dead_letter = Some((DLQ_EXCHANGE.to_owned(), t.queue.to_owned()));
-        if t.partitions == 0 {
+        for (name, declared) in queues {
             self.queues
-                .entry(t.queue.to_owned())
-                .or_insert_with(|| Queue::new(t.kind, node))
-                .dead_letter = dead_letter;
+                .entry(name)
+                .or_insert_with(|| Queue::new(declared, node));
+        }
+        self.bind(DLQ_EXCHANGE, t.queue, &dlq);
+        if t.partitions == 0 {
             for b in t.bindings {
                 self.bind(t.exchange, b, t.queue);
             }
@@ -532,12 +588,6 @@ impl Queues {
         }
         for p in partitions {
             let name = spec.partition_queue(p);
-            let q = self
-                .queues
-                .entry(name.clone())
-                .or_insert_with(|| Queue::new(t.kind, node));
-            q.dead_letter = dead_letter.clone();
-            q.single_active = true;
             let exchange = self.headers.entry(route.clone()).or_default();
             for bucket in spec.buckets_of(p) {
                 exchange
@@ -643,19 +693,27 @@ impl Queues {
         targets.into_iter().collect()
     }
 
-    /// Dead-letters `m` to `exchange`: a quorum dead-letter queue that
-    /// cannot take it yet keeps it waiting (at-least-once); a classic one
-    /// out of reach drops it (at-most-once, RabbitMQ's classic behaviour).
-    fn dead_letter(&mut self, exchange: &str, m: QueuedMessage) {
+    /// Dead-letters `m` to `exchange`. At least once (`at_least_once`): a
+    /// dead-letter queue that cannot take it yet (a quorum one without a
+    /// leader or a majority, or one full under a `max-length` policy)
+    /// keeps it waiting. At most once: it is published as it comes, without
+    /// confirms, so a quorum queue out of reach drops it and a full one
+    /// takes it all the same (as RabbitMQ 3.10 does); a classic one out of
+    /// reach drops it (RabbitMQ's classic behaviour).
+    fn dead_letter(&mut self, exchange: &str, m: QueuedMessage, at_least_once: bool) {
         let targets = self.targets(exchange, &m);
-        let waits = targets.iter().any(|q| {
-            self.queues
-                .get(q)
-                .is_some_and(|x| x.kind == QueueType::Quorum)
-                && !self.quorum_writable(q)
+        let out_of_reach =
+            |q: &Queue, name: &str| q.kind == QueueType::Quorum && !self.quorum_writable(name);
+        let blocked = targets.iter().any(|name| {
+            self.queues.get(name).is_some_and(|q| {
+                out_of_reach(q, name)
+                    || (at_least_once && q.max_length.is_some_and(|n| q.ready.len() > n))
+            })
         });
-        if waits {
-            self.held_dead_letters.push_back((exchange.to_owned(), m));
+        if blocked {
+            if at_least_once {
+                self.held_dead_letters.push_back((exchange.to_owned(), m));
+            }
             return;
         }
         // Dead-lettering happens on the queue's leader: its node routes.
@@ -665,6 +723,27 @@ impl Queues {
             .and_then(|q| q.leader)
             .unwrap_or(0);
         self.route(node, exchange, m);
+    }
+
+    /// The dead letters waiting for their dead-letter queue.
+    pub fn waiting_dead_letters(&self) -> impl Iterator<Item = &QueuedMessage> {
+        self.held_dead_letters.iter().map(|(_, m)| m)
+    }
+
+    /// `queue.purge`: drops the ready messages of `queue`; how many.
+    pub fn purge(&mut self, queue: &str) -> usize {
+        self.queues.get_mut(queue).map_or(0, |q| {
+            q.returns = 0;
+            std::mem::take(&mut q.ready).len()
+        })
+    }
+
+    /// Sets (or with `None` clears) a `max-length` policy on `queue`, as
+    /// `rabbitmqctl set_policy` with `reject-publish` overflow does.
+    pub fn set_max_length(&mut self, queue: &str, max: Option<usize>) {
+        if let Some(q) = self.queues.get_mut(queue) {
+            q.max_length = max;
+        }
     }
 
     /// `basic.qos` on a channel.
@@ -760,10 +839,15 @@ impl Queues {
             if let Some(q) = self.queues.get_mut(&queue) {
                 q.give_back(m);
             }
-        } else if let Some((x, rk)) = self.queues.get(&queue).and_then(|q| q.dead_letter.clone()) {
-            m.routing_key = rk;
+        } else if let Some(q) = self.queues.get(&queue)
+            && let Some((x, rk)) = q.dead_letter.clone()
+        {
+            let at_least_once = q.at_least_once;
+            if let Some(rk) = rk {
+                m.routing_key = rk;
+            }
             m.redelivered = false;
-            self.dead_letter(&x, m);
+            self.dead_letter(&x, m, at_least_once);
         }
         true
     }
