@@ -127,7 +127,7 @@ pub const SUBSCRIBER_HANDLER_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30)
 pub const SUBSCRIBER_HANDLER_TIMEOUT_MAX_SECS: u64 = 3600;
 
 /// Default number of deliveries one worker applies in one transaction
-/// (chosen by measurement: see the README's performance table, P7).
+/// (chosen by measurement: see docs/internals/performance.md, P7).
 pub const SUBSCRIBER_BATCH_MAX_DEFAULT: u32 = 16;
 /// Largest batch accepted. Each delivery of a batch is a savepoint, a
 /// subtransaction: past 64 of them in one transaction PostgreSQL's

@@ -263,8 +263,9 @@ impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
         &self.store
     }
 
-    /// Stops all three tasks, letting the drainer finish or release the batch
-    /// in hand, then closes the broker connection (bounded).
+    /// Stops every task it spawned (the drainer, the janitor, the stats task
+    /// and the commit listener), letting the drainer finish or release the
+    /// batch in hand, then closes the broker connection (bounded).
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
         for task in self.tasks {

@@ -67,7 +67,7 @@ fn declare_err(spec: &SubscriptionSpec, e: lapin::Error) -> BrokerError {
     BrokerError::Channel(format!(
         "{e}; the subscription declares a {kind} queue with the arguments of this \
          version (CANOPY_MQ_SUBSCRIBER_QUEUE_TYPE={kind}): set it to what the queue is, \
-         or move the queue (README: \"Moving a classic subscription to quorum\")",
+         or move the queue (docs/rabbitmq.md: \"Moving a classic subscription to quorum\")",
         kind = spec.queue_type,
     ))
 }

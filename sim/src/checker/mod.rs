@@ -19,10 +19,17 @@
 //!   releases come before the lease expires; a replica backs off after a
 //!   failure and hands back every claim it holds first; claims keep to the
 //!   rate bound; an idle replica polls no faster than the ADR's cadence.
+//! - [`ordering`]: ordering keys, the producer's half: a key's events are
+//!   numbered in commit order, claimed only as its head and published in
+//!   order.
+//! - [`ordered`]: ordering keys, the consumer's half: an ordered
+//!   subscription applies a key's events in order, one at a time, and holds
+//!   them behind a dead-lettered head.
+//! - [`stats`]: the stats gauges and readiness say what the table held.
 //! - [`retention`]: the janitors delete only expired published (processed)
 //!   rows, and do delete them.
 //! - [`consumer`]: exactly-once effect (#433), the attempt budget, replay,
-//!   and hostile deliveries.
+//!   hostile deliveries, and dead letters kept on quorum queues.
 //! - [`statements`]: a statement its client gave up on ends at the server;
 //!   a handler's transaction carries the server's own bounds.
 //! - [`expectations`]: what a scenario's faults must make happen.

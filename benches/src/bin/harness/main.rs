@@ -71,7 +71,7 @@ const SECTIONS: [&str; 12] = [
 ];
 
 /// Measures the drainer and the subscriber on the real services and writes
-/// the README's performance figures.
+/// the performance figures (docs/internals/performance.md).
 #[derive(Debug, Parser)]
 #[command(name = "harness", version, about, long_about = None)]
 struct Args {

@@ -1,5 +1,5 @@
 //! The harness's sections, one function each: what `--only` names. Each
-//! measures on the real services, then adds its rows to the README's table
+//! measures on the real services, then adds its rows to the table of docs/internals/performance.md
 //! and its flat keys to `target/harness.json`.
 
 use lapin::Connection;

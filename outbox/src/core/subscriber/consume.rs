@@ -342,8 +342,9 @@ where
 
     /// Handles deliveries to the end, acks and nacks included, returning
     /// their outcomes in order. Those that decode are applied in one
-    /// transaction, each after a savepoint of its own (a failed handler
-    /// rolls back only its own work); they are acked or nacked only once
+    /// transaction: the first pass without savepoints, and after a handler
+    /// failure a pass with a savepoint per delivery, so a failed handler
+    /// rolls back only its own work; they are acked or nacked only once
     /// that transaction committed. Each delivery has its own
     /// `process <queue>` span, whose parent is the trace context it carries
     /// (its AMQP headers, else its envelope's).

@@ -125,7 +125,9 @@ pub struct SubscriberSettings {
     /// attempt.
     pub handler_timeout: Duration,
     /// Deliveries a worker applies in one transaction (one commit, one
-    /// fsync), each after a savepoint of its own.
+    /// fsync). The first pass sets no savepoints; after a handler failure
+    /// the deliveries it reached run again with a savepoint each, so a
+    /// failed handler rolls back only its own work (see the module docs).
     pub batch_max: u32,
     /// Longest a batch's first delivery waits for more to arrive; zero
     /// takes only those already waiting.
