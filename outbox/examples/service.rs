@@ -30,8 +30,6 @@
 //! `SERVICE_ADDR` (default `127.0.0.1:8080`) override the defaults; every
 //! `CANOPY_MQ_*` variable applies as in any service.
 
-use std::sync::Arc;
-
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -41,11 +39,8 @@ use clap::Parser;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
-use outbox::http::{AdminAuth, AdminRouter, ConsoleSettings, install_prometheus_recorder};
-use outbox::{
-    DrainerConfig, DrainerHandle, EventEnvelope, Handler, HandlerError, InboxDrainer, LapinBroker,
-    PgInboxStore, PgTx, Publisher, Subscriber, SubscriberSettings, TokioClock,
-};
+use outbox::http::{AdminAuth, ConsoleSettings, install_prometheus_recorder};
+use outbox::{EventEnvelope, Handler, HandlerError, Outbox, PgTx, Publisher, SubscriberSettings};
 use sqlx::PgPool;
 use sqlx::migrate::MigrateDatabase;
 use tracing::Instrument;
@@ -237,7 +232,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         sqlx::Postgres::create_database(&database_url).await?;
     }
     let pool = PgPool::connect(&database_url).await?;
-    outbox::migrate::run(&pool).await?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL);
          CREATE TABLE IF NOT EXISTS shipments (order_id BIGINT NOT NULL, event_id UUID NOT NULL);",
@@ -245,30 +239,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .execute(&pool)
     .await?;
 
-    // The producer half: the drainer (with its janitor and stats task).
-    let config = DrainerConfig::from_env()?;
-    let drainer = DrainerHandle::spawn(pool.clone(), LapinBroker::from_list(&amqp_urls)?, config);
+    // Everything the library runs, from one entry point: the migrations,
+    // the drainer (with its janitor and stats task), the subscription with
+    // its handler and the inbox janitor; CANOPY_MQ_* configure each, and a
+    // bad value fails here, naming the variable.
+    let mut outbox = Outbox::builder(pool.clone())
+        .amqp_urls(amqp_urls)
+        .subscribe(SubscriberSettings::from_env(QUEUE, &["orders.#"])?, Ship)
+        .start()
+        .await?;
 
-    // The consumer half, in the same process.
-    let settings = SubscriberSettings::from_env(QUEUE, &["orders.#"])?;
-    let subscriber = Arc::new(Subscriber::new(
-        Arc::new(PgInboxStore::new(pool.clone())),
-        Arc::new(LapinBroker::from_list(&amqp_urls)?),
-        Arc::new(TokioClock::default()),
-        Arc::new(Ship),
-        settings,
-    ));
-    let inbox_janitor = InboxDrainer::spawn(pool.clone())?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let consuming = tokio::spawn({
-        let subscriber = subscriber.clone();
-        async move { subscriber.run(stopped).await }
-    });
-
-    let admin = AdminRouter::new(auth)
-        .outbox(outbox::PgOutboxStore::new(pool.clone()))
-        .readiness(drainer.readiness_probe())
-        .subscriber(subscriber.clone())
+    let admin = outbox
+        .admin_router(auth)
         .metrics(metrics)
         // The operator console at /admin (sign in with the admin token).
         // Over plain HTTP off localhost a browser drops `Secure` cookies:
@@ -281,7 +263,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .build();
     let app = App {
-        publisher: Publisher::new(pool.clone()),
+        publisher: outbox.publisher().clone(),
         pool,
     };
     let router = Router::new()
@@ -292,26 +274,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!(%addr, "service example listening; Ctrl-C stops it");
-    let mut consuming = consuming;
     let serving = axum::serve(listener, router).with_graceful_shutdown(async {
         let _ = tokio::signal::ctrl_c().await;
     });
-    // The subscription ends before a stop only when the broker refused to
-    // set it up (a queue declared otherwise, an exchange it cannot use):
-    // the service exits with that error rather than serve orders it would
-    // never ship.
+    // A subscription ends before a stop only when the broker refused to set
+    // it up (a queue declared otherwise, an exchange it cannot use): the
+    // service exits with that error rather than serve orders it would never
+    // ship.
     tokio::select! {
         served = serving => served?,
-        ended = &mut consuming => {
-            ended??;
-            return Err("the subscription ended on its own".into());
+        (queue, error) = outbox.subscription_ended() => {
+            return Err(format!("subscription {queue} ended on its own: {error:?}").into());
         }
     }
-
-    let _ = stop.send(true);
-    consuming.await??;
-    inbox_janitor.shutdown().await;
-    drainer.shutdown().await;
+    outbox.shutdown().await?;
     provider.shutdown()?;
     Ok(())
 }

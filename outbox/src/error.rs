@@ -258,6 +258,15 @@ pub enum SubscribeError {
         #[source]
         source: BrokerError,
     },
+    /// The subscription's task panicked (its handler, most likely): the
+    /// subscription stopped consuming.
+    #[error("subscription {queue} stopped: its task panicked: {message}")]
+    Panicked {
+        /// The queue.
+        queue: String,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 /// What a handler returns when it cannot apply an event. The subscriber

@@ -49,6 +49,7 @@ pub mod http;
 pub mod migrate;
 pub mod pg;
 pub mod runtime;
+pub mod service;
 pub mod telemetry;
 pub mod trace_context;
 
@@ -78,4 +79,5 @@ pub use runtime::{
     DrainerHandle, DrainerPorts, InboxDrainer, OsEntropy, PgCommitWakeup, SplitMix64, TokioClock,
     TokioSpawn,
 };
+pub use service::{Outbox, OutboxBuilder, StartError};
 pub use trace_context::TraceContext;
