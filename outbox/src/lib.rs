@@ -51,6 +51,7 @@ pub mod pg;
 pub mod runtime;
 pub mod service;
 pub mod telemetry;
+pub mod testing;
 pub mod trace_context;
 
 pub use amqp::{LapinBroker, redact_url};
