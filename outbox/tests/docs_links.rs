@@ -1,5 +1,6 @@
 //! The documentation's relative links lead somewhere: every `](path)` and
-//! `](path#anchor)` in README.md, ARCHITECTURE.md, CHANGELOG.md and the
+//! `](path#anchor)` in README.md, ARCHITECTURE.md, CHANGELOG.md,
+//! CONTRIBUTING.md and the
 //! pages under `docs/` names a file of the repository, and an anchor names
 //! a heading of that page (GitHub's slugs: lower case, spaces to hyphens,
 //! punctuation dropped).
@@ -7,10 +8,15 @@
 use std::path::{Path, PathBuf};
 
 fn pages(root: &Path) -> Vec<PathBuf> {
-    let mut out: Vec<PathBuf> = ["README.md", "ARCHITECTURE.md", "CHANGELOG.md"]
-        .iter()
-        .map(|p| root.join(p))
-        .collect();
+    let mut out: Vec<PathBuf> = [
+        "README.md",
+        "ARCHITECTURE.md",
+        "CHANGELOG.md",
+        "CONTRIBUTING.md",
+    ]
+    .iter()
+    .map(|p| root.join(p))
+    .collect();
     let mut dirs = vec![root.join("docs")];
     while let Some(dir) = dirs.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
