@@ -5,7 +5,7 @@
 //! `batch_linger` (up to `batch_max`), then applies them in one transaction:
 //! 1. BEGIN; per delivery, in event-id order (so two batches never wait on
 //!    each other's inbox rows in a cycle): `inbox_try_insert` →
-//!    [`InsertOutcome`].
+//!    [`InsertOutcome`](crate::core::ports::InsertOutcome).
 //! 2. `AlreadyProcessed`: the handler does not run; the delivery is acked
 //!    after the commit.
 //! 3. Otherwise the handler runs with the transaction. Ok: mark processed
