@@ -365,6 +365,19 @@ pub struct AdminRouter {
     console: Option<ConsoleSettings>,
 }
 
+/// Names what is mounted; never the admin token.
+impl std::fmt::Debug for AdminRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminRouter")
+            .field("outbox", &self.outbox.is_some())
+            .field("readiness", &self.readiness.is_some())
+            .field("metrics", &self.metrics.is_some())
+            .field("subscriptions", &self.targets.keys().collect::<Vec<_>>())
+            .field("console", &self.console.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     auth: AdminAuth,

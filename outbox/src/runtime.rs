@@ -135,6 +135,15 @@ pub struct DrainerHandle<S = PgOutboxStore, B = LapinBroker, C = TokioClock> {
     broker: Arc<B>,
 }
 
+impl<S, B, C> std::fmt::Debug for DrainerHandle<S, B, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrainerHandle")
+            .field("config", &self.config)
+            .field("tasks", &self.tasks.len())
+            .finish_non_exhaustive()
+    }
+}
+
 /// What a [`DrainerHandle`] runs on: the drainer's ports, its commit
 /// wakeup, where its tasks run, and where its coverage marks go.
 pub struct DrainerPorts<S, B, C, E, W, P = TokioSpawn> {
@@ -154,7 +163,16 @@ pub struct DrainerPorts<S, B, C, E, W, P = TokioSpawn> {
     pub marks: Marks,
 }
 
+impl<S, B, C, E, W, P> std::fmt::Debug for DrainerPorts<S, B, C, E, W, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrainerPorts")
+            .field("marks", &self.marks)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The commit wakeup on PostgreSQL: one pooled connection `LISTEN`s.
+#[derive(Debug)]
 pub struct PgCommitWakeup(pub sqlx::PgPool);
 
 impl CommitWakeup for PgCommitWakeup {
@@ -342,6 +360,14 @@ async fn listen_for_commits(
 pub struct InboxDrainer {
     shutdown: watch::Sender<bool>,
     task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for InboxDrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InboxDrainer")
+            .field("stopping", &*self.shutdown.borrow())
+            .finish_non_exhaustive()
+    }
 }
 
 impl InboxDrainer {

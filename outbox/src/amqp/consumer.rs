@@ -299,6 +299,15 @@ pub struct LapinConsumer {
     unsettled: Unsettled,
 }
 
+impl std::fmt::Debug for LapinConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LapinConsumer")
+            .field("channel", &self.channel.id())
+            .field("ended", &self.ended.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
 impl LapinConsumer {
     /// One `basic.ack` frame.
     async fn ack(&self, tag: u64, multiple: bool) -> Result<(), BrokerError> {

@@ -406,6 +406,14 @@ pub struct LapinChannel {
     channel: Channel,
 }
 
+impl std::fmt::Debug for LapinChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LapinChannel")
+            .field("channel", &self.channel.id())
+            .finish()
+    }
+}
+
 impl PublishChannel for LapinChannel {
     type Confirm = LapinConfirm;
 
@@ -513,6 +521,12 @@ pub(crate) fn trace_from_headers(headers: Option<&FieldTable>) -> Option<TraceCo
 
 /// A publisher confirm, mapped to the port's [`Confirm`].
 pub struct LapinConfirm(lapin::PublisherConfirm);
+
+impl std::fmt::Debug for LapinConfirm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LapinConfirm")
+    }
+}
 
 impl Future for LapinConfirm {
     type Output = Result<Confirm, BrokerError>;

@@ -102,6 +102,14 @@ pub struct Drainer<S, B, C, E> {
     /// claimed, and starts over after the last key.
     key_cursor: std::sync::Mutex<String>,
 }
+
+impl<S, B, C, E> std::fmt::Debug for Drainer<S, B, C, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drainer")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
 impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// Wakes the drainer between ticks whenever `wakeup` is notified (a
     /// permit stored while a tick runs makes the next sleep end at once).

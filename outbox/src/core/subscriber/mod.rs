@@ -147,6 +147,14 @@ pub struct Subscriber<S, B, C, H> {
     health: health::Health,
 }
 
+impl<S, B, C, H> std::fmt::Debug for Subscriber<S, B, C, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscriber")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<S, B, C, H> Subscriber<S, B, C, H>
 where
     S: InboxStore,
