@@ -55,9 +55,7 @@ async fn the_inbox_janitor_keeps_the_retention_the_environment_sets(pool: PgPool
     assert!(exists(&pool, ten_days).await, "within 30 days: kept");
 
     unsafe { std::env::set_var("CANOPY_MQ_INBOX_RETENTION_DAYS", "0") };
-    let refused = outbox::InboxDrainer::spawn(pool.clone())
-        .err()
-        .expect("0 is refused");
+    let refused = outbox::InboxDrainer::spawn(pool.clone()).expect_err("0 is refused");
     assert!(
         refused
             .to_string()
