@@ -173,8 +173,7 @@ async fn a_broker_address_without_slashes_does_not_leak_through_lapins_error() {
         let err = broker
             .channel_open()
             .await
-            .err()
-            .expect("nothing listens on port 1");
+            .expect_err("nothing listens on port 1");
         let shown = format!("{err} {err:?}");
         assert!(!shown.contains(SECRET), "{url}: {shown}");
     }
@@ -188,8 +187,7 @@ async fn a_failed_broker_connection_does_not_leak_the_password() {
     let err = broker
         .channel_open()
         .await
-        .err()
-        .expect("no broker on port 1");
+        .expect_err("no broker on port 1");
     assert!(!err.to_string().contains(SECRET), "{err}");
     assert!(!format!("{err:?}").contains(SECRET), "{err:?}");
 }
