@@ -225,6 +225,7 @@ impl OutboxBuilder {
         }
         Ok(Outbox {
             publisher: Publisher::new(self.pool.clone()),
+            #[cfg(feature = "admin-http")]
             pool: self.pool,
             drainer,
             inbox_janitor,
@@ -238,6 +239,7 @@ impl OutboxBuilder {
 /// The library running for a service: what [`Outbox::builder`] started.
 pub struct Outbox {
     publisher: Publisher,
+    #[cfg(feature = "admin-http")]
     pool: PgPool,
     drainer: DrainerHandle,
     inbox_janitor: Option<InboxDrainer>,
