@@ -283,8 +283,10 @@ impl Outbox {
     }
 
     /// Whether the service is ready: the outbox keeps up (the drainer's
-    /// readiness) and every subscription consumes; each reason says why
-    /// not.
+    /// readiness) and every subscription consumes (a subscription still
+    /// setting up counts as ready for
+    /// [`NOT_CONSUMING_GRACE`](crate::core::subscriber::NOT_CONSUMING_GRACE)
+    /// after its start); each reason says why not.
     pub fn readiness(&self) -> Readiness {
         let mut readiness = self.drainer.readiness();
         for s in &self.subscriptions {

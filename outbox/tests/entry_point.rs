@@ -50,11 +50,9 @@ async fn an_event_published_through_the_entry_point_takes_effect_once(pool: PgPo
         .await
         .unwrap();
     assert!(format!("{outbox:?}").contains(&queue));
-    // The subscription's queue is declared before the event is published.
-    common::eventually(Duration::from_secs(20), || async {
-        outbox.readiness().ready
-    })
-    .await;
+    // The subscription consumes before the event is published (else the
+    // event would be routed nowhere).
+    common::wait_for_queue(&queue).await;
 
     let event = EventEnvelope::new("entry.created", serde_json::json!({ "n": 1 }));
     let mut tx = pool.begin().await.unwrap();
@@ -72,6 +70,20 @@ async fn an_event_published_through_the_entry_point_takes_effect_once(pool: PgPo
             .unwrap()
     };
     common::eventually(Duration::from_secs(20), || async { applied().await == 1 }).await;
+    // Ready: the outbox keeps up and the subscription consumes.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let readiness = outbox.readiness();
+        if readiness.ready {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never ready: {:?}",
+            readiness.reasons
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // Nothing ended on its own.
     let ended = tokio::time::timeout(Duration::from_millis(200), outbox.subscription_ended()).await;
     assert!(ended.is_err(), "{ended:?}");
