@@ -37,7 +37,7 @@ use std::sync::Arc;
 
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinHandle;
+use tokio::task::{JoinError, JoinHandle};
 
 use crate::core::janitor::InboxJanitorSettings;
 use crate::core::stats::{Readiness, UnreadyReason};
@@ -48,7 +48,9 @@ use crate::pg::publisher::Publisher;
 use crate::runtime::{DrainerHandle, InboxDrainer, TokioClock};
 use crate::{DrainerConfig, LapinBroker};
 
-/// Why [`OutboxBuilder::start`] could not start.
+/// Why the library could not start: [`OutboxBuilder::start`], or
+/// [`HandlerTest::start`](crate::testing::HandlerTest::start) (which
+/// meets only the first two).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartError {
@@ -212,12 +214,7 @@ impl OutboxBuilder {
             let task = started.task;
             // What a subscription's task ends with reaches `ended` too.
             started.task = tokio::spawn(async move {
-                let out = task.await.unwrap_or_else(|e| {
-                    Err(SubscribeError::Panicked {
-                        queue: queue.clone(),
-                        message: e.to_string(),
-                    })
-                });
+                let out = ended_with(&queue, task.await);
                 let _ = ended_tx.send((queue, out.clone().err()));
                 out
             });
@@ -234,6 +231,19 @@ impl OutboxBuilder {
             ended,
         })
     }
+}
+
+/// What subscription `queue`'s task ended with, a panic included.
+fn ended_with(
+    queue: &str,
+    joined: Result<Result<(), SubscribeError>, JoinError>,
+) -> Result<(), SubscribeError> {
+    joined.unwrap_or_else(|e| {
+        Err(SubscribeError::Panicked {
+            queue: queue.to_owned(),
+            message: e.to_string(),
+        })
+    })
 }
 
 /// The library running for a service: what [`Outbox::builder`] started.
@@ -334,13 +344,7 @@ impl Outbox {
         let _ = self.stop.send(true);
         let mut first = Ok(());
         for s in self.subscriptions {
-            let queue = s.queue;
-            let out = s.task.await.unwrap_or_else(|e| {
-                Err(SubscribeError::Panicked {
-                    queue,
-                    message: e.to_string(),
-                })
-            });
+            let out = ended_with(&s.queue, s.task.await);
             if first.is_ok() {
                 first = out;
             }

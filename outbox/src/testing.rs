@@ -42,21 +42,10 @@ use tokio::sync::watch;
 use crate::core::ports::{ConsumerBroker, Delivery, DeliverySource, SubscriptionSpec};
 use crate::core::subscriber::{DeliveryOutcome, Handler, Subscriber, SubscriberSettings};
 use crate::envelope::EventEnvelope;
-use crate::error::{BrokerError, ConfigError, HandlerError};
+use crate::error::{BrokerError, HandlerError};
 use crate::pg::inbox::{PgInboxStore, PgTx};
 use crate::runtime::TokioClock;
-
-/// Why a [`HandlerTest`] could not start.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum HandlerTestError {
-    /// The subscription's settings break a rule.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// The library's migrations did not run.
-    #[error("the outbox migrations failed: {0}")]
-    Migrate(#[source] sqlx::migrate::MigrateError),
-}
+use crate::service::StartError;
 
 /// A handler run as a subscription runs it, on deliveries the test makes.
 /// See the [module docs](self).
@@ -81,7 +70,7 @@ impl<H: Handler<PgTx>> HandlerTest<H> {
     /// Runs the library's migrations on `pool`, then tests `handler` as
     /// subscription `queue` with the default settings (an attempt budget
     /// of 5).
-    pub async fn start(pool: PgPool, queue: &str, handler: H) -> Result<Self, HandlerTestError> {
+    pub async fn start(pool: PgPool, queue: &str, handler: H) -> Result<Self, StartError> {
         Self::with_settings(pool, SubscriberSettings::new(queue, &["#"]), handler).await
     }
 
@@ -91,11 +80,11 @@ impl<H: Handler<PgTx>> HandlerTest<H> {
         pool: PgPool,
         settings: SubscriberSettings,
         handler: H,
-    ) -> Result<Self, HandlerTestError> {
+    ) -> Result<Self, StartError> {
         settings.validate()?;
         crate::migrate::run(&pool)
             .await
-            .map_err(HandlerTestError::Migrate)?;
+            .map_err(StartError::Migrate)?;
         let fail_next = Arc::new(AtomicBool::new(false));
         let injected = Injected {
             handler,
