@@ -6,7 +6,8 @@
 //! and is subject to its faults (held links black-hole, partitions and
 //! crashes break connections).
 
-use outbox::core::topology::{ArgumentValue, QueueArguments};
+use outbox::core::ports::SubscriptionSpec;
+use outbox::core::topology::{self, ArgumentValue, QueueArguments};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -478,8 +479,17 @@ pub struct WireRetired {
 pub type WireArguments = Vec<(String, ArgumentValue)>;
 
 /// `args` (as the core decides them) on the wire.
-pub fn wire_arguments(args: QueueArguments) -> WireArguments {
+fn wire_arguments(args: QueueArguments) -> WireArguments {
     args.into_iter().map(|(n, v)| (n.to_owned(), v)).collect()
+}
+
+/// What `spec` declares, on the wire: the arguments of the queues it
+/// consumes from, and `<queue>.dlq`'s, as the core decides them.
+pub fn subscription_arguments(spec: &SubscriptionSpec) -> (WireArguments, WireArguments) {
+    (
+        wire_arguments(topology::consumed_arguments(spec)),
+        wire_arguments(topology::dlq_arguments(spec)),
+    )
 }
 
 /// A request to the fake RabbitMQ.

@@ -22,7 +22,6 @@ use outbox::core::ports::{
     Broker, Confirm, ConsumerBroker, Delivery, DeliverySource, OutgoingMessage, PublishChannel,
     SubscriptionSpec, Unsettled,
 };
-use outbox::core::topology;
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
@@ -31,8 +30,8 @@ use super::net::connect;
 use crate::fakes::mq::MQ_PORT;
 use crate::trace::{Event, Trace};
 use crate::wire::{
-    HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, MqReply, MqRequest, WireBody, read_frame, wire_arguments,
-    write_frame,
+    HEARTBEAT_EVERY, HEARTBEAT_TIMEOUT, MqReply, MqRequest, WireBody, read_frame,
+    subscription_arguments, write_frame,
 };
 
 /// One live connection to the fake broker.
@@ -444,6 +443,7 @@ impl ConsumerBroker for SimBroker {
             .insert(channel, tx);
         self.call_ok(&conn, channel, MqRequest::ChannelOpen { channel })
             .await?;
+        let (arguments, dlq_arguments) = subscription_arguments(spec);
         self.call_ok(
             &conn,
             channel,
@@ -452,8 +452,8 @@ impl ConsumerBroker for SimBroker {
                 queue: spec.queue.clone(),
                 exchange: spec.exchange.clone(),
                 bindings: spec.bindings.clone(),
-                arguments: wire_arguments(topology::consumed_arguments(spec)),
-                dlq_arguments: wire_arguments(topology::dlq_arguments(spec)),
+                arguments,
+                dlq_arguments,
                 partitions: spec.partitions,
                 partition: spec.partition,
             },

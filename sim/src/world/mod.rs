@@ -26,7 +26,6 @@ use crate::model::Oracle;
 use crate::scenario::{Expect, Fault, Scenario};
 use crate::trace::{Event, FaultKind, Trace};
 use outbox::core::marks::Mark;
-use outbox::core::topology;
 
 /// Simulated time per step: the world applies its fault schedule at this
 /// granularity on both engines, and it is turmoil's scheduling quantum.
@@ -372,8 +371,7 @@ fn populate(
         let mut queues = env.mq.queues.lock().expect("queues");
         let last = queues.node_count() - 1;
         let spec = subscriber_settings(scenario).spec;
-        let arguments = crate::wire::wire_arguments(topology::consumed_arguments(&spec));
-        let dlq_arguments = crate::wire::wire_arguments(topology::dlq_arguments(&spec));
+        let (arguments, dlq_arguments) = crate::wire::subscription_arguments(&spec);
         let topology = crate::fakes::mq::queues::Topology {
             queue: CONSUMER_QUEUE,
             exchange: EXCHANGE,

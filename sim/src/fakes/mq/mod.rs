@@ -739,8 +739,7 @@ fn closed(channel: u32, reason: &str) -> MqReply {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::wire_arguments;
-    use outbox::core::topology;
+    use crate::wire::subscription_arguments;
 
     /// A publish held by a quorum queue without a leader is confirmed (and
     /// stored) once the queue has one again, however the leader comes back.
@@ -757,6 +756,7 @@ mod tests {
                 partitions: 0,
                 partition: None,
             };
+            let (arguments, dlq_arguments) = subscription_arguments(&spec);
             let (out, mut frames) = tokio::sync::mpsc::unbounded_channel();
             let mut conn = state.open_connection(out, 0);
             let t0 = Duration::from_secs(10);
@@ -768,8 +768,8 @@ mod tests {
                     queue: "q".into(),
                     exchange: "x".into(),
                     bindings: vec!["#".into()],
-                    arguments: wire_arguments(topology::queue_arguments(&spec)),
-                    dlq_arguments: wire_arguments(topology::dlq_arguments(&spec)),
+                    arguments,
+                    dlq_arguments,
                     partitions: 0,
                     partition: None,
                 },
