@@ -4,7 +4,7 @@
 # then three payload-filtered views at once. Uses its own database
 # (dropped after) and port; the local PostgreSQL and RabbitMQ.
 #
-#   cargo build --release -p outbox --example service
+#   cargo build --release -p outbox-admin --example service
 #   benches/console-memory.sh target/release/examples/service
 set -u
 BIN=${1:?the service example binary}

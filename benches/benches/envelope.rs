@@ -6,7 +6,8 @@
 //! `cargo bench -p benches --bench envelope`
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use outbox::{EnvelopeLimits, EventEnvelope};
+use outbox::EventEnvelope;
+use outbox::envelope::EnvelopeLimits;
 
 fn payloads() -> [(&'static str, serde_json::Value); 2] {
     [

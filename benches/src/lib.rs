@@ -8,7 +8,8 @@ pub mod dbcost;
 /// The error of the set-up helpers (sendable, for the chaos runner's tasks).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-use outbox::{EventEnvelope, redact_url};
+use outbox::EventEnvelope;
+use outbox::amqp::redact_url;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgPool};
 

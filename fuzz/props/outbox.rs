@@ -136,7 +136,7 @@ fn shown(text: &str) -> (String, Option<String>) {
     let error = outbox::LapinBroker::from_list(text)
         .err()
         .map(|e| e.to_string());
-    (outbox::redact_url(text), error)
+    (outbox::amqp::redact_url(text), error)
 }
 
 /// `redact_url` on any text never panics; on an AMQP URL (or a list of
@@ -151,7 +151,7 @@ fn shown(text: &str) -> (String, Option<String>) {
 /// not be in the text unless the text around it holds it anyway.
 pub fn redact_url(data: &[u8]) {
     let whole = String::from_utf8_lossy(data);
-    let _ = outbox::redact_url(&whole);
+    let _ = outbox::amqp::redact_url(&whole);
     let f = fields(data, 4);
     let get = |i: usize| f.get(i).cloned().unwrap_or_default();
     let (user, password, rest) = (get(0), get(1), get(2));
@@ -220,15 +220,15 @@ pub const VARS: &[&str] = &[
     vars::SUBSCRIBER_BATCH_LINGER_MS,
     vars::SUBSCRIBER_QUEUE_TYPE,
     vars::SUBSCRIBER_PARTITIONS,
-    outbox::http::ADMIN_TOKEN_VAR,
-    outbox::http::ADMIN_OPEN_VAR,
+    outbox_admin::ADMIN_TOKEN_VAR,
+    outbox_admin::ADMIN_OPEN_VAR,
 ];
 
 /// Variables a configuration needs set: an error may name one unset.
-const REQUIRED_VARS: &[&str] = &[outbox::http::ADMIN_TOKEN_VAR];
+const REQUIRED_VARS: &[&str] = &[outbox_admin::ADMIN_TOKEN_VAR];
 
 /// Variables whose values are secrets: never in an error.
-const SECRET_VARS: &[&str] = &[outbox::http::ADMIN_TOKEN_VAR];
+const SECRET_VARS: &[&str] = &[outbox_admin::ADMIN_TOKEN_VAR];
 
 /// An environment for `from_lookup`.
 type Env = BTreeMap<&'static str, String>;
@@ -257,7 +257,7 @@ fn config_errors(env: &Env) -> Vec<(&'static str, Option<ConfigError>)> {
         ),
         (
             "AdminAuth",
-            outbox::http::AdminAuth::from_lookup(lookup).err(),
+            outbox_admin::AdminAuth::from_lookup(lookup).err(),
         ),
     ]
 }

@@ -2,47 +2,12 @@
 //! subcommand prints its usage and exits 0; a wrong argument is named and
 //! exits 2; `list` lists both layouts' files.
 
+#[path = "../../outbox/tests/support/cli.rs"]
+mod cli;
+
 use std::path::PathBuf;
-use std::process::{Command, Output};
 
-fn run(exe: &PathBuf, args: &[&str]) -> Output {
-    Command::new(exe)
-        .args(args)
-        // Nothing may be reached: a tool that got past its arguments fails
-        // fast instead of working on a real service.
-        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
-        .env("AMQP_URL", "amqp://nobody@127.0.0.1:1/%2f")
-        .env("RUST_LOG", "off")
-        .output()
-        .expect("cargo test builds the tool")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn assert_help(exe: &PathBuf, args: &[&str]) {
-    let out = run(exe, args);
-    assert_eq!(out.status.code(), Some(0), "{args:?}: {}", text(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("Usage:"), "{args:?}: {}", text(&out));
-}
-
-fn assert_refused(exe: &PathBuf, args: &[&str], names: &str) {
-    let out = run(exe, args);
-    assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains(names),
-        "{args:?} should name {names}: {}",
-        text(&out)
-    );
-}
+use cli::{assert_help, assert_refused, run, text};
 
 fn migrations() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_outbox-migrations"))

@@ -23,11 +23,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use outbox::amqp::redact_url;
 use outbox::core::ports::{Broker, Confirm, OutgoingMessage, PublishChannel};
 use outbox::core::subscriber::SubscriberStats;
 use outbox::{
     EventEnvelope, Handler, HandlerError, LapinBroker, PgInboxStore, PgTx, Subscriber,
-    SubscriberSettings, TokioClock, redact_url,
+    SubscriberSettings, TokioClock,
 };
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::watch;

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 
-use outbox::{DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, Publisher, redact_url};
+use outbox::amqp::redact_url;
+use outbox::{DrainerConfig, DrainerHandle, EventEnvelope, LapinBroker, Publisher};
 use sqlx::postgres::PgPoolOptions;
 
 /// Domain rows written per transaction while filling the outbox.

@@ -1,9 +1,22 @@
-//! Operator functions on the outbox: list parked rows and unpark them with a
-//! fresh attempts budget, so the drainer republishes them. The HTTP surface
-//! that exposes these comes with the consumer half.
+//! Operator functions: list parked outbox rows, unpark or skip them, and
+//! [`ReplayTarget`], a subscription as an operator's tools see it (replay,
+//! skip, list, counts). The `outbox-admin` crate serves them over HTTP.
 
-use crate::core::ports::{OutboxStore, ParkedFilter, ParkedRow, UnparkSelector};
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::core::ports::{Clock, ConsumerBroker, InboxStore, OutboxStore};
+use crate::core::subscriber::{Handler, Subscriber};
 use crate::error::StoreError;
+
+pub use crate::core::ports::{
+    InboxCounts, InboxCursor, InboxFilter, InboxRow, ParkedCursor, ParkedFilter, ParkedRow,
+    PayloadField, UnparkSelector,
+};
+pub use crate::core::subscriber::{ReplayOutcome, ReplayPage, SubscriberStats};
 
 /// Most parked rows listed in one call.
 pub const LIST_LIMIT_MAX: u32 = 1000;
@@ -48,4 +61,79 @@ pub async fn skip<S: OutboxStore>(store: &S, selector: &UnparkSelector) -> Resul
         "parked outbox rows skipped by operator"
     );
     Ok(n)
+}
+
+/// A boxed future, as [`ReplayTarget`]'s methods return it.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A subscriber as the admin surface sees it: replay. (Its counters reach
+/// `/metrics` through the `metrics` facade.)
+pub trait ReplayTarget: Send + Sync + 'static {
+    /// The subscription (queue) name.
+    fn subscription(&self) -> &str;
+    /// Replays unprocessed rows of this subscription matching `filter`.
+    fn replay<'a>(
+        &'a self,
+        filter: &'a InboxFilter,
+    ) -> BoxFuture<'a, Result<ReplayPage, StoreError>>;
+    /// Skips these dead-lettered rows of this subscription (see
+    /// [`Subscriber::skip`]).
+    fn skip<'a>(&'a self, ids: &'a [Uuid]) -> BoxFuture<'a, Result<ReplayPage, StoreError>>;
+    /// Lists unprocessed rows of this subscription matching `filter` (the
+    /// console's dead-letter list).
+    fn list<'a>(
+        &'a self,
+        filter: &'a InboxFilter,
+    ) -> BoxFuture<'a, Result<Vec<InboxRow>, StoreError>>;
+    /// Its counters since it started.
+    fn stats(&self) -> SubscriberStats;
+    /// How its inbox stands (see [`Subscriber::inbox_counts`]).
+    fn counts(&self, window: Duration, cap: u32) -> BoxFuture<'_, Result<InboxCounts, StoreError>>;
+    /// Why it is not ready, if it is not (see
+    /// [`Subscriber::readiness_reasons`]); `/readyz` includes it. None by
+    /// default.
+    fn readiness_reasons(&self) -> Vec<crate::UnreadyReason> {
+        Vec::new()
+    }
+}
+
+impl<S, B, C, H> ReplayTarget for Subscriber<S, B, C, H>
+where
+    S: InboxStore,
+    B: ConsumerBroker,
+    C: Clock,
+    H: Handler<S::HandlerTx>,
+{
+    fn subscription(&self) -> &str {
+        &self.settings().spec.queue
+    }
+
+    fn replay<'a>(
+        &'a self,
+        filter: &'a InboxFilter,
+    ) -> BoxFuture<'a, Result<ReplayPage, StoreError>> {
+        Box::pin(Subscriber::replay_page(self, filter))
+    }
+
+    fn skip<'a>(&'a self, ids: &'a [Uuid]) -> BoxFuture<'a, Result<ReplayPage, StoreError>> {
+        Box::pin(Subscriber::skip(self, ids))
+    }
+
+    fn list<'a>(
+        &'a self,
+        filter: &'a InboxFilter,
+    ) -> BoxFuture<'a, Result<Vec<InboxRow>, StoreError>> {
+        Box::pin(Subscriber::list_unprocessed(self, filter))
+    }
+
+    fn stats(&self) -> SubscriberStats {
+        self.counters().snapshot()
+    }
+
+    fn counts(&self, window: Duration, cap: u32) -> BoxFuture<'_, Result<InboxCounts, StoreError>> {
+        Box::pin(Subscriber::inbox_counts(self, window, cap))
+    }
+    fn readiness_reasons(&self) -> Vec<crate::UnreadyReason> {
+        Subscriber::readiness_reasons(self)
+    }
 }

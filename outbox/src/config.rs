@@ -493,6 +493,9 @@ impl crate::core::janitor::InboxJanitorSettings {
 }
 
 pub use crate::core::drainer::DrainerConfig;
+pub use crate::core::ports::{
+    QUORUM_DELIVERY_LIMIT, QueueType, SUBSCRIBER_MAX_ATTEMPTS_MAX, SubscriptionSpec,
+};
 
 impl DrainerConfig {
     /// Starts a builder with the ADR's defaults and a generated replica id.
@@ -617,8 +620,17 @@ pub(crate) fn parse_whole<T: Whole>(var: &'static str, value: &str) -> Result<T,
 
 /// Runs `read` over the process's environment: a variable set to a value
 /// that is not UTF-8 is an error naming it (never taken as unset, which
-/// would quietly apply the default), whatever `read` made of it.
-pub(crate) fn from_process_env<T>(
+/// would quietly apply the default), whatever `read` made of it. Every
+/// `from_env` of the library reads through it; a crate of settings of its
+/// own (`outbox-admin`'s) does too.
+///
+/// ```
+/// use outbox::config::from_process_env;
+/// let port: Option<String> = from_process_env(|lookup| Ok(lookup("NO_SUCH_VARIABLE_SET")))?;
+/// assert_eq!(port, None);
+/// # Ok::<(), outbox::ConfigError>(())
+/// ```
+pub fn from_process_env<T>(
     read: impl FnOnce(&dyn Fn(&str) -> Option<String>) -> Result<T, ConfigError>,
 ) -> Result<T, ConfigError> {
     let garbled = std::cell::RefCell::new(None::<ConfigError>);

@@ -34,7 +34,7 @@ pub const DEFAULT_MAX_ENVELOPE_BYTES: usize = 256 * 1024;
 /// let env = EventEnvelope::new("snap.case.determined", serde_json::json!({"case": 42}))
 ///     .with_header("tenant", "ny");
 /// assert_eq!(env.id.get_version_num(), 7);
-/// env.validate(&outbox::EnvelopeLimits::default()).unwrap();
+/// env.validate(&outbox::envelope::EnvelopeLimits::default()).unwrap();
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EventEnvelope {
@@ -104,10 +104,10 @@ impl EventEnvelope {
     /// let env = EventEnvelope::new("orders.paid", serde_json::json!({"order": 7}))
     ///     .with_ordering_key("order-7");
     /// assert_eq!(env.ordering_key.as_deref(), Some("order-7"));
-    /// env.validate(&outbox::EnvelopeLimits::default()).unwrap();
+    /// env.validate(&outbox::envelope::EnvelopeLimits::default()).unwrap();
     /// assert!(EventEnvelope::new("orders.paid", serde_json::json!({}))
     ///     .with_ordering_key("")
-    ///     .validate(&outbox::EnvelopeLimits::default())
+    ///     .validate(&outbox::envelope::EnvelopeLimits::default())
     ///     .is_err());
     /// ```
     #[must_use]

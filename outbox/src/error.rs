@@ -49,7 +49,7 @@ pub enum PublishError {
     PayloadTooLarge {
         /// Encoded size.
         bytes: usize,
-        /// Configured limit ([`crate::EnvelopeLimits`]).
+        /// Configured limit ([`crate::envelope::EnvelopeLimits`]).
         limit: usize,
     },
     /// The envelope's `traceparent` header (with its `tracestate`) is not

@@ -1,7 +1,7 @@
 //! The library's migrations: an embedded migrator and the byte-identity check
 //! ("review is a checksum exercise", ADR-018).
 //!
-//! A service either runs [`migrator`] directly or stamps copies of
+//! A service either runs [`tolerant_migrator`] directly or stamps copies of
 //! [`FILES`] into its own `migrations/` folder (`outbox-migrations copy DIR`)
 //! and runs its own sqlx migrator; [`check_dir`] (and `outbox-migrations
 //! check DIR`) proves the copies are byte-identical.
@@ -93,18 +93,23 @@ pub const PARTITIONED_FILES: &[(&str, &str)] = &[
     ),
 ];
 
-/// The embedded sqlx migrator over `migrations/`.
+/// The embedded sqlx migrator over `migrations/`, strict: it refuses a
+/// database holding migrations it does not know. For a database of the
+/// outbox's tables alone (`#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]`);
+/// a service's database, with migrations of its own, takes
+/// [`tolerant_migrator`] (which [`run`] uses).
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 
 /// The embedded migrator, tolerant of a service's own migrations in the same
-/// database (it ignores applied versions it does not know).
-pub fn migrator() -> sqlx::migrate::Migrator {
+/// database (it ignores applied versions it does not know): what [`run`]
+/// and [`Outbox::builder`](crate::Outbox::builder) run.
+pub fn tolerant_migrator() -> sqlx::migrate::Migrator {
     let mut m = sqlx::migrate!();
     m.set_ignore_missing(true);
     m
 }
 
-/// The partitioned layout's migrations (issue 28), run after [`migrator`]'s:
+/// The partitioned layout's migrations (issue 28), run after [`tolerant_migrator`]'s:
 /// `event_outbox` and `event_inbox` become tables partitioned by time, and
 /// the janitors drop whole partitions instead of deleting rows. Opt-in: the
 /// plain layout of the ADR's files stays the default. See [`partition`].
@@ -113,7 +118,7 @@ pub static PARTITIONED_MIGRATOR: sqlx::migrate::Migrator =
 
 /// The partitioned layout's migrator, tolerant of the plain layout's
 /// versions (and a service's own) already applied in the database.
-pub fn partitioned_migrator() -> sqlx::migrate::Migrator {
+pub fn tolerant_partitioned_migrator() -> sqlx::migrate::Migrator {
     let mut m = sqlx::migrate!("./migrations-partitioned");
     m.set_ignore_missing(true);
     m
@@ -144,7 +149,13 @@ pub async fn partition(
             width.as_secs().max(1)
         )
     });
-    run_with(pool, &partitioned_migrator(), setting.as_deref(), true).await
+    run_with(
+        pool,
+        &tolerant_partitioned_migrator(),
+        setting.as_deref(),
+        true,
+    )
+    .await
 }
 
 /// A partition move that stopped part-way, finished or undone before the
@@ -422,7 +433,7 @@ pub const MIGRATION_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::fro
 /// How often a migration that waits says whom it waits for.
 pub const WAIT_REPORT_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Runs [`migrator`] on one connection of `pool`.
+/// Runs [`tolerant_migrator`] on one connection of `pool`.
 ///
 /// - A migration that runs in a transaction does so with `lock_timeout`
 ///   [`MIGRATION_LOCK_TIMEOUT`]: one that cannot have its lock soon fails
@@ -447,7 +458,7 @@ pub const WAIT_REPORT_EVERY: std::time::Duration = std::time::Duration::from_sec
 /// # Ok(()) }
 /// ```
 pub async fn run(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    run_with(pool, &migrator(), None, false).await
+    run_with(pool, &tolerant_migrator(), None, false).await
 }
 
 /// Runs `migrator` as [`run`] describes, after `setting` (a `SET` statement

@@ -13,10 +13,11 @@ use crate::config::DrainerConfig;
 use crate::core::drainer::Drainer;
 use crate::core::janitor::InboxJanitorSettings;
 use crate::core::marks::Marks;
+pub use crate::core::ports::OutboxStats;
 use crate::core::ports::{
     BoxTask, Broker, Clock, CommitWakeup, Entropy, OutboxStore, Spawn, TaskEnd,
 };
-use crate::core::stats::{OutboxHealth, Readiness};
+pub use crate::core::stats::{OutboxHealth, Readiness, UnreadyReason};
 use crate::core::{janitor, stats};
 use crate::error::ConfigError;
 use crate::pg::PgOutboxStore;

@@ -1,7 +1,7 @@
 //! One entry point for a service: [`Outbox::builder`] wires the publisher,
 //! the drainer (with its retention janitor, stats task and commit
 //! listener), the inbox janitor, any number of subscriptions with their
-//! handlers and, with the `admin-http` feature, the admin router, under one
+//! handlers, and what the admin surface of `outbox-admin` serves, under one
 //! graceful shutdown. The pieces it wires stay public for services that
 //! need them one by one.
 //!
@@ -74,8 +74,7 @@ struct Started {
     queue: String,
     task: JoinHandle<Result<(), SubscribeError>>,
     reasons: Arc<dyn Fn() -> Vec<UnreadyReason> + Send + Sync>,
-    #[cfg(feature = "admin-http")]
-    target: Arc<dyn crate::http::ReplayTarget>,
+    target: Arc<dyn crate::admin::ReplayTarget>,
 }
 
 /// Builds an [`Outbox`]: see [`Outbox::builder`].
@@ -155,7 +154,6 @@ impl OutboxBuilder {
                 queue,
                 task,
                 reasons: Arc::new(move || of.readiness_reasons()),
-                #[cfg(feature = "admin-http")]
                 target: subscriber,
             }
         }));
@@ -222,7 +220,6 @@ impl OutboxBuilder {
         }
         Ok(Outbox {
             publisher: Publisher::new(self.pool.clone()),
-            #[cfg(feature = "admin-http")]
             pool: self.pool,
             drainer,
             inbox_janitor,
@@ -249,7 +246,6 @@ fn ended_with(
 /// The library running for a service: what [`Outbox::builder`] started.
 pub struct Outbox {
     publisher: Publisher,
-    #[cfg(feature = "admin-http")]
     pool: PgPool,
     drainer: DrainerHandle,
     inbox_janitor: Option<InboxDrainer>,
@@ -312,18 +308,19 @@ impl Outbox {
         &self.drainer
     }
 
-    /// The admin router with the outbox's store, the readiness of the
-    /// drainer and every subscription (each a replay target), behind
-    /// `auth`; add metrics or the console, then `build`.
-    #[cfg(feature = "admin-http")]
-    pub fn admin_router(&self, auth: crate::http::AdminAuth) -> crate::http::AdminRouter {
-        let mut router = crate::http::AdminRouter::new(auth)
-            .outbox(crate::PgOutboxStore::new(self.pool.clone()))
-            .readiness(self.drainer.readiness_probe());
-        for s in &self.subscriptions {
-            router = router.subscriber(s.target.clone());
-        }
-        router
+    /// The outbox's store on the service's pool: what operators list,
+    /// unpark and skip (`outbox-admin` serves it).
+    pub fn outbox_store(&self) -> crate::PgOutboxStore {
+        crate::PgOutboxStore::new(self.pool.clone())
+    }
+
+    /// Every subscription as an operator's tools see it (replay, skip,
+    /// list, counts, readiness), in the order they were added.
+    pub fn replay_targets(&self) -> Vec<Arc<dyn crate::admin::ReplayTarget>> {
+        self.subscriptions
+            .iter()
+            .map(|s| s.target.clone())
+            .collect()
     }
 
     /// Resolves when a subscription ends before [`shutdown`](Self::shutdown)

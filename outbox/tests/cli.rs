@@ -4,64 +4,22 @@
 //! test` builds the examples beside the tests; this runs the built ones.
 //! (`outbox-migrations` has its own crate and tests.)
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+#[path = "support/cli.rs"]
+mod cli;
 
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    target.join("examples").join(name)
-}
+use std::process::Command;
 
-fn run(exe: &PathBuf, args: &[&str]) -> Output {
-    Command::new(exe)
-        .args(args)
-        // Nothing may be reached: a tool that got past its arguments fails
-        // fast instead of working on a real service.
-        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
-        .env("AMQP_URL", "amqp://nobody@127.0.0.1:1/%2f")
-        .env("RUST_LOG", "off")
-        .output()
-        .expect("the tool is built by cargo test")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-fn assert_help(exe: &PathBuf, args: &[&str]) {
-    let out = run(exe, args);
-    assert_eq!(out.status.code(), Some(0), "{args:?}: {}", text(&out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("Usage:"), "{args:?}: {}", text(&out));
-}
-
-fn assert_refused(exe: &PathBuf, args: &[&str], names: &str) {
-    let out = run(exe, args);
-    assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains(names),
-        "{args:?} should name {names}: {}",
-        text(&out)
-    );
-}
+use cli::{assert_help, assert_refused, example, text};
 
 #[test]
 fn the_examples_answer_help() {
-    for name in ["service", "produce", "consume"] {
+    for name in ["produce", "consume"] {
         assert_help(&example(name), &["--help"]);
     }
 }
 
 #[test]
 fn the_examples_name_a_wrong_argument_and_exit_2() {
-    assert_refused(&example("service"), &["--port", "80"], "'--port'");
     assert_refused(&example("produce"), &["--count", "many"], "--count");
     assert_refused(&example("consume"), &["--queue", "q"], "--binding");
     assert_refused(

@@ -22,11 +22,12 @@ use common::{eventually, unique};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Confirmation, Connection};
+use outbox::core::drainer::Drainer;
 use outbox::core::ports::Broker;
+use outbox::runtime::OsEntropy;
 use outbox::{
-    DrainError, Drainer, DrainerConfig, EventEnvelope, Handler, HandlerError, LapinBroker,
-    OsEntropy, PgInboxStore, PgOutboxStore, PgTx, Publisher, QueueType, Subscriber,
-    SubscriberSettings, TokioClock,
+    DrainError, DrainerConfig, EventEnvelope, Handler, HandlerError, LapinBroker, PgInboxStore,
+    PgOutboxStore, PgTx, Publisher, QueueType, Subscriber, SubscriberSettings, TokioClock,
 };
 use sqlx::PgPool;
 use tokio::sync::watch;
@@ -138,7 +139,7 @@ async fn drain_all(d: &TestDrainer) {
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_classic_queue_on_a_stopped_node_loses_confirmed_events_and_a_quorum_queue_keeps_them(
     pool: PgPool,
 ) {
@@ -264,7 +265,7 @@ impl Handler<PgTx> for Record {
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn drainer_and_subscriber_move_to_another_node_when_theirs_stops_and_lose_nothing(
     pool: PgPool,
 ) {

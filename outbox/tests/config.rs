@@ -271,7 +271,7 @@ fn the_inbox_retention_refuses_zero_days() {
 
 #[test]
 fn a_slow_handler_is_never_cut_off_by_its_transactions_idle_bound() {
-    use outbox::TxBounds;
+    use outbox::core::ports::TxBounds;
     // A fixed minute idle in transaction failed every attempt of a valid
     // handler given more than that (issue 25).
     for secs in [1, 30, 59, 60, 61, 600, 3600] {

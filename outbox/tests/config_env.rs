@@ -8,8 +8,8 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 
 use outbox::config::vars;
-use outbox::http::{ADMIN_OPEN_VAR, ADMIN_TOKEN_VAR, AdminAuth};
 use outbox::{ConfigError, DrainerConfig, InboxJanitorSettings, LapinBroker, SubscriberSettings};
+use outbox_admin::{ADMIN_OPEN_VAR, ADMIN_TOKEN_VAR, AdminAuth};
 
 /// Runs `read` with `var` set to `secret-\xff-token`, then unset.
 fn garbled<T: std::fmt::Debug>(var: &str, read: impl Fn() -> Result<T, ConfigError>) -> String {
@@ -67,7 +67,7 @@ fn a_value_that_is_not_utf8_fails_the_boot_naming_its_variable() {
     // SAFETY: as in `garbled`.
     unsafe { std::env::set_var(ADMIN_OPEN_VAR, "true") };
     garbled(ADMIN_TOKEN_VAR, AdminAuth::from_env);
-    garbled(outbox::http::ADMIN_ALLOWED_HOSTS_VAR, AdminAuth::from_env);
+    garbled(outbox_admin::ADMIN_ALLOWED_HOSTS_VAR, AdminAuth::from_env);
     // SAFETY: as in `garbled`.
     unsafe { std::env::remove_var(ADMIN_OPEN_VAR) };
 }

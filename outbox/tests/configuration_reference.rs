@@ -1,6 +1,6 @@
 //! The configuration reference cannot drift from the code: every
-//! `CANOPY_MQ_*` variable the library reads (each a string literal under
-//! `outbox/src`) has exactly one row in the table of
+//! `CANOPY_MQ_*` variable the library and its admin crate read (each a
+//! string literal under `outbox/src` or `outbox-admin/src`) has exactly one row in the table of
 //! `docs/configuration.md`, and every row names one it reads.
 
 use std::collections::BTreeMap;
@@ -50,6 +50,7 @@ fn every_variable_the_library_reads_has_one_row_in_the_reference() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut read = BTreeMap::new();
     sources(&root.join("src"), &mut read);
+    sources(&root.join("../outbox-admin/src"), &mut read);
     let doc = std::fs::read_to_string(root.join("../docs/configuration.md")).unwrap();
     let rows = documented(&doc);
     assert!(

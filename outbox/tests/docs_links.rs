@@ -1,6 +1,6 @@
 //! The documentation's relative links lead somewhere: every `](path)` and
 //! `](path#anchor)` in README.md, ARCHITECTURE.md, CHANGELOG.md,
-//! CONTRIBUTING.md and the
+//! CONTRIBUTING.md, each crate's README and the
 //! pages under `docs/` names a file of the repository, and an anchor names
 //! a heading of that page (GitHub's slugs: lower case, spaces to hyphens,
 //! punctuation dropped).
@@ -13,6 +13,9 @@ fn pages(root: &Path) -> Vec<PathBuf> {
         "ARCHITECTURE.md",
         "CHANGELOG.md",
         "CONTRIBUTING.md",
+        "outbox/README.md",
+        "outbox-admin/README.md",
+        "outbox-migrations/README.md",
     ]
     .iter()
     .map(|p| root.join(p))

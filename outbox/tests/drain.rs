@@ -8,10 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{PlainConsumer, Proxy, eventually, unique};
+use outbox::admin::UnparkSelector;
+use outbox::core::drainer::Drainer;
 use outbox::core::ports::{Clock, OutboxStore};
+use outbox::runtime::OsEntropy;
 use outbox::{
-    DrainError, Drainer, DrainerConfig, EventEnvelope, LapinBroker, OsEntropy, PgOutboxStore,
-    Publisher, TokioClock, UnparkSelector,
+    DrainError, DrainerConfig, EventEnvelope, LapinBroker, PgOutboxStore, Publisher, TokioClock,
 };
 use sqlx::PgPool;
 
@@ -27,7 +29,7 @@ fn drainer(pool: &PgPool, amqp_url: &str, config: DrainerConfig) -> TestDrainer 
     )
 }
 
-fn config(exchange: &str, replica: &str) -> outbox::DrainerConfigBuilder {
+fn config(exchange: &str, replica: &str) -> outbox::config::DrainerConfigBuilder {
     DrainerConfig::builder()
         .exchange(exchange)
         .replica_id(replica)
@@ -66,7 +68,7 @@ async fn write_events(pool: &PgPool, key: &str, n: usize) -> Vec<EventEnvelope> 
     out
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn committed_envelopes_reach_a_consumer_and_rolled_back_ones_never_do(pool: PgPool) {
     let exchange = unique("ex");
     let consumer = PlainConsumer::start(&exchange, "orders.#").await;
@@ -160,7 +162,7 @@ async fn committed_envelopes_reach_a_consumer_and_rolled_back_ones_never_do(pool
     assert_eq!(published_order.len(), committed.len());
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn broker_connections_cut_mid_drain_lose_nothing_and_blame_no_row(pool: PgPool) {
     let exchange = unique("ex");
     let consumer = PlainConsumer::start(&exchange, "#").await;
@@ -216,7 +218,7 @@ async fn broker_connections_cut_mid_drain_lose_nothing_and_blame_no_row(pool: Pg
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_black_holed_broker_times_out_releases_claims_and_drains_after(pool: PgPool) {
     let exchange = unique("ex");
     let consumer = PlainConsumer::start(&exchange, "#").await;
@@ -317,7 +319,7 @@ impl OutboxStore for StuckMark {
     async fn outbox_release(&self, r: &str, ids: &[uuid::Uuid]) -> Result<u64, outbox::StoreError> {
         self.0.outbox_release(r, ids).await
     }
-    async fn outbox_stats(&self) -> Result<outbox::OutboxStats, outbox::StoreError> {
+    async fn outbox_stats(&self) -> Result<outbox::runtime::OutboxStats, outbox::StoreError> {
         self.0.outbox_stats().await
     }
     async fn outbox_delete_published(
@@ -330,13 +332,13 @@ impl OutboxStore for StuckMark {
     async fn outbox_retire_partitions(
         &self,
         o: Duration,
-    ) -> Result<outbox::PartitionsRetired, outbox::StoreError> {
+    ) -> Result<outbox::core::ports::PartitionsRetired, outbox::StoreError> {
         self.0.outbox_retire_partitions(o).await
     }
     async fn outbox_list_parked(
         &self,
-        f: &outbox::ParkedFilter,
-    ) -> Result<Vec<outbox::ParkedRow>, outbox::StoreError> {
+        f: &outbox::admin::ParkedFilter,
+    ) -> Result<Vec<outbox::admin::ParkedRow>, outbox::StoreError> {
         self.0.outbox_list_parked(f).await
     }
     async fn outbox_unpark(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
@@ -347,7 +349,7 @@ impl OutboxStore for StuckMark {
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_drainer_stopped_between_publish_and_mark_is_covered_by_another_after_the_lease(
     pool: PgPool,
 ) {
@@ -410,7 +412,7 @@ async fn a_drainer_stopped_between_publish_and_mark_is_covered_by_another_after_
 /// its own, named after the pool's application with a suffix, at most
 /// `DRAIN_SESSIONS` of them, opened with the settings that spare each
 /// commit a WAL flush; statements of the caller's sessions keep theirs.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_drainer_claims_and_marks_on_sessions_of_its_own(pool: PgPool) {
     let options = pool
         .connect_options()
@@ -464,7 +466,7 @@ async fn the_drainer_claims_and_marks_on_sessions_of_its_own(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn two_drainers_on_one_table_publish_each_envelope_once(pool: PgPool) {
     let exchange = unique("ex");
     let consumer = PlainConsumer::start(&exchange, "#").await;
@@ -493,7 +495,7 @@ async fn two_drainers_on_one_table_publish_each_envelope_once(pool: PgPool) {
     assert_eq!(ids.len(), events.len());
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_full_queue_s_nacks_blame_no_row_and_its_rows_publish_once_it_has_room(pool: PgPool) {
     // A queue that refuses every publish (reject-publish at length 0)
     // nacks the poison.* rows: the infrastructure's trouble, not theirs
@@ -543,7 +545,7 @@ async fn a_full_queue_s_nacks_blame_no_row_and_its_rows_publish_once_it_has_room
     assert!(got.iter().any(|r| r.message_id == poison.id.to_string()));
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn unpublishable_rows_park_at_the_budget_and_unpark_gives_a_fresh_one(pool: PgPool) {
     let exchange = unique("ex");
     let _consumer = PlainConsumer::start(&exchange, "#").await;
@@ -576,7 +578,7 @@ async fn unpublishable_rows_park_at_the_budget_and_unpark_gives_a_fresh_one(pool
     // Parked: no longer claimed.
     assert_eq!(d.tick().await.unwrap().claimed, 0);
     let store = PgOutboxStore::new(pool.clone());
-    let parked = outbox::admin::list_parked(&store, &outbox::ParkedFilter::page(10, None))
+    let parked = outbox::admin::list_parked(&store, &outbox::admin::ParkedFilter::page(10, None))
         .await
         .unwrap();
     assert_eq!(
@@ -600,7 +602,7 @@ async fn unpublishable_rows_park_at_the_budget_and_unpark_gives_a_fresh_one(pool
     );
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_janitor_deletes_only_published_rows_past_retention(pool: PgPool) {
     let events = write_events(&pool, "janitor.event", 6).await;
     // 0,1: published 8 days ago; 2: published now; 3: unpublished but old;
@@ -636,7 +638,7 @@ async fn the_janitor_deletes_only_published_rows_past_retention(pool: PgPool) {
     assert_eq!(left, want);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn stats_feed_gauges_and_readiness_says_why_it_is_unready(pool: PgPool) {
     let store = PgOutboxStore::new(pool.clone());
     let clock = TokioClock::default();
@@ -645,7 +647,7 @@ async fn stats_feed_gauges_and_readiness_says_why_it_is_unready(pool: PgPool) {
         .oldest_warn_secs(60)
         .build()
         .unwrap();
-    let health = outbox::OutboxHealth::default();
+    let health = outbox::runtime::OutboxHealth::default();
     let r = health.readiness(&cfg, clock.now());
     assert_eq!(r.reasons, vec![outbox::UnreadyReason::NotSampled]);
 
@@ -692,7 +694,7 @@ async fn stats_feed_gauges_and_readiness_says_why_it_is_unready(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_spawned_drainer_drains_and_shuts_down_gracefully(pool: PgPool) {
     let exchange = unique("ex");
     let consumer = PlainConsumer::start(&exchange, "#").await;
@@ -720,7 +722,7 @@ async fn the_spawned_drainer_drains_and_shuts_down_gracefully(pool: PgPool) {
         .expect("shutdown is bounded");
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_commit_wakes_an_idle_drainer_long_before_its_tick(pool: PgPool) {
     let exchange = unique("ex");
     let consumer = PlainConsumer::start(&exchange, "#").await;
@@ -762,7 +764,7 @@ async fn a_commit_wakes_an_idle_drainer_long_before_its_tick(pool: PgPool) {
 /// Checked as a rule over every index on the table (an index on
 /// `claimed_at` or `claimed_by`, added by anyone, fails it), then on the
 /// claim statement itself, in a transaction of the test's own.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_claim_rewrites_no_index(pool: PgPool) {
     let defs: Vec<String> = sqlx::query_scalar(
         "SELECT pg_get_indexdef(indexrelid) FROM pg_index
@@ -820,7 +822,7 @@ async fn the_claim_rewrites_no_index(pool: PgPool) {
 /// key window moves and wraps) and unkeyed ones; the broker receives each
 /// key's events in the order their transactions committed, each once, with
 /// the key and its number as headers.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn two_drainers_publish_each_keys_events_in_commit_order(pool: PgPool) {
     let exchange = unique("ex");
     let consumer = PlainConsumer::start(&exchange, "#").await;
@@ -889,7 +891,7 @@ async fn two_drainers_publish_each_keys_events_in_commit_order(pool: PgPool) {
 /// part names no other index, whatever the statistics say (written as
 /// `id = ANY($4) ORDER BY enqueued_at`, it walked an age-ordered index
 /// filtered for the candidates: 185 ms a claim at 700k rows).
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_keyed_claim_finds_its_candidates_by_primary_key(pool: PgPool) {
     write_events(&pool, "plain.event", 300).await;
     let publisher = Publisher::new(pool.clone());
@@ -945,7 +947,7 @@ async fn the_keyed_claim_finds_its_candidates_by_primary_key(pool: PgPool) {
 /// The backlog is one `publish_many_tx` transaction of 1 000 rows, which
 /// share their `enqueued_at`: walked through `event_outbox_unpublished_idx`
 /// with an incremental sort, a claim of 100 read all 1 000.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_unkeyed_claim_reads_only_the_rows_it_claims(pool: PgPool) {
     let batch: Vec<EventEnvelope> = (0..1000)
         .map(|i| EventEnvelope::new("plain.event", serde_json::json!({ "n": i })))

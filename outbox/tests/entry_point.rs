@@ -31,7 +31,7 @@ fn settings(queue: &str, exchange: &str) -> SubscriberSettings {
     s
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn an_event_published_through_the_entry_point_takes_effect_once(pool: PgPool) {
     sqlx::query("CREATE TABLE entry_effects (event_id UUID NOT NULL)")
         .execute(&pool)
@@ -92,7 +92,7 @@ async fn an_event_published_through_the_entry_point_takes_effect_once(pool: PgPo
     common::delete_subscription(&common::connect().await, &queue, &exchange).await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn bad_settings_fail_at_start_naming_what(pool: PgPool) {
     let config = DrainerConfig::builder().build().unwrap();
     let e = Outbox::builder(pool.clone())

@@ -1,7 +1,8 @@
 //! Invalid envelopes are refused with a typed `PublishError` before anything
 //! is written, and the caller's transaction stays usable.
 
-use outbox::{EnvelopeLimits, EventEnvelope, PublishError, Publisher};
+use outbox::envelope::EnvelopeLimits;
+use outbox::{EventEnvelope, PublishError, Publisher};
 use sqlx::PgPool;
 
 fn env(key: &str) -> EventEnvelope {
@@ -93,7 +94,7 @@ async fn outbox_rows(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn invalid_envelopes_write_nothing_and_leave_the_transaction_usable(pool: PgPool) {
     let publisher = Publisher::new(pool.clone());
     let mut tx = pool.begin().await.unwrap();
@@ -117,7 +118,7 @@ async fn invalid_envelopes_write_nothing_and_leave_the_transaction_usable(pool: 
     assert_eq!(outbox_rows(&pool).await, 1);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn duplicate_ids_are_refused_with_the_id(pool: PgPool) {
     let publisher = Publisher::new(pool.clone());
     let e = env("k");
@@ -140,7 +141,7 @@ async fn duplicate_ids_are_refused_with_the_id(pool: PgPool) {
     ));
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn publish_many_writes_every_envelope_in_one_statement(pool: PgPool) {
     let publisher = Publisher::new(pool.clone());
     let batch: Vec<_> = (0..100)

@@ -32,7 +32,7 @@ async fn exists(pool: &PgPool, id: Uuid) -> bool {
         .unwrap()
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_inbox_janitor_keeps_the_retention_the_environment_sets(pool: PgPool) {
     let ten_days = processed_row(&pool, 10.0).await;
     let forty_days = processed_row(&pool, 40.0).await;

@@ -205,7 +205,7 @@ async fn inbox_id(pool: &PgPool, key: &str, seq: i64) -> Uuid {
         .unwrap()
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_dead_lettered_event_holds_its_key_until_replayed_or_skipped(pool: PgPool) {
     use outbox::core::ports::InboxFilter;
     use outbox::core::subscriber::ReplayOutcome;
@@ -403,7 +403,7 @@ async fn every_event_lands_in_its_buckets_partition_and_nothing_is_dropped() {
     common::delete_ordered_subscription(&conn, &s.spec).await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn two_replicas_apply_each_keys_events_in_commit_order(pool: PgPool) {
     create_applied(&pool).await;
     let queue = unique("ord.sub");
@@ -516,7 +516,7 @@ async fn publish_body(exchange: &str, key: &str, seq: i64, body: &[u8]) -> Uuid 
 /// until an operator skips it; a replay of it answers `Undecodable` and
 /// leaves it dead-lettered. It used to get no inbox row, so nothing held
 /// its key and the later events took effect past it.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn an_event_given_up_at_once_holds_its_key_until_skipped(pool: PgPool) {
     use outbox::core::ports::InboxFilter;
     use outbox::core::subscriber::ReplayOutcome;

@@ -28,7 +28,7 @@ async fn seq_of(pool: &PgPool, id: uuid::Uuid) -> (Option<String>, Option<i64>) 
         .unwrap()
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn each_key_is_numbered_from_one_and_unkeyed_rows_have_no_number(pool: PgPool) {
     let p = Publisher::new(pool.clone());
     let (a1, b1, a2) = (keyed("a"), keyed("b"), keyed("a"));
@@ -57,7 +57,7 @@ async fn each_key_is_numbered_from_one_and_unkeyed_rows_have_no_number(pool: PgP
 /// Two transactions of one key that overlap: the one that began first (its
 /// `enqueued_at` earlier) writes second and commits second, so it is
 /// numbered second; it waited at its write until the first committed.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn overlapping_transactions_of_a_key_are_numbered_in_commit_order(pool: PgPool) {
     let p = Publisher::new(pool.clone());
     let (early, late) = (keyed("k"), keyed("k"));
@@ -98,7 +98,7 @@ async fn overlapping_transactions_of_a_key_are_numbered_in_commit_order(pool: Pg
     );
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_rolled_back_write_gives_its_number_back(pool: PgPool) {
     let p = Publisher::new(pool.clone());
     p.publish(&keyed("k")).await.unwrap();
@@ -110,7 +110,7 @@ async fn a_rolled_back_write_gives_its_number_back(pool: PgPool) {
     assert_eq!(seq_of(&pool, next.id).await.1, Some(2), "no hole");
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_batch_numbers_each_key_in_batch_order(pool: PgPool) {
     let p = Publisher::new(pool.clone());
     p.publish(&keyed("b")).await.unwrap();
@@ -136,7 +136,7 @@ async fn a_batch_numbers_each_key_in_batch_order(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_bad_key_is_refused_and_nothing_is_written(pool: PgPool) {
     let p = Publisher::new(pool.clone());
     for key in [String::new(), "k".repeat(256), "a\0b".to_owned()] {
@@ -209,7 +209,7 @@ async fn write_keyed(pool: &PgPool, keys: &[Option<&str>]) -> Vec<Uuid> {
     ids
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_claim_takes_each_keys_head_and_the_next_only_once_it_is_marked(pool: PgPool) {
     let store = PgOutboxStore::new(pool.clone());
     let ids = write_keyed(&pool, &[Some("a"), Some("a"), Some("b"), None, Some("a")]).await;
@@ -254,7 +254,7 @@ async fn a_claim_takes_each_keys_head_and_the_next_only_once_it_is_marked(pool: 
     assert_eq!(claim_as(&store, "r1", LEASE).await, [a3]);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_reclaimed_lease_hands_over_the_head_and_nothing_behind_it(pool: PgPool) {
     let store = PgOutboxStore::new(pool.clone());
     let ids = write_keyed(&pool, &[Some("k"), Some("k"), Some("k")]).await;
@@ -275,7 +275,7 @@ async fn a_reclaimed_lease_hands_over_the_head_and_nothing_behind_it(pool: PgPoo
     assert_eq!(claim_as(&store, "r1", LEASE).await, [ids[1]]);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_parked_head_holds_its_key_until_it_is_skipped_or_unparked(pool: PgPool) {
     let store = PgOutboxStore::new(pool.clone());
     let ids = write_keyed(&pool, &[Some("k"), Some("k"), Some("other"), Some("k")]).await;
@@ -296,7 +296,7 @@ async fn a_parked_head_holds_its_key_until_it_is_skipped_or_unparked(pool: PgPoo
     let stats = store.outbox_stats().await.unwrap();
     assert_eq!((stats.pending, stats.parked, stats.blocked), (2, 1, 2));
     let parked = store
-        .outbox_list_parked(&outbox::ParkedFilter::page(10, None))
+        .outbox_list_parked(&outbox::admin::ParkedFilter::page(10, None))
         .await
         .unwrap();
     assert_eq!(
@@ -341,7 +341,7 @@ async fn a_parked_head_holds_its_key_until_it_is_skipped_or_unparked(pool: PgPoo
 /// claim holds them locked: while one claim transaction has the head
 /// locked (and has not yet committed its lease), a concurrent claim skips
 /// the head and does not mistake the next row for it.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_head_locked_by_an_open_claim_hides_nothing_behind_it(pool: PgPool) {
     let store = PgOutboxStore::new(pool.clone());
     let ids = write_keyed(&pool, &[Some("k"), Some("k")]).await;
@@ -358,7 +358,7 @@ async fn a_head_locked_by_an_open_claim_hides_nothing_behind_it(pool: PgPool) {
     assert_eq!(claim_as(&store, "r", LEASE).await, [ids[0]]);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_key_window_steps_through_keys_in_byte_order_one_head_each(pool: PgPool) {
     let store = PgOutboxStore::new(pool.clone());
     // "B" < "a" < "é" in bytes, whatever the database's collation says.
@@ -392,7 +392,7 @@ async fn the_key_window_steps_through_keys_in_byte_order_one_head_each(pool: PgP
     assert!(w.heads.iter().filter(|h| h.key != "B").all(|h| h.claimable));
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_candidate_that_is_not_its_keys_head_is_not_claimed(pool: PgPool) {
     let store = PgOutboxStore::new(pool.clone());
     let ids = write_keyed(&pool, &[Some("k"), Some("k")]).await;

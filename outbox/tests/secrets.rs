@@ -1,8 +1,9 @@
 //! Passwords in AMQP and PostgreSQL URLs never reach logs, errors or Debug
 //! output.
 
+use outbox::LapinBroker;
+use outbox::amqp::redact_url;
 use outbox::core::ports::Broker;
-use outbox::{LapinBroker, redact_url};
 
 const SECRET: &str = "hunter2-secret";
 

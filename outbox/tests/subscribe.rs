@@ -236,7 +236,7 @@ impl Running {
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn duplicates_published_on_purpose_take_effect_once(pool: PgPool) {
     let r = start(pool, false, false).await;
     let e = EventEnvelope::new("orders.created", serde_json::json!({ "order": 1 }));
@@ -255,7 +255,7 @@ async fn duplicates_published_on_purpose_take_effect_once(pool: PgPool) {
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_handler_failing_every_first_attempt_still_takes_effect_once(pool: PgPool) {
     let r = start(pool, true, false).await;
     let events: Vec<_> = (0..10)
@@ -277,7 +277,7 @@ async fn a_handler_failing_every_first_attempt_still_takes_effect_once(pool: PgP
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_permanently_failing_event_ends_in_the_dlq_after_max_attempts_and_replays_once(
     pool: PgPool,
 ) {
@@ -308,7 +308,7 @@ async fn a_permanently_failing_event_ends_in_the_dlq_after_max_attempts_and_repl
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_panicking_or_stalled_handler_counts_attempts_and_the_subscriber_goes_on(pool: PgPool) {
     let r = start_with(
         pool,
@@ -363,7 +363,7 @@ async fn a_panicking_or_stalled_handler_counts_attempts_and_the_subscriber_goes_
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn one_event_bound_to_two_queues_takes_effect_once_in_each(pool: PgPool) {
     // Two subscriptions of one service (one database, one inbox) both
     // receive the event: each runs its handler once.
@@ -402,7 +402,7 @@ async fn one_event_bound_to_two_queues_takes_effect_once_in_each(pool: PgPool) {
     first.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_replay_cut_short_leaves_what_it_did_not_apply_dead_lettered(pool: PgPool) {
     let r = start_with(
         pool,
@@ -453,7 +453,7 @@ async fn a_replay_cut_short_leaves_what_it_did_not_apply_dead_lettered(pool: PgP
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn an_undecodable_delivery_goes_to_the_dlq_at_once(pool: PgPool) {
     let r = start(pool, false, false).await;
     let id = Uuid::now_v7();
@@ -475,7 +475,7 @@ async fn an_undecodable_delivery_goes_to_the_dlq_at_once(pool: PgPool) {
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_inbox_janitor_deletes_only_processed_rows_past_retention(pool: PgPool) {
     use outbox::core::janitor::{InboxJanitorSettings, sweep_inbox};
     // 0, 1: processed 8 days ago; 2: processed now; 3: unprocessed, received
@@ -553,11 +553,11 @@ async fn replay_route(
     (status, serde_json::from_slice(&bytes).unwrap())
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn replay_through_the_http_route_applies_a_dead_lettered_event_once(pool: PgPool) {
     use axum::body::Body;
     use axum::http::{Request, StatusCode};
-    use outbox::http::{AdminAuth, AdminRouter};
+    use outbox_admin::{AdminAuth, AdminRouter};
     use tower::ServiceExt;
 
     let r = start(pool, false, true).await;
@@ -599,9 +599,9 @@ async fn replay_through_the_http_route_applies_a_dead_lettered_event_once(pool: 
 /// request meets the rows that failed again (oldest first), and the
 /// answer's `next` for the subscription, passed as `after`, goes on past
 /// them until `more` is false; every row is met once.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_limited_replay_over_http_pages_by_its_answers_next(pool: PgPool) {
-    use outbox::http::{AdminAuth, AdminRouter};
+    use outbox_admin::{AdminAuth, AdminRouter};
 
     let r = start(pool, false, true).await;
     let events: Vec<EventEnvelope> = (0..5)
@@ -654,7 +654,7 @@ async fn a_limited_replay_over_http_pages_by_its_answers_next(pool: PgPool) {
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_subscriber_resumes_after_its_broker_connection_is_cut(pool: PgPool) {
     let proxy = common::Proxy::start("127.0.0.1:5672").await;
     let r = start_with(
@@ -691,7 +691,7 @@ async fn the_subscriber_resumes_after_its_broker_connection_is_cut(pool: PgPool)
 /// 30 s of it going silent, through the second, and nothing takes effect
 /// twice. With the broker's default heartbeat (60 s, waited out twice) it
 /// took two minutes.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_subscriber_leaves_a_silent_node_within_thirty_seconds(pool: PgPool) {
     let silent = common::Proxy::start("127.0.0.1:5672").await;
     let other = common::Proxy::start("127.0.0.1:5672").await;
@@ -734,7 +734,7 @@ async fn a_subscriber_leaves_a_silent_node_within_thirty_seconds(pool: PgPool) {
 /// readiness fails past `RETRY_IN_PLACE_GRACE` naming the subscription and
 /// the cause; once the cause is gone the delivery takes effect once and
 /// readiness is clear again.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn an_inbox_that_refuses_every_insert_fails_readiness_naming_the_cause(pool: PgPool) {
     let r = start(pool.clone(), false, false).await;
     sqlx::query(
@@ -774,7 +774,7 @@ async fn an_inbox_that_refuses_every_insert_fails_readiness_naming_the_cause(poo
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn shutdown_finishes_the_delivery_in_hand(pool: PgPool) {
     let r = start_with(
         pool,
@@ -807,7 +807,7 @@ async fn shutdown_finishes_the_delivery_in_hand(pool: PgPool) {
     assert!(processed);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_republish_after_a_lost_mark_takes_effect_once(pool: PgPool) {
     let r = start(pool.clone(), false, false).await;
     let config = outbox::DrainerConfig::builder()
@@ -838,7 +838,7 @@ async fn a_republish_after_a_lost_mark_takes_effect_once(pool: PgPool) {
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: PgPool) {
     // Someone declared the queue without the dead-letter arguments: the
     // broker refuses the subscriber's declaration (PRECONDITION_FAILED),
@@ -918,7 +918,7 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
         outbox::core::subscriber::SubscriptionState::Failed { .. }
     ));
     let subscriber = Arc::new(subscriber);
-    let router = outbox::http::AdminRouter::new(outbox::http::AdminAuth::open_insecure())
+    let router = outbox_admin::AdminRouter::new(outbox_admin::AdminAuth::open_insecure())
         .subscriber(subscriber.clone())
         .build();
     let response = tower::ServiceExt::oneshot(
@@ -948,7 +948,7 @@ async fn a_queue_that_exists_with_other_arguments_fails_at_boot_naming_it(pool: 
     broker.close().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_limited_replay_goes_on_past_rows_that_fail_again_and_says_when_nothing_is_left(
     pool: PgPool,
 ) {

@@ -194,7 +194,7 @@ async fn lock_waits(pool: &PgPool) -> i64 {
     .unwrap()
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_handler_blocked_on_a_lock_is_ended_at_the_server_leaks_no_connection_and_dead_letters(
     pool: PgPool,
 ) {
@@ -231,7 +231,7 @@ async fn a_handler_blocked_on_a_lock_is_ended_at_the_server_leaks_no_connection_
     locker.rollback().await.unwrap();
     let replayed = r
         .subscriber
-        .replay(&outbox::InboxFilter {
+        .replay(&outbox::admin::InboxFilter {
             dead_lettered_only: true,
             ..Default::default()
         })
@@ -250,7 +250,7 @@ async fn a_handler_blocked_on_a_lock_is_ended_at_the_server_leaks_no_connection_
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_deferred_constraint_failing_at_commit_is_the_deliverys_and_never_loops(pool: PgPool) {
     let r = start(&pool, 5, 4, 2).await;
     // Three events share a key under a deferred unique constraint; a fourth
@@ -285,7 +285,7 @@ async fn a_deferred_constraint_failing_at_commit_is_the_deliverys_and_never_loop
     r.stop().await;
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_handler_that_swallows_its_sql_error_is_never_taken_for_committed(pool: PgPool) {
     for batch_max in [1, 4] {
         let r = start(&pool, 5, batch_max, 3).await;
@@ -311,7 +311,7 @@ async fn a_handler_that_swallows_its_sql_error_is_never_taken_for_committed(pool
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_handler_transaction_is_bounded_at_the_server_by_the_handler_deadline(pool: PgPool) {
     use outbox::core::ports::{InboxStore, TxBounds};
     let store = PgInboxStore::new(pool.clone());

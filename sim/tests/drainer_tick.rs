@@ -14,7 +14,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::{DrainError, Drainer, DrainerConfig, TokioClock};
+use outbox::core::drainer::Drainer;
+use outbox::{DrainError, DrainerConfig, TokioClock};
 use sim::adapters::{Hooks, PgClient, SimBroker, SimStore};
 use sim::fakes;
 use sim::trace::{Call, Event, Trace};
@@ -51,14 +52,14 @@ async fn commit_stored_as(pg: &PgClient, first: u64, n: u64, key: &str, stored: 
 }
 
 /// The replica `drainer-1` on the simulation adapters.
-type SimDrainer = Drainer<SimStore, SimBroker, TokioClock, outbox::SplitMix64>;
+type SimDrainer = Drainer<SimStore, SimBroker, TokioClock, outbox::runtime::SplitMix64>;
 
 fn sim_drainer(trace: &Trace, config: DrainerConfig) -> SimDrainer {
     Drainer::new(
         Arc::new(SimStore::new("drainer-1", trace.clone(), Hooks::new(3))),
         Arc::new(SimBroker::new("drainer-1", trace.clone(), Hooks::new(4))),
         Arc::new(TokioClock::default()),
-        Arc::new(outbox::SplitMix64::new(5)),
+        Arc::new(outbox::runtime::SplitMix64::new(5)),
         config,
     )
 }
@@ -208,8 +209,9 @@ fn reports_count_what_the_store_did() {
         commit(&writer, 4, 3).await;
         let (_keep, shutdown) = tokio::sync::watch::channel(false);
         let report = drainer.drain(&shutdown).await.unwrap();
-        let counts =
-            |r: outbox::TickReport| (r.claimed, r.published, r.failed, r.parked, r.mark_lost);
+        let counts = |r: outbox::core::drainer::TickReport| {
+            (r.claimed, r.published, r.failed, r.parked, r.mark_lost)
+        };
         assert_eq!(counts(report), (7, 5, 2, 0, 0), "{report:?}");
         let report = drainer.tick().await.unwrap();
         assert_eq!(counts(report), (2, 0, 2, 2, 0), "{report:?}");

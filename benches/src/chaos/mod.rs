@@ -131,7 +131,7 @@ impl Subscription {
             .settings(keyed)
             .worker_specs()
             .iter()
-            .map(outbox::SubscriptionSpec::consumed_queue)
+            .map(outbox::config::SubscriptionSpec::consumed_queue)
             .collect();
         queues.dedup();
         queues
@@ -147,7 +147,7 @@ pub async fn connect_any(list: &str) -> Result<lapin::Connection, String> {
     for url in nodes(list) {
         match lapin::Connection::connect(&url, lapin::ConnectionProperties::default()).await {
             Ok(c) => return Ok(c),
-            Err(e) => errors.push(format!("{}: {e}", outbox::redact_url(&url))),
+            Err(e) => errors.push(format!("{}: {e}", outbox::amqp::redact_url(&url))),
         }
     }
     Err(format!("no broker node answered ({})", errors.join("; ")))
@@ -196,12 +196,14 @@ pub fn subscription(name: &str) -> Option<Subscription> {
 
 /// A seeded generator for the run's draws (the producer's kinds, the fault
 /// plan).
-pub struct Rng(outbox::SplitMix64);
+pub struct Rng(outbox::runtime::SplitMix64);
 
 impl Rng {
     /// The generator of `seed`'s stream `purpose`.
     pub fn new(seed: u64, purpose: &str) -> Self {
-        Self(outbox::SplitMix64::new(sim::world::stream(seed, purpose)))
+        Self(outbox::runtime::SplitMix64::new(sim::world::stream(
+            seed, purpose,
+        )))
     }
 
     /// A uniform draw in `0..n` (`n > 0`).

@@ -19,9 +19,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox::envelope::EnvelopeLimits;
 use outbox::{
-    DrainerConfig, DrainerHandle, EnvelopeLimits, EventEnvelope, Handler, HandlerError,
-    LapinBroker, PgInboxStore, PgTx, Publisher, Subscriber, TokioClock,
+    DrainerConfig, DrainerHandle, EventEnvelope, Handler, HandlerError, LapinBroker, PgInboxStore,
+    PgTx, Publisher, Subscriber, TokioClock,
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;

@@ -557,22 +557,22 @@ impl Future for LapinConfirm {
 ///
 /// ```
 /// assert_eq!(
-///     outbox::redact_url("amqp://guest:secret@127.0.0.1:5672/%2f"),
+///     outbox::amqp::redact_url("amqp://guest:secret@127.0.0.1:5672/%2f"),
 ///     "amqp://guest:***@127.0.0.1:5672/%2f"
 /// );
 /// assert_eq!(
-///     outbox::redact_url("postgres://app@db/orders?sslmode=require&password=secret"),
+///     outbox::amqp::redact_url("postgres://app@db/orders?sslmode=require&password=secret"),
 ///     "postgres://app@db/orders?sslmode=require&password=***"
 /// );
 /// assert_eq!(
-///     outbox::redact_url("host=db user=app password='s e c' dbname=orders"),
+///     outbox::amqp::redact_url("host=db user=app password='s e c' dbname=orders"),
 ///     "host=db user=app password=*** dbname=orders"
 /// );
 /// assert_eq!(
-///     outbox::redact_url(r"host=db password = 'hun\'ter 2' dbname=orders"),
+///     outbox::amqp::redact_url(r"host=db password = 'hun\'ter 2' dbname=orders"),
 ///     "host=db password = *** dbname=orders"
 /// );
-/// assert_eq!(outbox::redact_url("password=hun;ter2 user=app"), "password=*** user=app");
+/// assert_eq!(outbox::amqp::redact_url("password=hun;ter2 user=app"), "password=*** user=app");
 /// ```
 pub fn redact_url(url: &str) -> String {
     redact_pairs(&redact_userinfo(url))

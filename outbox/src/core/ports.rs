@@ -38,7 +38,7 @@ pub trait Clock: Send + Sync + 'static {
 }
 
 /// Where long-running tasks run: tokio in production
-/// ([`TokioSpawn`](crate::TokioSpawn)), the simulation's runtime under
+/// ([`TokioSpawn`](crate::runtime::TokioSpawn)), the simulation's runtime under
 /// simulation, so [`DrainerHandle`](crate::DrainerHandle) runs the same
 /// tasks on either.
 pub trait Spawn: Send + Sync + 'static {

@@ -42,7 +42,7 @@ pub async fn connect() -> Connection {
         Ok(c) => c,
         Err(e) => panic!(
             "RabbitMQ is not reachable at {} ({e}); start it with `rabbitmq-server -detached`",
-            outbox::redact_url(&amqp_url())
+            outbox::amqp::redact_url(&amqp_url())
         ),
     }
 }

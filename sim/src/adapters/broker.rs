@@ -96,8 +96,9 @@ impl Waiters {
                         trace: trace.and_then(|(tp, ts)| {
                             outbox::trace_context::TraceContext::parse(&tp, ts.as_deref()).ok()
                         }),
-                        ordering: ordering
-                            .and_then(|(key, seq)| outbox::KeySeq::from_headers(key, seq)),
+                        ordering: ordering.and_then(|(key, seq)| {
+                            outbox::core::ports::KeySeq::from_headers(key, seq)
+                        }),
                     });
                 }
             }

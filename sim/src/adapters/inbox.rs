@@ -432,7 +432,9 @@ fn inbox_row(r: crate::wire::WireInboxRow) -> InboxRow {
         last_error: r.last_error,
         received_at: sim_time(r.received_ms),
         dead_lettered_at: r.dead_lettered_ms.map(sim_time),
-        ordering: r.ordering.map(|(key, seq)| outbox::KeySeq { key, seq }),
+        ordering: r
+            .ordering
+            .map(|(key, seq)| outbox::core::ports::KeySeq { key, seq }),
         held: r.held,
     }
 }
@@ -715,7 +717,7 @@ impl InboxStore for SimInboxStore {
     async fn inbox_retire_partitions(
         &self,
         older_than: Duration,
-    ) -> Result<outbox::PartitionsRetired, StoreError> {
+    ) -> Result<outbox::core::ports::PartitionsRetired, StoreError> {
         match self
             .side_call(PgRequest::InboxRetirePartitions {
                 older_than_ms: older_than.as_millis() as u64,

@@ -16,7 +16,7 @@ pub const NAME: &str = "turmoil";
 /// The clock the production code runs on: tokio's, simulated by turmoil.
 pub type Clock = outbox::TokioClock;
 /// Where `DrainerHandle` spawns its tasks: tokio's, on the host's runtime.
-pub type Spawner = outbox::TokioSpawn;
+pub type Spawner = outbox::runtime::TokioSpawn;
 
 /// turmoil's network.
 pub mod net {

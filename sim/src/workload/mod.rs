@@ -10,8 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use outbox::EventEnvelope;
+use outbox::envelope::EnvelopeLimits;
 use outbox::envelope::ROUTING_KEY_MAX_BYTES;
-use outbox::{EnvelopeLimits, EventEnvelope};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -105,7 +105,7 @@ pub fn spawn_drainer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: u
         let broker = SimBroker::new(replica.clone(), trace.clone(), hooks.clone())
             .with_nodes(nodes.clone(), (i - 1) as usize);
         let marks = TraceMarks::marks(replica.clone(), trace.clone());
-        let entropy = outbox::SplitMix64::new(seed ^ u64::from(n));
+        let entropy = outbox::runtime::SplitMix64::new(seed ^ u64::from(n));
         let replica_name = replica.clone();
         let readiness_trace = trace.clone();
         let wakeup = SimCommitWakeup {
@@ -116,7 +116,7 @@ pub fn spawn_drainer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: u
             // The library's own entry point, spawned tasks and all: the
             // drainer, the janitor, the stats task and the commit listener
             // (polling stays the fallback when notifications are lost).
-            let ports = outbox::DrainerPorts {
+            let ports = outbox::runtime::DrainerPorts {
                 store,
                 broker,
                 clock: Clock::default(),
@@ -294,7 +294,7 @@ async fn operate(
             && let Ok(skipped) = subscriber.skip(&unreadable).await
         {
             // The skips themselves are the fake's `InboxSkipped`.
-            let released = outbox::ReplayPage {
+            let released = outbox::admin::ReplayPage {
                 results: Vec::new(),
                 ..skipped
             };
@@ -304,7 +304,7 @@ async fn operate(
 }
 
 /// The trace's record of what a replay or a skip did to each row.
-fn record_page(trace: &Trace, who: &str, page: outbox::ReplayPage) {
+fn record_page(trace: &Trace, who: &str, page: outbox::admin::ReplayPage) {
     for (event_id, outcome) in page.results {
         trace.now(Event::Replayed {
             client: who.to_owned(),

@@ -366,7 +366,7 @@ async fn publish_keyed<A: ConsumeArm>(arm: &A, exchange: &str, key: &str, seq: i
     let e = EventEnvelope::new("orders.keyed", serde_json::json!({ "seq": seq }))
         .with_ordering_key(key);
     let body = e.encode(&Default::default()).unwrap();
-    let ordering = outbox::KeySeq {
+    let ordering = outbox::core::ports::KeySeq {
         key: key.into(),
         seq,
     };
@@ -391,7 +391,7 @@ fn key_in(p: u16) -> String {
     (0..)
         .map(|n| format!("acct-{n}"))
         .find(|k| {
-            let ks = outbox::KeySeq {
+            let ks = outbox::core::ports::KeySeq {
                 key: k.clone(),
                 seq: 1,
             };
@@ -475,7 +475,7 @@ async fn trace_context_headers_travel_with_the_message<A: ConsumeArm>(arm: A) {
     .unwrap();
     let mut ch = arm.publisher().channel_open().await.unwrap();
     ch.channel_confirm_select().await.unwrap();
-    let ks = outbox::KeySeq {
+    let ks = outbox::core::ports::KeySeq {
         key: "order-7".into(),
         seq: 3,
     };

@@ -10,7 +10,8 @@ use outbox::core::janitor::{InboxJanitorSettings, sweep_inbox};
 use outbox::core::ports::{
     AttemptRecord, InboxCounts, InboxEntry, InboxFilter, InboxStore, InsertOutcome, TxBounds,
 };
-use outbox::{EventEnvelope, HandlerError, PgInboxStore, PgInboxTx, StoreError};
+use outbox::pg::inbox::PgInboxTx;
+use outbox::{EventEnvelope, HandlerError, PgInboxStore, StoreError};
 use sim::adapters::{PgClient, SimInboxStore, SimTx};
 use sim::fakes::pg::{self, PgState};
 use sim::trace::Trace;
@@ -349,15 +350,15 @@ fn entry_of<'a>(subscription: &'a str, e: &'a Event, key: &'a str) -> InboxEntry
 }
 
 /// `e` as an ordered subscription `q` receives it: number `seq` of `key`.
-fn keyed<'a>(e: &'a Event, o: &'a outbox::KeySeq) -> InboxEntry<'a> {
+fn keyed<'a>(e: &'a Event, o: &'a outbox::core::ports::KeySeq) -> InboxEntry<'a> {
     InboxEntry {
         ordering: Some(o),
         ..entry(e, "k")
     }
 }
 
-fn ks(key: &str, seq: i64) -> outbox::KeySeq {
-    outbox::KeySeq {
+fn ks(key: &str, seq: i64) -> outbox::core::ports::KeySeq {
+    outbox::core::ports::KeySeq {
         key: key.into(),
         seq,
     }
@@ -1340,18 +1341,19 @@ async fn a_listing_resumes_after_its_cursor<A: InboxArm>(arm: A) {
     let all = a.inbox_list_unprocessed(&list(None, 10)).await.unwrap();
     assert_eq!(all.len(), 3);
     let first = a.inbox_list_unprocessed(&list(None, 1)).await.unwrap();
-    let cursor = outbox::InboxCursor::of(&first[0]);
+    let cursor = outbox::admin::InboxCursor::of(&first[0]);
     let rest = a
         .inbox_list_unprocessed(&list(Some(cursor), 10))
         .await
         .unwrap();
-    let ids = |rows: &[outbox::InboxRow]| rows.iter().map(|r| r.event_id).collect::<Vec<_>>();
+    let ids =
+        |rows: &[outbox::admin::InboxRow]| rows.iter().map(|r| r.event_id).collect::<Vec<_>>();
     assert_eq!(
         ids(&rest),
         ids(&all[1..]),
         "strictly after the cursor, in order"
     );
-    let last = outbox::InboxCursor::of(&all[2]);
+    let last = outbox::admin::InboxCursor::of(&all[2]);
     assert!(
         a.inbox_list_unprocessed(&list(Some(last), 10))
             .await
@@ -1387,7 +1389,8 @@ async fn a_listing_matches_a_payload_field_and_can_leave_payloads_out<A: InboxAr
         payload_field: Some(outbox::core::ports::PayloadField::dotted(path, value)),
         ..InboxFilter::default()
     };
-    let ids = |rows: &[outbox::InboxRow]| rows.iter().map(|r| r.event_id).collect::<Vec<_>>();
+    let ids =
+        |rows: &[outbox::admin::InboxRow]| rows.iter().map(|r| r.event_id).collect::<Vec<_>>();
     let found = |f| async move { ids(&a.inbox_list_unprocessed(&f).await.unwrap()) };
     assert_eq!(
         found(list("customer.id", "42")).await,
@@ -1430,7 +1433,12 @@ async fn a_listing_matches_a_payload_field_and_can_leave_payloads_out<A: InboxAr
 }
 
 /// One failed attempt of an ordered delivery (see [`fail`]).
-async fn fail_keyed<A: InboxArm>(arm: &A, e: &Event, o: &outbox::KeySeq, max_attempts: u32) {
+async fn fail_keyed<A: InboxArm>(
+    arm: &A,
+    e: &Event,
+    o: &outbox::core::ports::KeySeq,
+    max_attempts: u32,
+) {
     let store = arm.store();
     let entry = keyed(e, o);
     let mut tx = begin_for(store, &entry).await;
@@ -1510,7 +1518,7 @@ async fn an_ordered_delivery_behind_a_retrying_event_of_its_key_waits_behind_it<
 async fn a_delivery_behind_a_dead_lettered_event_is_held_until_skipped<A: InboxArm>(arm: A) {
     let a = arm.store();
     let es: Vec<Event> = (0..4).map(|_| event("k")).collect();
-    let k: Vec<outbox::KeySeq> = (1..=4).map(|n| ks("acct-1", n)).collect();
+    let k: Vec<outbox::core::ports::KeySeq> = (1..=4).map(|n| ks("acct-1", n)).collect();
     fail_keyed(&arm, &es[0], &k[0], 1).await;
     // Numbers 3 then 2 arrive (a handover's redelivery order): both held.
     assert_eq!(
@@ -1694,7 +1702,7 @@ async fn inbox_partitions_go_once_every_row_expired<A: InboxArm>(arm: A) {
     let older = Duration::from_secs(50);
     let first = s.inbox_retire_partitions(older).await.unwrap();
     if !first.partitioned {
-        assert_eq!(first, outbox::PartitionsRetired::default());
+        assert_eq!(first, outbox::core::ports::PartitionsRetired::default());
         return;
     }
     tokio::time::sleep(Duration::from_millis(2_500)).await;

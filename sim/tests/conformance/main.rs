@@ -39,12 +39,12 @@ macro_rules! conformance {
         $(
             mod $name {
                 #[cfg(not(madsim))]
-                #[sqlx::test(migrator = "outbox::MIGRATOR")]
+                #[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
                 async fn postgres(pool: sqlx::PgPool) {
                     super::$real(pool, super::$name).await;
                 }
                 #[cfg(not(madsim))]
-                #[sqlx::test(migrator = "outbox::MIGRATOR")]
+                #[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
                 async fn postgres_partitioned(pool: sqlx::PgPool) {
                     super::$realp(pool, super::$name).await;
                 }

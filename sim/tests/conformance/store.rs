@@ -526,7 +526,7 @@ async fn parked_rows_list_a_page_at_a_time<A: StoreArm>(arm: A) {
     .await;
     let stripped: Vec<_> = all
         .iter()
-        .map(|r| outbox::ParkedRow {
+        .map(|r| outbox::admin::ParkedRow {
             envelope: String::new(),
             ..r.clone()
         })
@@ -787,7 +787,7 @@ impl<S: OutboxStore> OutboxStore for PausedRowSweep<S> {
     async fn outbox_release(&self, r: &str, ids: &[Uuid]) -> Result<u64, outbox::StoreError> {
         self.inner.outbox_release(r, ids).await
     }
-    async fn outbox_stats(&self) -> Result<outbox::OutboxStats, outbox::StoreError> {
+    async fn outbox_stats(&self) -> Result<outbox::runtime::OutboxStats, outbox::StoreError> {
         self.inner.outbox_stats().await
     }
     async fn outbox_delete_published(
@@ -803,13 +803,13 @@ impl<S: OutboxStore> OutboxStore for PausedRowSweep<S> {
     async fn outbox_retire_partitions(
         &self,
         o: Duration,
-    ) -> Result<outbox::PartitionsRetired, outbox::StoreError> {
+    ) -> Result<outbox::core::ports::PartitionsRetired, outbox::StoreError> {
         self.inner.outbox_retire_partitions(o).await
     }
     async fn outbox_list_parked(
         &self,
         f: &ParkedFilter,
-    ) -> Result<Vec<outbox::ParkedRow>, outbox::StoreError> {
+    ) -> Result<Vec<outbox::admin::ParkedRow>, outbox::StoreError> {
         self.inner.outbox_list_parked(f).await
     }
     async fn outbox_unpark(&self, s: &UnparkSelector) -> Result<u64, outbox::StoreError> {
@@ -829,7 +829,7 @@ async fn whole_partitions_go_once_every_row_expired<A: StoreArm>(arm: A) {
     let older = Duration::from_secs(50);
     let first = s.outbox_retire_partitions(older).await.unwrap();
     if !first.partitioned {
-        assert_eq!(first, outbox::PartitionsRetired::default());
+        assert_eq!(first, outbox::core::ports::PartitionsRetired::default());
         return;
     }
     // Past the first partition (the table as it was, up to the cut two

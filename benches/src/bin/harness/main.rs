@@ -458,11 +458,11 @@ async fn phases(
         .replica_id("harness-phases")
         .build()
         .expect("defaults are valid");
-    let drainer = outbox::Drainer::new(
+    let drainer = outbox::core::drainer::Drainer::new(
         Arc::new(outbox::PgOutboxStore::new(pool.clone())),
         Arc::new(LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start")),
         Arc::new(outbox::TokioClock::default()),
-        Arc::new(outbox::SplitMix64::new(1)),
+        Arc::new(outbox::runtime::SplitMix64::new(1)),
         config,
     );
     let started = Instant::now();

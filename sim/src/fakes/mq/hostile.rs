@@ -57,7 +57,7 @@ pub fn build(
     let (body, message_id, envelope_id) =
         body_of(kind, rng, (&routing_key, key), limit, &mut trace);
     let bucket = ordering.as_ref().map(|(key, seq)| {
-        let o = outbox::KeySeq {
+        let o = outbox::core::ports::KeySeq {
             key: key.clone(),
             seq: *seq,
         };
@@ -203,7 +203,7 @@ fn sized_envelope(
 }
 
 fn encode(e: &outbox::EventEnvelope) -> String {
-    let limits = outbox::EnvelopeLimits {
+    let limits = outbox::envelope::EnvelopeLimits {
         max_envelope_bytes: usize::MAX,
     };
     e.encode(&limits)

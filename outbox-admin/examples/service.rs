@@ -18,7 +18,7 @@
 //! service.example.shipments` (a child, in the same trace).
 //!
 //! ```sh
-//! CANOPY_MQ_ADMIN_OPEN=true cargo run --release -p outbox --example service
+//! CANOPY_MQ_ADMIN_OPEN=true cargo run --release -p outbox-admin --example service
 //! curl -s -XPOST localhost:8080/orders -H 'content-type: application/json' -d '{"item":"tea"}'
 //! curl -s localhost:8080/orders/1
 //! curl -s localhost:8080/metrics | grep canopy_mq_
@@ -39,8 +39,8 @@ use clap::Parser;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
-use outbox::http::{AdminAuth, ConsoleSettings, install_prometheus_recorder};
 use outbox::{EventEnvelope, Handler, HandlerError, Outbox, PgTx, Publisher, SubscriberSettings};
+use outbox_admin::{AdminAuth, AdminRouter, ConsoleSettings, install_prometheus_recorder};
 use sqlx::PgPool;
 use sqlx::migrate::MigrateDatabase;
 use tracing::Instrument;
@@ -249,8 +249,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .start()
         .await?;
 
-    let admin = outbox
-        .admin_router(auth)
+    let admin = AdminRouter::for_outbox(&outbox, auth)
         .metrics(metrics)
         // The operator console at /admin (sign in with the admin token).
         // Over plain HTTP off localhost a browser drops `Secure` cookies:

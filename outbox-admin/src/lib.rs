@@ -1,5 +1,6 @@
-//! The admin HTTP surface a service mounts (ADR-018, amendment #433 and
-//! note #1230), as an axum [`Router`]:
+//! The admin HTTP surface and operator console of the
+//! [`outbox`](https://docs.rs/outbox) crate, as an axum [`Router`] a service
+//! mounts beside its own routes:
 //!
 //! | route | what |
 //! |---|---|
@@ -8,8 +9,9 @@
 //! | `GET /v1/admin/outbox/parked?limit=N` | list parked outbox rows |
 //! | `POST /v1/admin/outbox/unpark` | unpark `{"ids":[…]}` or `{"all":true}`, budget reset |
 //! | `POST /v1/admin/outbox/skip` | skip parked rows `{"ids":[…]}` or `{"all":true}`: given up, never published, their ordering keys go on |
-//! | `GET /readyz` | the producer half's readiness (200 or 503, with reasons) |
+//! | `GET /readyz` | readiness of the drainer and every subscription (200 or 503, with reasons) |
 //! | `GET /metrics` | Prometheus text from the exporter ([`AdminRouter::metrics`]): gauges, counters, histograms |
+//! | `/admin` | the operator console ([`AdminRouter::console`]) |
 //!
 //! `/v1/admin/*` requires `Authorization: Bearer <token>` (compared in
 //! constant time); the router refuses to build without a token unless told
@@ -19,21 +21,25 @@
 //! database is unavailable; nothing panics on bad input.
 //!
 //! ```no_run
-//! # async fn demo(pool: sqlx::PgPool, drainer: outbox::DrainerHandle) -> Result<(), Box<dyn std::error::Error>> {
-//! use outbox::http::{AdminAuth, AdminRouter};
-//! let router = AdminRouter::new(AdminAuth::from_env()?) // CANOPY_MQ_ADMIN_TOKEN
-//!     .outbox(outbox::PgOutboxStore::new(pool.clone()))
-//!     .readiness(drainer.readiness_probe())
+//! # async fn demo(outbox: outbox::Outbox) -> Result<(), Box<dyn std::error::Error>> {
+//! use outbox_admin::{AdminAuth, AdminRouter, ConsoleSettings, install_prometheus_recorder};
+//! let router = AdminRouter::for_outbox(&outbox, AdminAuth::from_env()?) // CANOPY_MQ_ADMIN_TOKEN
+//!     .metrics(install_prometheus_recorder()?)
+//!     .console(ConsoleSettings::default())
 //!     .build();
 //! // axum::serve(listener, router) in the service's own server.
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
+// The README's example compiles (`cargo test --doc -p outbox-admin`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
+
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{Query, State};
@@ -51,16 +57,13 @@ mod console;
 
 pub use console::{ACTION_BATCH, ACTION_MAX, ConsoleSettings};
 
-use crate::PgOutboxStore;
-use crate::admin;
-use crate::core::ports::{
-    Clock, ConsumerBroker, InboxCounts, InboxFilter, InboxRow, InboxStore, ParkedFilter,
-    UnparkSelector,
-};
-use crate::core::ports::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
-use crate::core::stats::Readiness;
-use crate::core::subscriber::{Handler, ReplayOutcome, ReplayPage, Subscriber, SubscriberStats};
-use crate::error::{ConfigError, StoreError};
+use outbox::admin::{self, ReplayTarget};
+use outbox::core::ports::{InboxFilter, ParkedFilter, UnparkSelector};
+use outbox::core::ports::{LIST_LIMIT_DEFAULT, LIST_LIMIT_MAX};
+use outbox::core::stats::Readiness;
+use outbox::core::subscriber::ReplayOutcome;
+use outbox::error::{ConfigError, StoreError};
+use outbox::{Outbox, PgOutboxStore};
 
 /// Variable holding the admin bearer token.
 pub const ADMIN_TOKEN_VAR: &str = "CANOPY_MQ_ADMIN_TOKEN";
@@ -133,7 +136,7 @@ impl AdminAuth {
     /// non-blank and hold no space, control character, `/`, `@` or port.
     ///
     /// ```
-    /// use outbox::http::AdminAuth;
+    /// use outbox_admin::AdminAuth;
     /// let auth = AdminAuth::open_insecure().allow_hosts(["admin.internal"]).unwrap();
     /// assert!(AdminAuth::open_insecure().allow_hosts(["evil.example:80"]).is_err());
     /// # let _ = auth;
@@ -181,7 +184,7 @@ impl AdminAuth {
     /// From `CANOPY_MQ_ADMIN_TOKEN`; without it, fails unless
     /// `CANOPY_MQ_ADMIN_OPEN=true` says to run open.
     pub fn from_env() -> Result<Self, ConfigError> {
-        crate::config::from_process_env(|lookup| Self::from_lookup(lookup))
+        outbox::config::from_process_env(|lookup| Self::from_lookup(lookup))
     }
 
     /// Like [`from_env`](Self::from_env), reading variables through `lookup`.
@@ -191,7 +194,7 @@ impl AdminAuth {
     /// `CANOPY_MQ_ADMIN_ALLOWED_HOSTS`.
     ///
     /// ```
-    /// use outbox::http::AdminAuth;
+    /// use outbox_admin::AdminAuth;
     /// let open = |v: &str| (v == "CANOPY_MQ_ADMIN_OPEN").then(|| "true".to_owned());
     /// assert!(AdminAuth::from_lookup(open).is_ok());
     /// assert!(AdminAuth::from_lookup(|_| None).is_err());
@@ -279,80 +282,6 @@ fn is_loopback_name(name: &str) -> bool {
         .is_ok_and(|ip| ip.is_loopback())
 }
 
-type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// A subscriber as the admin surface sees it: replay. (Its counters reach
-/// `/metrics` through the `metrics` facade.)
-pub trait ReplayTarget: Send + Sync + 'static {
-    /// The subscription (queue) name.
-    fn subscription(&self) -> &str;
-    /// Replays unprocessed rows of this subscription matching `filter`.
-    fn replay<'a>(
-        &'a self,
-        filter: &'a InboxFilter,
-    ) -> BoxFuture<'a, Result<ReplayPage, StoreError>>;
-    /// Skips these dead-lettered rows of this subscription (see
-    /// [`Subscriber::skip`]).
-    fn skip<'a>(&'a self, ids: &'a [Uuid]) -> BoxFuture<'a, Result<ReplayPage, StoreError>>;
-    /// Lists unprocessed rows of this subscription matching `filter` (the
-    /// console's dead-letter list).
-    fn list<'a>(
-        &'a self,
-        filter: &'a InboxFilter,
-    ) -> BoxFuture<'a, Result<Vec<InboxRow>, StoreError>>;
-    /// Its counters since it started.
-    fn stats(&self) -> SubscriberStats;
-    /// How its inbox stands (see [`Subscriber::inbox_counts`]).
-    fn counts(&self, window: Duration, cap: u32) -> BoxFuture<'_, Result<InboxCounts, StoreError>>;
-    /// Why it is not ready, if it is not (see
-    /// [`Subscriber::readiness_reasons`]); `/readyz` includes it. None by
-    /// default.
-    fn readiness_reasons(&self) -> Vec<crate::UnreadyReason> {
-        Vec::new()
-    }
-}
-
-impl<S, B, C, H> ReplayTarget for Subscriber<S, B, C, H>
-where
-    S: InboxStore,
-    B: ConsumerBroker,
-    C: Clock,
-    H: Handler<S::HandlerTx>,
-{
-    fn subscription(&self) -> &str {
-        &self.settings().spec.queue
-    }
-
-    fn replay<'a>(
-        &'a self,
-        filter: &'a InboxFilter,
-    ) -> BoxFuture<'a, Result<ReplayPage, StoreError>> {
-        Box::pin(Subscriber::replay_page(self, filter))
-    }
-
-    fn skip<'a>(&'a self, ids: &'a [Uuid]) -> BoxFuture<'a, Result<ReplayPage, StoreError>> {
-        Box::pin(Subscriber::skip(self, ids))
-    }
-
-    fn list<'a>(
-        &'a self,
-        filter: &'a InboxFilter,
-    ) -> BoxFuture<'a, Result<Vec<InboxRow>, StoreError>> {
-        Box::pin(Subscriber::list_unprocessed(self, filter))
-    }
-
-    fn stats(&self) -> SubscriberStats {
-        self.counters().snapshot()
-    }
-
-    fn counts(&self, window: Duration, cap: u32) -> BoxFuture<'_, Result<InboxCounts, StoreError>> {
-        Box::pin(Subscriber::inbox_counts(self, window, cap))
-    }
-    fn readiness_reasons(&self) -> Vec<crate::UnreadyReason> {
-        Subscriber::readiness_reasons(self)
-    }
-}
-
 type ReadinessProbe = Arc<dyn Fn() -> Readiness + Send + Sync>;
 
 /// Builds the admin [`Router`].
@@ -400,10 +329,23 @@ impl AdminRouter {
         }
     }
 
+    /// A router for everything `outbox` runs: its store (parked rows), the
+    /// drainer's readiness, and every subscription (replay, skip, its
+    /// readiness), behind `auth`; add metrics or the console, then `build`.
+    pub fn for_outbox(outbox: &Outbox, auth: AdminAuth) -> Self {
+        let mut router = Self::new(auth)
+            .outbox(outbox.outbox_store())
+            .readiness(outbox.drainer().readiness_probe());
+        for target in outbox.replay_targets() {
+            router = router.subscriber(target);
+        }
+        router
+    }
+
     /// Serves `/metrics` from this exporter (see
     /// [`install_prometheus_recorder`]): the outbox gauges, the drainer's
     /// and subscribers' counters and histograms
-    /// ([`crate::telemetry`] lists them). Without it `/metrics` is a 404.
+    /// ([`outbox::telemetry`] lists them). Without it `/metrics` is a 404.
     pub fn metrics(mut self, handle: PrometheusHandle) -> Self {
         self.metrics = Some(handle);
         self
@@ -416,7 +358,7 @@ impl AdminRouter {
     }
 
     /// Serves `/readyz` from this probe (see
-    /// [`crate::DrainerHandle::readiness_probe`]).
+    /// [`outbox::DrainerHandle::readiness_probe`]).
     pub fn readiness(mut self, probe: impl Fn() -> Readiness + Send + Sync + 'static) -> Self {
         self.readiness = Some(Arc::new(probe));
         self
@@ -878,7 +820,7 @@ pub const DURATION_BUCKETS: &[f64] = &[
 ///
 /// ```no_run
 /// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// use outbox::http::{AdminAuth, AdminRouter, install_prometheus_recorder};
+/// use outbox_admin::{AdminAuth, AdminRouter, install_prometheus_recorder};
 /// let metrics = install_prometheus_recorder()?;
 /// let router = AdminRouter::new(AdminAuth::from_env()?).metrics(metrics).build();
 /// # Ok(()) }
@@ -893,7 +835,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
     let Some(handle) = &state.metrics else {
         return error(
             StatusCode::NOT_FOUND,
-            "no metrics recorder: see outbox::http::install_prometheus_recorder",
+            "no metrics recorder: see outbox_admin::install_prometheus_recorder",
         );
     };
     // Without the exporter's own upkeep task, histograms are drained here.

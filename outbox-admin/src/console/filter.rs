@@ -4,7 +4,7 @@
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
-use crate::core::ports::{InboxRow, ParkedRow};
+use outbox::core::ports::{InboxRow, ParkedRow};
 
 /// `application/x-www-form-urlencoded` fields, repeated names kept.
 #[derive(Debug, Default)]
@@ -165,10 +165,10 @@ impl Filter {
     }
 
     /// The payload field as the database matches it, if one is asked for.
-    pub fn payload_field(&self) -> Option<crate::core::ports::PayloadField> {
+    pub fn payload_field(&self) -> Option<outbox::core::ports::PayloadField> {
         match (&self.path, &self.value) {
             (Some(path), Some(value)) => {
-                Some(crate::core::ports::PayloadField::dotted(path, value))
+                Some(outbox::core::ports::PayloadField::dotted(path, value))
             }
             _ => None,
         }

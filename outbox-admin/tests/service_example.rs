@@ -2,12 +2,17 @@
 //! but too short or empty it ran its admin routes open, silently). `cargo
 //! test` builds the examples beside the tests; this runs the built one.
 
+#[path = "../../outbox/tests/support/cli.rs"]
+mod cli;
+
 use std::process::Command;
 
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    target.join("examples").join(name)
+use cli::{assert_help, assert_refused, example};
+
+#[test]
+fn the_service_example_answers_help_and_names_a_wrong_argument() {
+    assert_help(&example("service"), &["--help"]);
+    assert_refused(&example("service"), &["--port", "80"], "'--port'");
 }
 
 #[test]

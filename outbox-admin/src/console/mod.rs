@@ -10,7 +10,7 @@
 //! carries the token. Every form carries the session's CSRF token and every
 //! value on a page is HTML-escaped. [`ConsoleSettings::read_only`] leaves
 //! the pages and takes the actions away. The actions are the library's
-//! admin operations ([`crate::admin::unpark`], [`crate::admin::skip`],
+//! admin operations ([`outbox::admin::unpark`], [`outbox::admin::skip`],
 //! [`super::ReplayTarget::replay`], [`super::ReplayTarget::skip`]), run
 //! in batches of [`ACTION_BATCH`].
 

@@ -18,9 +18,9 @@ use super::html::{esc, hidden, page, table};
 use super::lists::{dead_matching, parked_matching, parked_where};
 use super::session::{Session, same};
 use super::{ACTION_BATCH, ACTION_MAX, Console, html, problem};
-use crate::admin;
-use crate::core::ports::{InboxFilter, ParkedFilter, UnparkSelector};
-use crate::core::subscriber::ReplayOutcome;
+use outbox::admin;
+use outbox::core::ports::{InboxFilter, ParkedFilter, UnparkSelector};
+use outbox::core::subscriber::ReplayOutcome;
 
 /// The session and the form of a POST whose CSRF token is the session's,
 /// or the answer that refuses it.

@@ -16,12 +16,12 @@ use super::filter::{Filter, Form};
 use super::html::{esc, esc_bytes, input, page, table, url};
 use super::session::Session;
 use super::{ACTION_MAX, Console, html, problem, signed_in};
-use crate::admin;
-use crate::core::ports::{
+use outbox::admin;
+use outbox::core::ports::{
     InboxCursor, InboxFilter, InboxRow, OutboxStore, ParkedCursor, ParkedFilter, ParkedRow,
 };
-use crate::envelope::EventEnvelope;
-use crate::error::StoreError;
+use outbox::envelope::EventEnvelope;
+use outbox::error::StoreError;
 
 /// The page size the lists read their rows in (oldest first).
 pub const LIST_WINDOW: u32 = 1000;

@@ -8,6 +8,7 @@
 //! The tracing subscriber and the metrics recorder are global, so this
 //! binary installs both once and its tests look only at what they made.
 
+#[path = "../../outbox/tests/common/mod.rs"]
 mod common;
 
 use std::sync::{Arc, OnceLock};
@@ -15,15 +16,16 @@ use std::time::Duration;
 
 use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use outbox::core::drainer::Drainer;
 use outbox::core::ports::SubscriptionSpec;
 use outbox::core::subscriber::{Handler, Subscriber, SubscriberSettings};
-use outbox::http::{AdminAuth, AdminRouter, PrometheusHandle, install_prometheus_recorder};
 use outbox::pg::inbox::{PgInboxStore, PgTx};
+use outbox::runtime::OsEntropy;
 use outbox::trace_context::TraceContext;
 use outbox::{
-    Drainer, DrainerConfig, EventEnvelope, HandlerError, LapinBroker, OsEntropy, PgOutboxStore,
-    Publisher, TokioClock,
+    DrainerConfig, EventEnvelope, HandlerError, LapinBroker, PgOutboxStore, Publisher, TokioClock,
 };
+use outbox_admin::{AdminAuth, AdminRouter, PrometheusHandle, install_prometheus_recorder};
 use sqlx::PgPool;
 use tracing::Instrument;
 use tracing_subscriber::layer::SubscriberExt;
@@ -67,7 +69,7 @@ impl Handler<PgTx> for Applies {
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn one_trace_runs_from_publish_tx_through_the_drainer_to_the_handler(pool: PgPool) {
     let t = telemetry();
     let exchange = common::unique("otel.x");
@@ -344,7 +346,7 @@ async fn metrics_without_an_exporter_is_a_json_404() {
     assert_eq!(resp.status(), axum::http::StatusCode::NOT_FOUND);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn an_idle_drainer_polls_without_batch_spans(pool: PgPool) {
     let t = telemetry();
     let replica = common::unique("idle");

@@ -4,6 +4,7 @@
 //! a real browser, Debian's Chromium driven headless through chromedriver
 //! (`.ci/run` installs both), in `a_browser_finds_and_fixes_…`.
 
+#[path = "../../outbox/tests/common/mod.rs"]
 mod common;
 mod webdriver;
 
@@ -11,11 +12,11 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
-use outbox::http::{AdminAuth, AdminRouter, ConsoleSettings};
 use outbox::{
     EventEnvelope, HandlerError, LapinBroker, PgInboxStore, PgOutboxStore, PgTx, Publisher,
     Subscriber, SubscriberSettings, TokioClock,
 };
+use outbox_admin::{AdminAuth, AdminRouter, ConsoleSettings};
 use sqlx::PgPool;
 use tower::ServiceExt;
 use uuid::Uuid;
@@ -204,7 +205,7 @@ async fn sign_in(r: &axum::Router) -> (String, String) {
     (session.clone(), field(&overview.body, "csrf"))
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn signing_in_needs_the_token_and_gives_an_http_only_strict_cookie(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default()).await;
     for page in [
@@ -282,7 +283,7 @@ async fn signing_in_needs_the_token_and_gives_an_http_only_strict_cookie(pool: P
     assert_eq!(after.status, StatusCode::SEE_OTHER, "the session ended");
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn every_action_needs_the_sessions_csrf_token(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default()).await;
     let (parked, dead) = seed(&pool).await;
@@ -341,7 +342,7 @@ async fn every_action_needs_the_sessions_csrf_token(pool: PgPool) {
     );
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn hostile_rows_render_as_text(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default()).await;
     let (parked, dead) = seed(&pool).await;
@@ -451,7 +452,7 @@ async fn subscription_counts(r: &axum::Router, session: &str) -> [String; 3] {
     [cells[0].clone(), cells[1].clone(), cells[2].clone()]
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default()).await;
     let (parked, dead) = seed(&pool).await;
@@ -559,7 +560,7 @@ async fn actions_confirm_their_count_and_say_what_each_row_became(pool: PgPool) 
     assert_eq!(big.status, StatusCode::BAD_REQUEST, "{}", big.body);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn an_actions_page_shows_each_batch_as_it_is_done(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default()).await;
     let publisher = Publisher::new(pool.clone());
@@ -620,7 +621,7 @@ async fn an_actions_page_shows_each_batch_as_it_is_done(pool: PgPool) {
     assert_eq!(parked, 0);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_lists_read_past_their_first_thousand_rows(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default()).await;
     // 1 200 dead-lettered rows, oldest first; the last 100 the only
@@ -680,7 +681,7 @@ async fn the_lists_read_past_their_first_thousand_rows(pool: PgPool) {
     assert!(list.body.contains("100 matching"), "{}", list.body);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_read_only_console_shows_rows_and_takes_no_action(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default().read_only(true)).await;
     let (parked, _) = seed(&pool).await;
@@ -713,7 +714,7 @@ async fn see(b: &webdriver::Browser, needle: &str) -> String {
     text
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn a_browser_finds_and_fixes_dead_letters_and_parked_rows(pool: PgPool) {
     let r = router(&pool, ConsoleSettings::default()).await;
     let (_, dead) = seed(&pool).await;

@@ -6,8 +6,8 @@
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use outbox::core::stats::{Readiness, UnreadyReason};
-use outbox::http::{AdminAuth, AdminRouter};
 use outbox::{EventEnvelope, PgOutboxStore, Publisher};
+use outbox_admin::{AdminAuth, AdminRouter};
 use sqlx::PgPool;
 use tower::ServiceExt;
 
@@ -67,7 +67,7 @@ fn the_surface_refuses_to_start_open_unless_told() {
     assert!(format!("{:?}", AdminAuth::bearer(TOKEN).unwrap()).contains("***"));
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn admin_routes_refuse_calls_without_the_token(pool: PgPool) {
     let r = router(&pool);
     for token in [None, Some("wrong-token-of-some-length"), Some("")] {
@@ -91,7 +91,7 @@ async fn admin_routes_refuse_calls_without_the_token(pool: PgPool) {
     assert_eq!(json["parked"], serde_json::json!([]));
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn bad_requests_get_a_4xx_with_a_json_error(pool: PgPool) {
     let r = router(&pool);
     let cases: &[(&str, &str, Option<&str>, StatusCode)] = &[
@@ -200,7 +200,7 @@ async fn bad_requests_get_a_4xx_with_a_json_error(pool: PgPool) {
     assert_eq!(resp.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn parked_rows_are_listed_and_unparked_with_a_fresh_budget(pool: PgPool) {
     let publisher = Publisher::new(pool.clone());
     let a = EventEnvelope::new("orders.created", serde_json::json!({ "n": 1 }));
@@ -263,7 +263,7 @@ async fn parked_rows_are_listed_and_unparked_with_a_fresh_budget(pool: PgPool) {
 
 /// Skip gives parked rows up: marked done, never published, `skipped_at`
 /// set; a row that is not parked is left alone; the key behind goes on.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn parked_rows_are_skipped_and_only_parked_ones(pool: PgPool) {
     let publisher = Publisher::new(pool.clone());
     let head = EventEnvelope::new("orders.created", serde_json::json!({})).with_ordering_key("o-1");
@@ -321,7 +321,7 @@ async fn readyz_and_metrics_report_the_outbox_and_need_no_token() {
             pending: 12_000,
             threshold: 10_000,
         }],
-        stats: Some(outbox::OutboxStats {
+        stats: Some(outbox::runtime::OutboxStats {
             pending: 12_000,
             oldest_unpublished_age_secs: 4.5,
             parked: 3,
@@ -346,7 +346,7 @@ struct EchoTarget {
     limit: std::sync::Mutex<Option<u32>>,
 }
 
-impl outbox::http::ReplayTarget for EchoTarget {
+impl outbox::admin::ReplayTarget for EchoTarget {
     fn subscription(&self) -> &str {
         "echo"
     }
@@ -356,7 +356,7 @@ impl outbox::http::ReplayTarget for EchoTarget {
         filter: &'a outbox::core::ports::InboxFilter,
     ) -> std::pin::Pin<
         Box<
-            dyn std::future::Future<Output = Result<outbox::ReplayPage, outbox::StoreError>>
+            dyn std::future::Future<Output = Result<outbox::admin::ReplayPage, outbox::StoreError>>
                 + Send
                 + 'a,
         >,
@@ -370,7 +370,7 @@ impl outbox::http::ReplayTarget for EchoTarget {
             .map(|id| (*id, outbox::core::subscriber::ReplayOutcome::Applied))
             .collect();
         Box::pin(async move {
-            Ok(outbox::ReplayPage {
+            Ok(outbox::admin::ReplayPage {
                 results,
                 released: Vec::new(),
                 next: None,
@@ -383,7 +383,7 @@ impl outbox::http::ReplayTarget for EchoTarget {
         ids: &'a [uuid::Uuid],
     ) -> std::pin::Pin<
         Box<
-            dyn std::future::Future<Output = Result<outbox::ReplayPage, outbox::StoreError>>
+            dyn std::future::Future<Output = Result<outbox::admin::ReplayPage, outbox::StoreError>>
                 + Send
                 + 'a,
         >,
@@ -393,7 +393,7 @@ impl outbox::http::ReplayTarget for EchoTarget {
             .map(|id| (*id, outbox::core::subscriber::ReplayOutcome::Skipped))
             .collect();
         Box::pin(async move {
-            Ok(outbox::ReplayPage {
+            Ok(outbox::admin::ReplayPage {
                 results,
                 released: Vec::new(),
                 next: None,
@@ -403,7 +403,7 @@ impl outbox::http::ReplayTarget for EchoTarget {
 
     fn list<'a>(
         &'a self,
-        _filter: &'a outbox::InboxFilter,
+        _filter: &'a outbox::admin::InboxFilter,
     ) -> std::pin::Pin<
         Box<
             dyn std::future::Future<
@@ -415,8 +415,8 @@ impl outbox::http::ReplayTarget for EchoTarget {
         Box::pin(async { Ok(Vec::new()) })
     }
 
-    fn stats(&self) -> outbox::SubscriberStats {
-        outbox::SubscriberStats::default()
+    fn stats(&self) -> outbox::admin::SubscriberStats {
+        outbox::admin::SubscriberStats::default()
     }
 
     fn counts(
@@ -425,12 +425,12 @@ impl outbox::http::ReplayTarget for EchoTarget {
         _cap: u32,
     ) -> std::pin::Pin<
         Box<
-            dyn std::future::Future<Output = Result<outbox::InboxCounts, outbox::StoreError>>
+            dyn std::future::Future<Output = Result<outbox::admin::InboxCounts, outbox::StoreError>>
                 + Send
                 + '_,
         >,
     > {
-        Box::pin(async { Ok(outbox::InboxCounts::default()) })
+        Box::pin(async { Ok(outbox::admin::InboxCounts::default()) })
     }
 }
 
@@ -479,7 +479,7 @@ async fn dead_lettered_events_are_skipped_by_subscription_and_ids() {
     }
 }
 
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn the_admin_surface_edges_answer_in_json_with_the_right_status(pool: PgPool) {
     let echo = std::sync::Arc::new(EchoTarget {
         limit: Default::default(),
@@ -594,12 +594,12 @@ async fn call_host(
 /// (a page in an operator's browser reaching a sidecar on localhost through
 /// a name of its own, by DNS rebinding, is refused); with a token, any
 /// host. Probes and scrapes answer every host.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn an_open_surface_answers_loopback_and_allowed_hosts_only(pool: PgPool) {
     let open = |auth: AdminAuth| {
         AdminRouter::new(auth)
             .outbox(PgOutboxStore::new(pool.clone()))
-            .console(outbox::http::ConsoleSettings::default())
+            .console(outbox_admin::ConsoleSettings::default())
             .build()
     };
     let r = open(AdminAuth::open_insecure());
@@ -685,11 +685,11 @@ async fn an_open_surface_answers_loopback_and_allowed_hosts_only(pool: PgPool) {
 
 /// Every answer carries the security headers, the console's pages, its
 /// unknown routes and refusals, and the JSON routes alike.
-#[sqlx::test(migrator = "outbox::MIGRATOR")]
+#[sqlx::test(migrator = "outbox::migrate::MIGRATOR")]
 async fn every_answer_carries_the_security_headers(pool: PgPool) {
     let r = AdminRouter::new(AdminAuth::bearer(TOKEN).unwrap())
         .outbox(PgOutboxStore::new(pool.clone()))
-        .console(outbox::http::ConsoleSettings::default())
+        .console(outbox_admin::ConsoleSettings::default())
         .build();
     for uri in [
         "/admin/login",
