@@ -306,13 +306,13 @@ pub fn config(data: &[u8]) {
         };
         let shown = e.to_string();
         assert!(
-            shown.starts_with(var),
+            shown.starts_with(var.as_ref()),
             "{what}: {shown:?} does not name {var}"
         );
         // A rule between two variables may be broken by the default of the
         // one not set: the error names it and the one that was.
         assert!(
-            REQUIRED_VARS.contains(var) || env.keys().any(|set| shown.contains(set)),
+            REQUIRED_VARS.contains(&var.as_ref()) || env.keys().any(|set| shown.contains(set)),
             "{what}: the error names no variable that was set: {e}"
         );
     }

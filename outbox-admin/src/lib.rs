@@ -110,7 +110,7 @@ impl AdminAuth {
     pub fn bearer(token: &str) -> Result<Self, ConfigError> {
         if token.trim().len() < TOKEN_MIN_BYTES {
             return Err(ConfigError::Invalid {
-                var: ADMIN_TOKEN_VAR,
+                var: ADMIN_TOKEN_VAR.into(),
                 value: "***".into(),
                 rule: format!("must be at least {TOKEN_MIN_BYTES} bytes"),
             });
@@ -155,7 +155,7 @@ impl AdminAuth {
                 || (!bracketed && host.contains(':'))
             {
                 return Err(ConfigError::Invalid {
-                    var: ADMIN_ALLOWED_HOSTS_VAR,
+                    var: ADMIN_ALLOWED_HOSTS_VAR.into(),
                     value: host.escape_debug().to_string(),
                     rule: "each must be a host name or address without a port, \
                            comma-separated (an IPv6 address in brackets)"
@@ -214,7 +214,7 @@ impl AdminAuth {
                 Ok(auth)
             }
             (None, open) => Err(ConfigError::Invalid {
-                var: ADMIN_TOKEN_VAR,
+                var: ADMIN_TOKEN_VAR.into(),
                 value: String::new(),
                 rule: format!(
                     "must be set (or set {ADMIN_OPEN_VAR}=true to run the admin surface open; \

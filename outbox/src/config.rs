@@ -305,7 +305,7 @@ impl crate::core::subscriber::SubscriberSettings {
         }
         if let Some(v) = lookup(vars::SUBSCRIBER_QUEUE_TYPE) {
             s.spec.queue_type = v.parse().map_err(|rule| ConfigError::Invalid {
-                var: vars::SUBSCRIBER_QUEUE_TYPE,
+                var: vars::SUBSCRIBER_QUEUE_TYPE.into(),
                 value: v.clone(),
                 rule,
             })?;
@@ -477,7 +477,7 @@ impl crate::core::janitor::InboxJanitorSettings {
             let days: u64 = parse(vars::INBOX_RETENTION_DAYS, &v)?;
             if days == 0 || days > RETENTION_DAYS_MAX {
                 return Err(ConfigError::Invalid {
-                    var: vars::INBOX_RETENTION_DAYS,
+                    var: vars::INBOX_RETENTION_DAYS.into(),
                     value: v,
                     rule: format!(
                         "must be >= 1 and <= {RETENTION_DAYS_MAX} (the inbox's processed \
@@ -541,7 +541,7 @@ impl DrainerConfig {
             let days: u64 = parse(vars::RETENTION_DAYS, &v)?;
             if days > RETENTION_DAYS_MAX {
                 return Err(ConfigError::Invalid {
-                    var: vars::RETENTION_DAYS,
+                    var: vars::RETENTION_DAYS.into(),
                     value: v,
                     rule: format!("must be <= {RETENTION_DAYS_MAX}"),
                 });
@@ -598,13 +598,13 @@ impl Whole for u64 {
 fn parse<T: Whole>(var: &'static str, value: &str) -> Result<T, ConfigError> {
     let digits = value.trim();
     let too_big = || ConfigError::Invalid {
-        var,
+        var: var.into(),
         value: value.to_owned(),
         rule: format!("must be <= {}", T::MAX),
     };
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return Err(ConfigError::Invalid {
-            var,
+            var: var.into(),
             value: value.to_owned(),
             rule: "must be a non-negative whole number".into(),
         });
@@ -622,7 +622,8 @@ pub(crate) fn parse_whole<T: Whole>(var: &'static str, value: &str) -> Result<T,
 /// that is not UTF-8 is an error naming it (never taken as unset, which
 /// would quietly apply the default), whatever `read` made of it. Every
 /// `from_env` of the library reads through it; a crate of settings of its
-/// own (`outbox-admin`'s) does too.
+/// own (`outbox-admin`'s) does too. The same as
+/// [`Env::default().read`](Env::read).
 ///
 /// ```
 /// use outbox::config::from_process_env;
@@ -633,29 +634,141 @@ pub(crate) fn parse_whole<T: Whole>(var: &'static str, value: &str) -> Result<T,
 pub fn from_process_env<T>(
     read: impl FnOnce(&dyn Fn(&str) -> Option<String>) -> Result<T, ConfigError>,
 ) -> Result<T, ConfigError> {
-    let garbled = std::cell::RefCell::new(None::<ConfigError>);
-    let lookup = |name: &str| match std::env::var(name) {
-        Ok(value) => Some(value),
-        Err(std::env::VarError::NotPresent) => None,
-        Err(std::env::VarError::NotUnicode(raw)) => {
-            let bytes = raw.as_encoded_bytes();
-            let at = std::str::from_utf8(bytes)
-                .err()
-                .map_or(0, |e| e.valid_up_to());
-            garbled
-                .borrow_mut()
-                .get_or_insert_with(|| ConfigError::NotUnicode {
-                    var: name.to_owned(),
-                    at: at + 1,
-                    len: bytes.len(),
-                });
-            None
+    Env::default().read(read)
+}
+
+/// The prefix every variable of the library carries by default.
+pub const DEFAULT_PREFIX: &str = "CANOPY_MQ_";
+
+/// The process's environment under a prefix: `CANOPY_MQ_` (the
+/// [default](DEFAULT_PREFIX)), or a service's own, so that
+/// `CANOPY_MQ_DRAINER_BATCH_SIZE` is read as `ORDERS_MQ_DRAINER_BATCH_SIZE`
+/// and an error names the variable the operator sets.
+///
+/// ```
+/// use outbox::config::Env;
+/// use outbox::{DrainerConfig, SubscriberSettings};
+/// let env = Env::prefixed("ORDERS_MQ_")?;
+/// // SAFETY (of the example): nothing else reads the environment here.
+/// unsafe { std::env::set_var("ORDERS_MQ_DRAINER_BATCH_SIZE", "0") };
+/// let e = env.read(|l| DrainerConfig::from_lookup(l)).unwrap_err();
+/// assert!(e.to_string().starts_with("ORDERS_MQ_DRAINER_BATCH_SIZE=0 is invalid"));
+/// let settings = env.read(|l| SubscriberSettings::from_lookup("orders.ship", &["#"], l))?;
+/// assert_eq!(settings.spec.queue, "orders.ship");
+/// // `Outbox::builder(pool).env(env)` reads the drainer's, the janitor's
+/// // and the broker's variables under it.
+/// # Ok::<(), outbox::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Env {
+    prefix: String,
+}
+
+impl Default for Env {
+    fn default() -> Self {
+        Self {
+            prefix: DEFAULT_PREFIX.to_owned(),
         }
-    };
-    let read = read(&lookup);
-    match garbled.into_inner() {
-        Some(e) => Err(e),
-        None => read,
+    }
+}
+
+impl Env {
+    /// Variables under `prefix` (`A`–`Z`, `0`–`9` and `_`, starting with a
+    /// letter and ending with `_`) instead of `CANOPY_MQ_`.
+    pub fn prefixed(prefix: &str) -> Result<Self, ConfigError> {
+        let well_formed = prefix.len() >= 2
+            && prefix.starts_with(|c: char| c.is_ascii_uppercase())
+            && prefix.ends_with('_')
+            && prefix
+                .bytes()
+                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
+        if !well_formed {
+            return Err(ConfigError::Invalid {
+                var: "env prefix".into(),
+                value: prefix.escape_debug().to_string(),
+                rule: "must be upper-case letters, digits and `_`, start with a letter and \
+                       end with `_` (as CANOPY_MQ_)"
+                    .into(),
+            });
+        }
+        Ok(Self {
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    /// The prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The name under this prefix of the library's variable `var` (a
+    /// `CANOPY_MQ_*` name; any other name is its own).
+    pub fn name(&self, var: &str) -> String {
+        match var.strip_prefix(DEFAULT_PREFIX) {
+            Some(rest) => format!("{}{rest}", self.prefix),
+            None => var.to_owned(),
+        }
+    }
+
+    /// Runs `read` over the process's environment, its `CANOPY_MQ_*` names
+    /// read under this prefix; an error names the variable as read. A
+    /// variable set to a value that is not UTF-8 is an error naming it
+    /// (never taken as unset, which would quietly apply the default),
+    /// whatever `read` made of it.
+    pub fn read<T>(
+        &self,
+        read: impl FnOnce(&dyn Fn(&str) -> Option<String>) -> Result<T, ConfigError>,
+    ) -> Result<T, ConfigError> {
+        let garbled = std::cell::RefCell::new(None::<ConfigError>);
+        let lookup = |var: &str| {
+            let name = self.name(var);
+            match std::env::var(&name) {
+                Ok(value) => Some(value),
+                Err(std::env::VarError::NotPresent) => None,
+                Err(std::env::VarError::NotUnicode(raw)) => {
+                    let bytes = raw.as_encoded_bytes();
+                    let at = std::str::from_utf8(bytes)
+                        .err()
+                        .map_or(0, |e| e.valid_up_to());
+                    garbled
+                        .borrow_mut()
+                        .get_or_insert_with(|| ConfigError::NotUnicode {
+                            var: name,
+                            at: at + 1,
+                            len: bytes.len(),
+                        });
+                    None
+                }
+            }
+        };
+        let read = read(&lookup);
+        match garbled.into_inner() {
+            Some(e) => Err(e),
+            None => read.map_err(|e| self.renamed(e)),
+        }
+    }
+
+    /// `e` naming its variable under this prefix.
+    fn renamed(&self, e: ConfigError) -> ConfigError {
+        match e {
+            ConfigError::Invalid { var, value, rule } if var.starts_with(DEFAULT_PREFIX) => {
+                ConfigError::Invalid {
+                    var: self.name(&var).into(),
+                    value,
+                    rule: self.rule_renamed(&rule),
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// A rule's text naming other variables under this prefix.
+    fn rule_renamed(&self, rule: &str) -> String {
+        if self.prefix == DEFAULT_PREFIX {
+            rule.to_owned()
+        } else {
+            rule.replace(DEFAULT_PREFIX, &self.prefix)
+        }
     }
 }
 
@@ -957,7 +1070,7 @@ fn invalid<T>(
     rule: impl Into<String>,
 ) -> Result<T, ConfigError> {
     Err(ConfigError::Invalid {
-        var,
+        var: var.into(),
         value: value.to_string(),
         rule: rule.into(),
     })

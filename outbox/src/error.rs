@@ -88,8 +88,9 @@ pub enum ConfigError {
     /// `var` holds `value`, which breaks `rule`.
     #[error("{var}={value} is invalid: {rule}")]
     Invalid {
-        /// The `CANOPY_MQ_*` variable (also used for builder settings).
-        var: &'static str,
+        /// The variable (`CANOPY_MQ_*`, or under the service's own prefix:
+        /// [`crate::config::Env`]), or the builder setting.
+        var: std::borrow::Cow<'static, str>,
         /// The value seen.
         value: String,
         /// The rule it breaks, in words.

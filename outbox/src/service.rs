@@ -39,6 +39,7 @@ use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinError, JoinHandle};
 
+use crate::config::Env;
 use crate::core::janitor::InboxJanitorSettings;
 use crate::core::stats::{Readiness, UnreadyReason};
 use crate::core::subscriber::{Handler, Subscriber, SubscriberSettings};
@@ -85,7 +86,10 @@ pub struct OutboxBuilder {
     drainer: Option<DrainerConfig>,
     inbox_janitor: Option<InboxJanitorSettings>,
     migrate: bool,
+    env: Env,
     queues: Vec<String>,
+    /// Each subscription's settings, checked at `start`.
+    checked: Vec<Result<(), ConfigError>>,
     subscriptions: Vec<Starter>,
 }
 
@@ -99,6 +103,7 @@ impl std::fmt::Debug for OutboxBuilder {
             .field("drainer", &self.drainer)
             .field("inbox_janitor", &self.inbox_janitor)
             .field("migrate", &self.migrate)
+            .field("env_prefix", &self.env.prefix())
             .field("subscriptions", &self.queues)
             .finish()
     }
@@ -126,6 +131,16 @@ impl OutboxBuilder {
         self
     }
 
+    /// Reads the variables under `env`'s prefix (`ORDERS_MQ_*`, say)
+    /// instead of `CANOPY_MQ_*`: the drainer's, the inbox janitor's and the
+    /// broker's, for what is not given in code. Read a subscription's with
+    /// the same `env` ([`Env::read`] with
+    /// [`SubscriberSettings::from_lookup`]).
+    pub fn env(mut self, env: Env) -> Self {
+        self.env = env;
+        self
+    }
+
     /// Does not run the library's migrations at start (for a service whose
     /// own migrator runs stamped copies of them).
     pub fn skip_migrations(mut self) -> Self {
@@ -137,6 +152,7 @@ impl OutboxBuilder {
     /// `settings.spec.queue` once, in the inbox's transaction.
     pub fn subscribe<H: Handler<PgTx>>(mut self, settings: SubscriberSettings, handler: H) -> Self {
         self.queues.push(settings.spec.queue.clone());
+        self.checked.push(settings.validate());
         let handler = Arc::new(handler);
         self.subscriptions.push(Box::new(move |pool, broker, stop| {
             let subscriber = Arc::new(Subscriber::new(
@@ -164,7 +180,7 @@ impl OutboxBuilder {
     fn broker(&self) -> Result<LapinBroker, ConfigError> {
         match &self.amqp_urls {
             Some(urls) => LapinBroker::from_list(urls),
-            None => LapinBroker::from_env(),
+            None => LapinBroker::from_env_in(&self.env),
         }
     }
 
@@ -176,8 +192,11 @@ impl OutboxBuilder {
     pub async fn start(self) -> Result<Outbox, StartError> {
         let config = match self.drainer.clone() {
             Some(config) => config,
-            None => DrainerConfig::from_env()?,
+            None => self.env.read(|l| DrainerConfig::from_lookup(l))?,
         };
+        if let Some(Err(e)) = self.checked.iter().find(|c| c.is_err()) {
+            return Err(StartError::Config(e.clone()));
+        }
         for (i, queue) in self.queues.iter().enumerate() {
             if self.queues[..i].contains(queue) {
                 return Err(StartError::DuplicateSubscription(queue.clone()));
@@ -186,7 +205,7 @@ impl OutboxBuilder {
         let inbox_janitor = match (&self.inbox_janitor, self.queues.is_empty()) {
             (_, true) => None,
             (Some(settings), false) => Some(*settings),
-            (None, false) => Some(InboxJanitorSettings::from_env()?),
+            (None, false) => Some(self.env.read(|l| InboxJanitorSettings::from_lookup(l))?),
         };
         let brokers = (0..=self.subscriptions.len())
             .map(|_| self.broker())
@@ -270,7 +289,7 @@ impl std::fmt::Debug for Outbox {
 impl Outbox {
     /// A builder on `pool`: set the broker's nodes, add subscriptions, then
     /// [`start`](OutboxBuilder::start). Settings not given come from the
-    /// `CANOPY_MQ_*` variables.
+    /// `CANOPY_MQ_*` variables (or another prefix: [`OutboxBuilder::env`]).
     pub fn builder(pool: PgPool) -> OutboxBuilder {
         OutboxBuilder {
             pool,
@@ -278,7 +297,9 @@ impl Outbox {
             drainer: None,
             inbox_janitor: None,
             migrate: true,
+            env: Env::default(),
             queues: Vec::new(),
+            checked: Vec::new(),
             subscriptions: Vec::new(),
         }
     }

@@ -319,11 +319,8 @@ fn the_builder_applies_the_same_rules() {
         .build()
         .unwrap_err();
     assert!(matches!(
-        err,
-        ConfigError::Invalid {
-            var: "janitor_batch",
-            ..
-        }
+        &err,
+        ConfigError::Invalid { var, .. } if var == "janitor_batch"
     ));
     let ok = DrainerConfig::builder()
         .replica_id("svc-1")

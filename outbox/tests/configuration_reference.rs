@@ -9,7 +9,9 @@ use std::path::Path;
 /// `CANOPY_MQ_*` names quoted as string literals in `text`.
 fn quoted_vars(text: &str, out: &mut BTreeMap<String, usize>) {
     for piece in text.split('"').skip(1).step_by(2) {
+        // The prefix alone (`config::DEFAULT_PREFIX`) names no variable.
         let is_name = piece.starts_with("CANOPY_MQ_")
+            && piece.len() > "CANOPY_MQ_".len()
             && piece
                 .chars()
                 .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');

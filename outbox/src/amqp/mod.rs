@@ -111,7 +111,7 @@ impl LapinBroker {
     /// ```
     pub fn from_list(list: &str) -> Result<Self, ConfigError> {
         let invalid = |rule: String| ConfigError::Invalid {
-            var: crate::config::vars::AMQP_URLS,
+            var: crate::config::vars::AMQP_URLS.into(),
             value: redact_list(list),
             rule,
         };
@@ -152,25 +152,29 @@ impl LapinBroker {
     /// be set, with the heartbeat of `CANOPY_MQ_AMQP_HEARTBEAT_SECS` (default
     /// [`HEARTBEAT_SECS_DEFAULT`]).
     pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_env_in(&crate::config::Env::default())
+    }
+
+    /// [`from_env`](Self::from_env) with the variables under `env`'s prefix.
+    pub fn from_env_in(env: &crate::config::Env) -> Result<Self, ConfigError> {
         use crate::config::vars;
-        let (list, heartbeat) = crate::config::from_process_env(|lookup| {
-            Ok((lookup(vars::AMQP_URLS), lookup(vars::AMQP_HEARTBEAT_SECS)))
-        })?;
-        let Some(list) = list else {
-            return Err(ConfigError::Invalid {
-                var: vars::AMQP_URLS,
-                value: String::new(),
-                rule: "must be set to the broker's AMQP URLs, comma-separated".into(),
-            });
-        };
-        let broker = Self::from_list(&list)?;
-        match heartbeat {
-            None => Ok(broker),
-            Some(v) => {
-                let secs: u16 = crate::config::parse_whole(vars::AMQP_HEARTBEAT_SECS, &v)?;
-                broker.with_heartbeat(Duration::from_secs(u64::from(secs)))
+        env.read(|lookup| {
+            let Some(list) = lookup(vars::AMQP_URLS) else {
+                return Err(ConfigError::Invalid {
+                    var: vars::AMQP_URLS.into(),
+                    value: String::new(),
+                    rule: "must be set to the broker's AMQP URLs, comma-separated".into(),
+                });
+            };
+            let broker = Self::from_list(&list)?;
+            match lookup(vars::AMQP_HEARTBEAT_SECS) {
+                None => Ok(broker),
+                Some(v) => {
+                    let secs: u16 = crate::config::parse_whole(vars::AMQP_HEARTBEAT_SECS, &v)?;
+                    broker.with_heartbeat(Duration::from_secs(u64::from(secs)))
+                }
             }
-        }
+        })
     }
 
     /// The same broker, its connections asking for an AMQP heartbeat of
@@ -190,7 +194,7 @@ impl LapinBroker {
         let secs = every.as_secs();
         if secs == 0 || secs > u64::from(HEARTBEAT_SECS_MAX) || every.subsec_nanos() != 0 {
             return Err(ConfigError::Invalid {
-                var: crate::config::vars::AMQP_HEARTBEAT_SECS,
+                var: crate::config::vars::AMQP_HEARTBEAT_SECS.into(),
                 value: format!("{}", every.as_secs_f64()),
                 rule: format!("must be whole seconds, >= 1 and <= {HEARTBEAT_SECS_MAX}"),
             });
