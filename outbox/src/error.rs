@@ -149,9 +149,11 @@ impl StoreError {
     /// idle session timeout), 25P03 (idle-in-transaction timeout), 57014 (a
     /// statement cancelled, by `statement_timeout` or
     /// `pg_cancel_backend`), 55P03 (a lock not had within `lock_timeout` or
-    /// `NOWAIT`) and the transient conflicts 40001 and 40P01 are
-    /// [`Unavailable`](Self::Unavailable); anything else is a
-    /// [`Statement`](Self::Statement) failure.
+    /// `NOWAIT`), the transient conflicts 40001 and 40P01, and a server that
+    /// cannot write (25006, a read-only transaction: a standby, or a primary
+    /// demoted in place; 0A000 when the server says it is in recovery or a
+    /// hot standby) are [`Unavailable`](Self::Unavailable); anything else is
+    /// a [`Statement`](Self::Statement) failure.
     ///
     /// ```
     /// use outbox::StoreError;
@@ -161,7 +163,13 @@ impl StoreError {
     ///                  StoreError::Unavailable(_)));
     /// assert!(matches!(StoreError::from_sqlstate("57014", "statement timeout".into()),
     ///                  StoreError::Unavailable(_)));
+    /// assert!(matches!(StoreError::from_sqlstate("25006", "cannot execute LISTEN during recovery".into()),
+    ///                  StoreError::Unavailable(_)));
     /// assert!(matches!(StoreError::from_sqlstate("23505", "duplicate key".into()),
+    ///                  StoreError::Statement(_)));
+    /// assert!(matches!(StoreError::from_sqlstate("0A000", "cannot use serializable mode in a hot standby".into()),
+    ///                  StoreError::Unavailable(_)));
+    /// assert!(matches!(StoreError::from_sqlstate("0A000", "COPY FROM is not supported".into()),
     ///                  StoreError::Statement(_)));
     /// ```
     pub fn from_sqlstate(code: &str, message: String) -> Self {
@@ -175,8 +183,12 @@ impl StoreError {
             | (
                 _,
                 "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "57P04" | "57P05" | "25P03"
-                | "57014" | "55P03",
+                | "57014" | "55P03" | "25006",
             ) => Self::Unavailable(message),
+            // What a standby cannot do (temporary or unlogged relations,
+            // serializable transactions): the server's role, not the
+            // statement.
+            (_, "0A000") if in_recovery(&message) => Self::Unavailable(message),
             _ => Self::Statement(message),
         }
     }
@@ -185,6 +197,12 @@ impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         matches!(self, Self::Unavailable(_))
     }
+}
+
+/// Whether a server's message says it is a standby (in recovery, or a hot
+/// standby): PostgreSQL's texts for what it refuses there.
+fn in_recovery(message: &str) -> bool {
+    message.contains("during recovery") || message.contains("hot standby")
 }
 
 /// A failure of the broker. Always blameless for the rows involved (a

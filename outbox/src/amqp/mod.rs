@@ -159,7 +159,10 @@ impl LapinBroker {
     pub fn from_env_in(env: &crate::config::Env) -> Result<Self, ConfigError> {
         use crate::config::vars;
         env.read(|lookup| {
-            let Some(list) = lookup(vars::AMQP_URLS) else {
+            // Both read before either is judged: a value that is not UTF-8
+            // is named even when the other is missing.
+            let (list, heartbeat) = (lookup(vars::AMQP_URLS), lookup(vars::AMQP_HEARTBEAT_SECS));
+            let Some(list) = list else {
                 return Err(ConfigError::Invalid {
                     var: vars::AMQP_URLS.into(),
                     value: String::new(),
@@ -167,7 +170,7 @@ impl LapinBroker {
                 });
             };
             let broker = Self::from_list(&list)?;
-            match lookup(vars::AMQP_HEARTBEAT_SECS) {
+            match heartbeat {
                 None => Ok(broker),
                 Some(v) => {
                     let secs: u16 = crate::config::parse_whole(vars::AMQP_HEARTBEAT_SECS, &v)?;
