@@ -30,7 +30,8 @@ const FORBIDDEN: &[(&str, &str)] = &[
     ),
     ("crate::pg", "the store port"),
     ("crate::amqp", "the broker port"),
-    ("crate::http", "nothing: the admin router calls the core"),
+    ("crate::service", "nothing: the entry point wires the core"),
+    ("crate::testing", "nothing: the test helpers drive the core"),
     ("crate::admin", "nothing: the admin layer calls the core"),
     ("crate::runtime", "nothing: the runtime spawns the core"),
 ];

@@ -1,4 +1,4 @@
-//! ARCHITECTURE.md's invariant table cannot drift from the checker: every
+//! The invariant table (docs/internals/invariants.md) cannot drift from the checker: every
 //! `Invariant` has exactly one row (by its stable name), and every row
 //! names an invariant the checker states.
 
@@ -10,14 +10,7 @@ use sim::checker::Invariant;
 #[test]
 fn every_invariant_has_one_row_and_every_row_an_invariant() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
-    let table = text
-        .split("### The invariant table")
-        .nth(1)
-        .expect("ARCHITECTURE.md has its invariant table")
-        .split("\n### ")
-        .next()
-        .unwrap();
+    let table = std::fs::read_to_string(root.join("docs/internals/invariants.md")).unwrap();
     let mut rows: BTreeMap<String, usize> = BTreeMap::new();
     for line in table.lines() {
         if let Some(rest) = line.strip_prefix("| `")
@@ -39,7 +32,7 @@ fn every_invariant_has_one_row_and_every_row_an_invariant() {
         .collect();
     assert!(
         missing.is_empty() && stale.is_empty() && twice.is_empty(),
-        "ARCHITECTURE.md's invariant table: missing {missing:?}, naming no \
+        "docs/internals/invariants.md: missing {missing:?}, naming no \
          invariant {stale:?}, listed twice {twice:?}"
     );
 }

@@ -1,7 +1,7 @@
 //! The checker: every rule of ADR-018 and its amendments that the code must
 //! keep, each a named [`Invariant`], verified from the trace and the fakes'
-//! final state, separately from the code under test. ARCHITECTURE.md's
-//! invariant table lists each rule with where it is implemented, where it
+//! final state, separately from the code under test. The invariant table
+//! (docs/internals/invariants.md) lists each rule with where it is implemented, where it
 //! is checked and which scenarios reach it; keep the two in step.
 //!
 //! One file per family of rules:
