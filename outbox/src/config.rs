@@ -455,6 +455,41 @@ impl crate::core::subscriber::SubscriberSettings {
 }
 
 impl crate::core::janitor::InboxJanitorSettings {
+    /// Checks settings set in code: a retention, an interval and a batch
+    /// that are not zero (a retention of zero would delete the inbox's
+    /// deduplication as it is written, and a redelivered duplicate would
+    /// take effect again).
+    ///
+    /// ```
+    /// use outbox::InboxJanitorSettings;
+    /// assert!(InboxJanitorSettings::default().validate().is_ok());
+    /// let zero = InboxJanitorSettings { retention: std::time::Duration::ZERO, ..Default::default() };
+    /// assert!(zero.validate().unwrap_err().to_string().contains("retention"));
+    /// ```
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let rules: [(&'static str, bool, String); 3] = [
+            (
+                "inbox janitor retention",
+                self.retention.is_zero(),
+                format!("{:?}", self.retention),
+            ),
+            (
+                "inbox janitor interval",
+                self.interval.is_zero(),
+                format!("{:?}", self.interval),
+            ),
+            (
+                "inbox janitor batch",
+                self.batch == 0,
+                self.batch.to_string(),
+            ),
+        ];
+        match rules.into_iter().find(|(_, broken, _)| *broken) {
+            Some((var, _, value)) => invalid(var, &value, "must not be zero"),
+            None => Ok(()),
+        }
+    }
+
     /// Reads `CANOPY_MQ_INBOX_RETENTION_DAYS` (default 7); fails naming it.
     pub fn from_env() -> Result<Self, ConfigError> {
         from_process_env(|lookup| Self::from_lookup(lookup))
@@ -501,6 +536,43 @@ impl DrainerConfig {
     /// Starts a builder with the ADR's defaults and a generated replica id.
     pub fn builder() -> DrainerConfigBuilder {
         DrainerConfigBuilder::default()
+    }
+
+    /// Checks every rule [`DrainerConfigBuilder::build`] checks, for a
+    /// configuration whose public fields were set or changed in code.
+    /// Durations are judged in the unit of their variable (a lease of
+    /// 1.5 s as 1 s). [`Outbox::builder`](crate::Outbox::builder) checks a
+    /// configuration it is given so.
+    ///
+    /// ```
+    /// let mut config = outbox::DrainerConfig::builder().build()?;
+    /// config.batch_size = 0;
+    /// let e = config.validate().unwrap_err();
+    /// assert!(e.to_string().starts_with("CANOPY_MQ_DRAINER_BATCH_SIZE=0 is invalid"));
+    /// # Ok::<(), outbox::ConfigError>(())
+    /// ```
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let c = self.clone();
+        DrainerConfigBuilder {
+            replica_id: Some(c.replica_id),
+            exchange: c.exchange,
+            tick_ms: millis(c.tick),
+            batch_size: c.batch_size,
+            lease_ttl_secs: c.lease_ttl.as_secs(),
+            pipeline_depth: c.pipeline_depth,
+            confirm_timeout_secs: c.confirm_timeout.as_secs(),
+            max_rows_per_sec: c.max_rows_per_sec.map_or(0, NonZeroU32::get),
+            wakeup_linger_ms: millis(c.wakeup_linger),
+            max_attempts: c.max_attempts,
+            retention: c.retention,
+            janitor_interval: c.janitor_interval,
+            janitor_batch: c.janitor_batch,
+            stats_interval: c.stats_interval,
+            pending_warn: c.pending_warn,
+            oldest_warn_secs: c.oldest_warn.as_secs(),
+        }
+        .build()
+        .map(drop)
     }
 
     /// Reads every `CANOPY_MQ_*` variable (see [`vars`]); unset ones take the
@@ -611,6 +683,11 @@ fn parse<T: Whole>(var: &'static str, value: &str) -> Result<T, ConfigError> {
     }
     let n: u64 = digits.parse().map_err(|_| too_big())?;
     T::try_from(n).map_err(|_| too_big())
+}
+
+/// `d` in whole milliseconds, saturating.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// [`parse`] for the adapters' own variables.

@@ -117,7 +117,8 @@ impl OutboxBuilder {
         self
     }
 
-    /// The drainer's configuration (else [`DrainerConfig::from_env`]).
+    /// The drainer's configuration (else [`DrainerConfig::from_env`]),
+    /// checked at start ([`DrainerConfig::validate`]).
     pub fn drainer(mut self, config: DrainerConfig) -> Self {
         self.drainer = Some(config);
         self
@@ -191,7 +192,10 @@ impl OutboxBuilder {
     /// [`Outbox::subscription_ended`] says so.
     pub async fn start(self) -> Result<Outbox, StartError> {
         let config = match self.drainer.clone() {
-            Some(config) => config,
+            Some(config) => {
+                config.validate()?;
+                config
+            }
             None => self.env.read(|l| DrainerConfig::from_lookup(l))?,
         };
         if let Some(Err(e)) = self.checked.iter().find(|c| c.is_err()) {
@@ -204,7 +208,10 @@ impl OutboxBuilder {
         }
         let inbox_janitor = match (&self.inbox_janitor, self.queues.is_empty()) {
             (_, true) => None,
-            (Some(settings), false) => Some(*settings),
+            (Some(settings), false) => {
+                settings.validate()?;
+                Some(*settings)
+            }
             (None, false) => Some(self.env.read(|l| InboxJanitorSettings::from_lookup(l))?),
         };
         let brokers = (0..=self.subscriptions.len())

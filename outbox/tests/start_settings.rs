@@ -2,8 +2,9 @@
 //! prefix: `Env::prefixed("ORDERS_MQ_")` reads `ORDERS_MQ_*` where the
 //! library reads `CANOPY_MQ_*`, errors name the variable as the operator
 //! sets it, and `Outbox::builder(..).env(..)` reads the drainer's, the
-//! janitor's and the broker's under it. One test in its own binary: it sets
-//! the process's environment.
+//! janitor's and the broker's under it. Settings built or changed in code
+//! are checked at start as those read are. One test in its own binary: it
+//! sets the process's environment.
 
 use std::ffi::OsStr;
 use std::future::Future;
@@ -146,4 +147,26 @@ async fn variables_are_read_and_named_under_the_service_prefix() {
         panic!("{e:?}")
     };
     assert!(e.to_string().contains("MAX_ATTEMPTS=0"), "{e}");
+
+    let mut config = DrainerConfig::builder().build().unwrap();
+    config.lease_ttl = std::time::Duration::ZERO;
+    let e = start_error(Outbox::builder(lazy_pool()).drainer(config)).await;
+    let StartError::Config(e) = e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(invalid_var(&e), vars::LEASE_TTL_SECS);
+    let e = start_error(
+        Outbox::builder(lazy_pool())
+            .amqp_urls("amqp://guest:guest@127.0.0.1:1/%2f")
+            .inbox_janitor(InboxJanitorSettings {
+                retention: std::time::Duration::ZERO,
+                ..Default::default()
+            })
+            .subscribe(SubscriberSettings::new("q", &["#"]), Noop),
+    )
+    .await;
+    let StartError::Config(e) = e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(invalid_var(&e), "inbox janitor retention");
 }
