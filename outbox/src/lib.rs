@@ -24,6 +24,8 @@ mod guide {
     mod observability {}
     #[doc = include_str!("../../docs/guarantees.md")]
     mod guarantees {}
+    #[doc = include_str!("../../docs/wire-format.md")]
+    mod wire_format {}
 }
 
 pub mod admin;
