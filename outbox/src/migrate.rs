@@ -70,7 +70,7 @@ pub const FILES: &[(&str, &str)] = &[
     ),
 ];
 
-/// The partitioned layout's migrations (issue 28; [`partition`]), run
+/// The partitioned layout's migrations ([`partition`]), run
 /// after [`FILES`]: file name and exact bytes, in order.
 pub const PARTITIONED_FILES: &[(&str, &str)] = &[
     (
@@ -109,7 +109,7 @@ pub fn tolerant_migrator() -> sqlx::migrate::Migrator {
     m
 }
 
-/// The partitioned layout's migrations (issue 28), run after [`tolerant_migrator`]'s:
+/// The partitioned layout's migrations, run after [`tolerant_migrator`]'s:
 /// `event_outbox` and `event_inbox` become tables partitioned by time, and
 /// the janitors drop whole partitions instead of deleting rows. Opt-in: the
 /// plain layout of the ADR's files stays the default. See [`partition`].
@@ -124,7 +124,7 @@ pub fn tolerant_partitioned_migrator() -> sqlx::migrate::Migrator {
     m
 }
 
-/// Moves a database to the partitioned layout (issue 28): runs the plain
+/// Moves a database to the partitioned layout: runs the plain
 /// layout's migrations ([`run`]), then the partitioned layout's, the way
 /// [`run`] runs them. `width` is one partition's span (`None`: a day); it
 /// applies when the layout is first created (`event_partitioning.width_secs`

@@ -628,7 +628,7 @@ fn secrets_of(address: &str) -> Vec<String> {
 /// it) the text before it is read as a scheme, a user and a password when
 /// it has two colons before the `@`, else as a user and a password: a
 /// forgotten scheme, or an address run into another, must not show the
-/// password (both found by fuzzing `redact_url`, issue 30).
+/// password (both found by fuzzing `redact_url`).
 fn userinfo_bounds(url: &str) -> Option<(usize, usize)> {
     let head = match url.find("://") {
         Some(i) => {

@@ -1,6 +1,6 @@
 //! The retention janitors: the outbox's deletes published rows older than
 //! the retention period, the inbox's deletes processed rows, both in bounded
-//! batches once per interval. On the partitioned layout (issue 28) each
+//! batches once per interval. On the partitioned layout each
 //! sweep first creates the partitions ahead and drops whole the partitions
 //! whose every row expired ([`OutboxStore::outbox_retire_partitions`]);
 //! the row deletes then take only what no drop will, and a second pass
@@ -35,9 +35,9 @@ pub const SWEEP_PROGRESS_EVERY: u32 = 1000;
 ///
 /// There is no bound on the statements of one sweep: rows expire as fast
 /// as they were published a retention period ago, and a janitor that
-/// deleted at most a fixed number per interval would fall behind for good
-/// above that rate (a million an hour was the bound until issue 28: 278
-/// events/s). Each statement is a short transaction of its own.
+/// deleted at most a fixed number per interval (an earlier version's
+/// million an hour, 278 events/s) would fall behind for good above that
+/// rate. Each statement is a short transaction of its own.
 pub async fn sweep<S: OutboxStore>(store: &S, config: &DrainerConfig) -> Result<u64, StoreError> {
     sweep_outbox(store, config, &Marks::default(), never()).await
 }

@@ -191,7 +191,7 @@ pub fn bucket_of(ordering: Option<&KeySeq>, id: Uuid) -> u16 {
     (hash % u64::from(BUCKETS)) as u16
 }
 
-/// An event's place in its ordering key (issue 27): the key, and the
+/// An event's place in its ordering key: the key, and the
 /// event's number among the key's events, 1 for the first, in the order
 /// their transactions committed.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -403,7 +403,7 @@ pub trait OutboxStore: Send + Sync + 'static {
         limit: u32,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
-    /// The partitioned layout's retention (issue 28): creates the
+    /// The partitioned layout's retention: creates the
     /// partitions of the time ahead, and drops every closed partition in
     /// which each row is published, and was longer ago than `older_than`
     /// (a partition holding an unpublished row is never dropped). On the
@@ -780,7 +780,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// server is ended by the transaction's [`TxBounds`].
     fn inbox_abandon(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
 
-    /// Ordered subscriptions (issue 27), first in a handler's transaction
+    /// Ordered subscriptions, first in a handler's transaction
     /// with keyed deliveries: takes the lock of each of `keys` in
     /// `subscription`, held until the transaction ends (a savepoint's
     /// rollback keeps it), waiting for a transaction that holds one. Every
@@ -995,7 +995,7 @@ pub struct SubscriptionSpec {
     pub prefetch: u16,
     /// What kind of queue the subscription and its dead-letter queue are.
     pub queue_type: QueueType,
-    /// Per-key order (issue 27): 0 for one queue shared by every worker
+    /// Per-key order: 0 for one queue shared by every worker
     /// (no order); else this many partition queues `<queue>.p{i}`, each
     /// with a single active consumer, fed by the headers exchange
     /// `<queue>.route` by each event's [`BUCKET_HEADER`]. A divisor of

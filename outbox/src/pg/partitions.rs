@@ -1,4 +1,4 @@
-//! The partitioned layout's retention (issue 28): `event_outbox` and
+//! The partitioned layout's retention: `event_outbox` and
 //! `event_inbox` partitioned by RANGE of their UUID v7 ids, whose first 48
 //! bits are milliseconds since the epoch, one partition per width
 //! (`event_partitioning`, written by `migrations-partitioned/`).

@@ -42,7 +42,7 @@ pub struct DrainerConfig {
     /// How long a drainer woken by a commit's notification waits before it
     /// claims, so that a stream of small commits is claimed a few at a time
     /// rather than one claim, publish and mark round each: the database's
-    /// work per event falls with the rows per round (issue 28, harness
+    /// work per event falls with the rows per round (harness
     /// P3). Costs up to this much latency on a quiet outbox.
     pub wakeup_linger: Duration,
     /// Row-culpable failures after which a row parks.

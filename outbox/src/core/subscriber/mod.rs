@@ -55,7 +55,7 @@
 //! backoff, and the broker redelivers whatever was unacknowledged; the inbox
 //! absorbs the duplicates.
 //!
-//! An ordered subscription ([`SubscriberSettings::ordered`], issue 27)
+//! An ordered subscription ([`SubscriberSettings::ordered`])
 //! applies one ordering key's events in the order they committed: one
 //! worker per partition queue, each the single active consumer of its
 //! partition across replicas; a batch in rounds of one delivery per key;
