@@ -228,10 +228,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let addr = std::env::var("SERVICE_ADDR").unwrap_or_else(|_| "127.0.0.1:8080".into());
 
-    if !sqlx::Postgres::database_exists(&database_url).await? {
+    // One host (the database is made if missing), or libpq's node list
+    // (`h1:p1,h2:p2/db?target_session_attrs=read-write`): the pool follows
+    // the writable node through a failover.
+    if outbox::pg::nodes::NodeList::parse(&database_url)?.len() == 1
+        && !sqlx::Postgres::database_exists(&database_url).await?
+    {
         sqlx::Postgres::create_database(&database_url).await?;
     }
-    let pool = PgPool::connect(&database_url).await?;
+    let pool = outbox::pg::nodes::connect(&database_url, Default::default()).await?;
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL);
          CREATE TABLE IF NOT EXISTS shipments (order_id BIGINT NOT NULL, event_id UUID NOT NULL);",

@@ -193,11 +193,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         settings.spec.bindings.push("demo.prefill".into());
     }
     settings.validate()?;
-    let pool = PgPoolOptions::new()
-        .max_connections(settings.concurrency + 4)
-        .connect(&args.database_url)
-        .await
-        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.database_url)))?;
+    // One host, or libpq's node list (`h1:p1,h2:p2` and
+    // `target_session_attrs=read-write`): the pool follows the writable node.
+    let pool = outbox::pg::nodes::connect(
+        &args.database_url,
+        PgPoolOptions::new().max_connections(settings.concurrency + 4),
+    )
+    .await
+    .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.database_url)))?;
     outbox::migrate::run(&pool).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS consume_effects (event_id UUID NOT NULL, routing_key TEXT NOT NULL)",

@@ -60,11 +60,12 @@ struct Args {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .connect(&args.database_url)
-        .await
-        .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.database_url)))?;
+    // One host, or libpq's node list (`h1:p1,h2:p2` and
+    // `target_session_attrs=read-write`): the pool follows the writable node.
+    let pool =
+        outbox::pg::nodes::connect(&args.database_url, PgPoolOptions::new().max_connections(8))
+            .await
+            .map_err(|e| format!("cannot connect to {}: {e}", redact_url(&args.database_url)))?;
     outbox::migrate::run(&pool).await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS produce_demo_orders (

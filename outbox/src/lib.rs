@@ -26,6 +26,8 @@ mod guide {
     mod guarantees {}
     #[doc = include_str!("../../docs/wire-format.md")]
     mod wire_format {}
+    #[doc = include_str!("../../docs/postgresql.md")]
+    mod postgresql {}
 }
 
 pub mod admin;

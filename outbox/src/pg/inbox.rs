@@ -74,19 +74,25 @@ impl std::ops::DerefMut for PgInboxTx {
 #[derive(Debug, Clone)]
 pub struct PgInboxStore {
     pool: PgPool,
-    control: PgPool,
+    control: std::sync::Arc<super::nodes::Derived>,
 }
 
 impl PgInboxStore {
     /// Wraps a pool. The `event_inbox` migration must have been applied (see
     /// [`crate::migrate`]).
     pub fn new(pool: PgPool) -> Self {
-        let control = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(CONTROL_CONNECTIONS)
-            .min_connections(0)
-            .acquire_timeout(STORE_CALL_TIMEOUT)
-            .connect_lazy_with((*pool.connect_options()).clone());
-        Self { pool, control }
+        let control = super::nodes::Derived::new(
+            &pool,
+            std::convert::identity,
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(CONTROL_CONNECTIONS)
+                .min_connections(0)
+                .acquire_timeout(STORE_CALL_TIMEOUT),
+        );
+        Self {
+            pool,
+            control: std::sync::Arc::new(control),
+        }
     }
 
     /// The pool it uses.
@@ -141,7 +147,7 @@ impl PgInboxStore {
         let done = bounded(async {
             sqlx::query_scalar::<_, i64>(sql::INBOX_TERMINATE)
                 .bind(tag)
-                .fetch_one(&self.control)
+                .fetch_one(self.control.pool())
                 .await
                 .map_err(map_err)
         })
@@ -585,7 +591,7 @@ impl InboxStore for PgInboxStore {
     async fn inbox_ping(&self) -> Result<(), StoreError> {
         bounded(async {
             sqlx::query(sql::INBOX_PING)
-                .execute(&self.control)
+                .execute(self.control.pool())
                 .await
                 .map(drop)
                 .map_err(map_err)

@@ -18,6 +18,7 @@ use crate::error::StoreError;
 use crate::trace_context::TraceContext;
 
 pub mod inbox;
+pub mod nodes;
 pub mod partitions;
 pub mod publisher;
 
@@ -123,7 +124,7 @@ pub struct PgOutboxStore {
     pool: PgPool,
     /// The drainer's own sessions, made on first use (a pool needs a
     /// runtime to exist; the store does not), shared by clones.
-    drain: Arc<OnceLock<PgPool>>,
+    drain: Arc<OnceLock<nodes::Derived>>,
 }
 
 /// Most sessions the drainer's hot path opens (a claim, a mark and a
@@ -161,6 +162,18 @@ pub const DRAIN_SESSION_SETTINGS: &[(&str, &str)] = &[
     ("idle_in_transaction_session_timeout", "10s"),
 ];
 
+/// The drainer's sessions' connect options: the pool's, with its
+/// application name and session settings.
+fn drain_options(options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+    let name = match options.get_application_name() {
+        Some(app) if !app.is_empty() => format!("{app} {DRAIN_APPLICATION_SUFFIX}"),
+        _ => DRAIN_APPLICATION_SUFFIX.to_owned(),
+    };
+    options
+        .application_name(&name)
+        .options(DRAIN_SESSION_SETTINGS.iter().copied())
+}
+
 impl PgOutboxStore {
     /// Wraps a pool. The `event_outbox` migrations must have been applied
     /// (see [`crate::migrate`]). The drainer's own sessions (see the type's
@@ -175,26 +188,23 @@ impl PgOutboxStore {
     /// The drainer's own sessions (see the type's docs), from the pool's
     /// connect options; made on first use, connecting lazily.
     fn drain(&self) -> &PgPool {
-        self.drain.get_or_init(|| {
-            let options = self.pool.connect_options().as_ref().clone();
-            let name = match options.get_application_name() {
-                Some(app) if !app.is_empty() => format!("{app} {DRAIN_APPLICATION_SUFFIX}"),
-                _ => DRAIN_APPLICATION_SUFFIX.to_owned(),
-            };
-            let options = options
-                .application_name(&name)
-                .options(DRAIN_SESSION_SETTINGS.iter().copied());
-            sqlx::postgres::PgPoolOptions::new()
-                .max_connections(DRAIN_SESSIONS)
-                .min_connections(0)
-                .acquire_timeout(STORE_CALL_TIMEOUT)
-                // No ping before each statement (a round trip the server
-                // pays for): a dead session fails its statement, which the
-                // drainer treats as any store error (release, back off,
-                // retry).
-                .test_before_acquire(false)
-                .connect_lazy_with(options)
-        })
+        self.drain
+            .get_or_init(|| {
+                nodes::Derived::new(
+                    &self.pool,
+                    drain_options,
+                    sqlx::postgres::PgPoolOptions::new()
+                        .max_connections(DRAIN_SESSIONS)
+                        .min_connections(0)
+                        .acquire_timeout(STORE_CALL_TIMEOUT)
+                        // No ping before each statement (a round trip the
+                        // server pays for): a dead session fails its
+                        // statement, which the drainer treats as any store
+                        // error (release, back off, retry).
+                        .test_before_acquire(false),
+                )
+            })
+            .pool()
     }
 
     /// The pool it uses.
