@@ -238,7 +238,8 @@ async fn search(list: &NodeList) -> Option<usize> {
 
 /// A pool over the nodes of `url` that follows the writable node (see the
 /// module's docs), with sqlx's defaults otherwise; `options` sets the rest
-/// (sizes, timeouts) as for any pool.
+/// (sizes, timeouts) as for any pool. Its watcher runs on the current tokio
+/// runtime until the pool is closed ([`PgPool::close`]).
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
