@@ -1,8 +1,12 @@
-//! A node list follows the writable PostgreSQL node on the real pair of
-//! `.ci/pg-pair` (pg1 on 5441 streaming to pg2 on 5442). One test in its
-//! own binary: it changes the pair's roles (an orderly switchover: the
-//! primary turned read-only in place, the standby promoted), then makes the
-//! pair again, whatever the outcome.
+//! Failovers on the real pair of `.ci/pg-pair` (pg1 on 5441 streaming to
+//! pg2 on 5442): a node list follows the writable node through an orderly
+//! switchover (the primary turned read-only in place, the standby
+//! promoted), and what a failover takes back, as the simulation's fake must
+//! take it back: a standby promoted while it lagged lacks what the primary
+//! committed after it fell away, and a commit whose synchronous wait was
+//! cancelled is visible before any standby has it. Each test changes the
+//! pair's roles, so they run one at a time, and each makes the pair again
+//! whatever its outcome.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -31,13 +35,25 @@ fn pair(args: &[&str]) {
     );
 }
 
+/// One test at a time: each changes the pair's roles.
+fn one_at_a_time() -> &'static tokio::sync::Mutex<()> {
+    static LOCK: std::sync::OnceLock<tokio::sync::Mutex<()>> = std::sync::OnceLock::new();
+    LOCK.get_or_init(|| tokio::sync::Mutex::new(()))
+}
+
 /// Makes the pair again when the test ends, passed or not.
 struct Remake;
 
 impl Drop for Remake {
     fn drop(&mut self) {
-        pair(&["reset"]);
-        pair(&["start"]);
+        // Never a panic here: it would abort the test binary mid-unwind.
+        for args in [&["reset"][..], &["start"]] {
+            let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/pg-pair");
+            match Command::new(&script).args(args).output() {
+                Ok(out) if out.status.success() => {}
+                other => eprintln!(".ci/pg-pair {args:?} did not remake the pair: {other:?}"),
+            }
+        }
     }
 }
 
@@ -64,6 +80,7 @@ async fn publish(pool: &PgPool) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_list_follows_the_writable_node_through_a_switchover() {
+    let _turn = one_at_a_time().lock().await;
     let _remake = Remake;
     let pool = nodes::connect(
         NODES,
@@ -126,4 +143,140 @@ async fn a_node_list_follows_the_writable_node_through_a_switchover() {
         "the event of each node, pg1's replicated before the switch"
     );
     eprintln!("the pool moved to the promoted node in {moved_in:?}");
+}
+
+const PG1: &str = "postgres://postgres@127.0.0.1:5441/postgres";
+const PG2: &str = "postgres://postgres@127.0.0.1:5442/postgres";
+
+async fn node(url: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(3)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"))
+}
+
+/// The ids in `failover_probe` on `pool`'s node.
+async fn probe_ids(pool: &PgPool) -> Vec<i32> {
+    sqlx::query_scalar("SELECT id FROM failover_probe ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// `failover_probe` on pg1 holding id 1, replayed on pg2.
+async fn probe_table() -> PgPool {
+    let pg1 = node(PG1).await;
+    sqlx::raw_sql(
+        "DROP TABLE IF EXISTS failover_probe; CREATE TABLE failover_probe (id int);
+         INSERT INTO failover_probe VALUES (1);",
+    )
+    .execute(&pg1)
+    .await
+    .unwrap();
+    let pg2 = node(PG2).await;
+    let started = Instant::now();
+    loop {
+        let there: Option<String> =
+            sqlx::query_scalar("SELECT to_regclass('failover_probe')::text")
+                .fetch_one(&pg2)
+                .await
+                .unwrap();
+        if there.is_some() && probe_ids(&pg2).await == [1] {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "pg2 did not replay"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    pg2.close().await;
+    pg1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_promoted_while_it_lagged_lacks_what_it_never_received() {
+    let _turn = one_at_a_time().lock().await;
+    let _remake = Remake;
+    let pg1 = probe_table().await;
+    // The standby falls away; the primary (asynchronous) commits on.
+    pair(&["crash", "pg2"]);
+    sqlx::query("INSERT INTO failover_probe VALUES (2)")
+        .execute(&pg1)
+        .await
+        .unwrap();
+    assert_eq!(probe_ids(&pg1).await, [1, 2], "committed on the primary");
+    pg1.close().await;
+    // The primary is lost; the stale standby is promoted.
+    pair(&["crash", "pg1"]);
+    pair(&["up", "pg2"]);
+    pair(&["promote"]);
+    let pg2 = node(PG2).await;
+    assert_eq!(
+        probe_ids(&pg2).await,
+        [1],
+        "the promoted standby holds what it received, not the later commit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_synchronous_wait_is_cancelled_is_visible_unreplicated() {
+    let _turn = one_at_a_time().lock().await;
+    let _remake = Remake;
+    pair(&["start", "sync"]);
+    let pg1 = probe_table().await;
+    pair(&["crash", "pg2"]);
+    // A commit now waits for the standby that is gone.
+    let writer = node(PG1).await;
+    let mut session = writer.acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *session)
+        .await
+        .unwrap();
+    let insert = tokio::spawn(async move {
+        sqlx::query("INSERT INTO failover_probe VALUES (2)")
+            .execute(&mut *session)
+            .await
+            .map(drop)
+    });
+    let started = Instant::now();
+    loop {
+        let waiting: Option<String> =
+            sqlx::query_scalar("SELECT wait_event FROM pg_stat_activity WHERE pid = $1")
+                .bind(pid)
+                .fetch_one(&pg1)
+                .await
+                .unwrap();
+        if waiting.as_deref() == Some("SyncRep") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the commit never waited for the standby: {waiting:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(probe_ids(&pg1).await, [1], "invisible while it waits");
+    // The wait is cancelled (a statement timeout, a client that gives up):
+    // PostgreSQL warns, and the commit stands, locally.
+    sqlx::query("SELECT pg_cancel_backend($1)")
+        .bind(pid)
+        .execute(&pg1)
+        .await
+        .unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(10), insert)
+        .await
+        .expect("the cancelled wait returns")
+        .unwrap();
+    assert!(
+        done.is_ok(),
+        "a cancelled synchronous wait is no error: {done:?}"
+    );
+    assert_eq!(
+        probe_ids(&pg1).await,
+        [1, 2],
+        "visible to every session, though no standby has it"
+    );
 }
