@@ -157,41 +157,58 @@ fn take_session_attrs(tail: &str) -> Result<(String, SessionAttrs), String> {
     Ok((tail, attrs))
 }
 
-/// Which node the pool follows, and since when.
+/// When a pool last moved to another node: a session older than that was
+/// opened on the node it left.
 #[derive(Debug)]
-struct Current {
-    index: usize,
-    since: Instant,
+struct LastMove(Mutex<Instant>);
+
+impl LastMove {
+    fn now() -> Arc<Self> {
+        Arc::new(Self(Mutex::new(Instant::now())))
+    }
+
+    fn mark(&self) {
+        *self.0.lock().expect("not poisoned") = Instant::now();
+    }
+
+    /// Whether a session of `age` was opened before the last move.
+    fn predates(&self, age: Duration) -> bool {
+        age > self.0.lock().expect("not poisoned").elapsed()
+    }
+
+    /// `options` closing, instead of handing out, every idle session
+    /// opened before the last move (by the session's age: no round trip).
+    fn drops_older(self: &Arc<Self>, options: PgPoolOptions) -> PgPoolOptions {
+        let last = self.clone();
+        options.before_acquire(move |_, meta| {
+            let stale = last.predates(meta.age);
+            Box::pin(async move { Ok(!stale) })
+        })
+    }
 }
 
 /// What the pool's hooks and the watcher share.
 #[derive(Debug)]
 struct Follow {
     list: NodeList,
-    current: Mutex<Current>,
+    /// The node the pool follows.
+    current: Mutex<usize>,
+    last_move: Arc<LastMove>,
     /// Wakes the watcher to search at once.
     search: tokio::sync::Notify,
 }
 
 impl Follow {
-    /// Whether an idle session of `age` was opened before the last move.
-    fn predates_move(&self, age: Duration) -> bool {
-        let current = self.current.lock().expect("not poisoned");
-        age > current.since.elapsed()
-    }
-
     fn moved_to(&self, index: usize) {
         let mut current = self.current.lock().expect("not poisoned");
-        if current.index != index {
-            *current = Current {
-                index,
-                since: Instant::now(),
-            };
+        if *current != index {
+            *current = index;
+            self.last_move.mark();
         }
     }
 
     fn index(&self) -> usize {
-        self.current.lock().expect("not poisoned").index
+        *self.current.lock().expect("not poisoned")
     }
 }
 
@@ -258,38 +275,35 @@ pub async fn connect(url: &str, options: PgPoolOptions) -> Result<PgPool, Connec
         attrs: list.attrs,
     })?;
     let follow = Arc::new(Follow {
-        current: Mutex::new(Current {
-            index,
-            since: Instant::now(),
-        }),
+        current: Mutex::new(index),
+        last_move: LastMove::now(),
         search: tokio::sync::Notify::new(),
         list,
     });
     let pool = guarded(options, &follow).connect_lazy_with(follow.list.nodes[index].clone());
-    tokio::spawn(watch(pool.clone(), follow));
+    // With `any` the pool never moves: nothing to watch.
+    if follow.list.attrs != SessionAttrs::Any {
+        tokio::spawn(watch(pool.clone(), follow));
+    }
     Ok(pool)
 }
 
 /// `options` with the hooks that keep a pool on the node `follow` names.
 fn guarded(options: PgPoolOptions, follow: &Arc<Follow>) -> PgPoolOptions {
-    let (on_connect, on_acquire) = (follow.clone(), follow.clone());
-    options
-        .after_connect(move |conn, _| {
-            let follow = on_connect.clone();
-            Box::pin(async move {
-                if fits(conn, follow.list.attrs).await? {
-                    return Ok(());
-                }
-                follow.search.notify_one();
-                Err(sqlx::Error::Configuration(
-                    "the node cannot write any more; searching the node list".into(),
-                ))
-            })
+    let on_connect = follow.clone();
+    let options = follow.last_move.drops_older(options);
+    options.after_connect(move |conn, _| {
+        let follow = on_connect.clone();
+        Box::pin(async move {
+            if fits(conn, follow.list.attrs).await? {
+                return Ok(());
+            }
+            follow.search.notify_one();
+            Err(sqlx::Error::Configuration(
+                "the node cannot write any more; searching the node list".into(),
+            ))
         })
-        .before_acquire(move |_, meta| {
-            let stale = on_acquire.predates_move(meta.age);
-            Box::pin(async move { Ok(!stale) })
-        })
+    })
 }
 
 /// Watches the current node; moves the pool when it no longer fits.
@@ -301,9 +315,6 @@ async fn watch(pool: PgPool, follow: Arc<Follow>) {
             () = pool.close_event() => return,
             () = follow.search.notified() => session = None,
             () = tokio::time::sleep(WATCH_EVERY) => {}
-        }
-        if follow.list.attrs == SessionAttrs::Any {
-            continue;
         }
         let index = follow.index();
         if session.is_none() {
@@ -367,7 +378,7 @@ pub(crate) struct Derived {
     pool: PgPool,
     shape: fn(PgConnectOptions) -> PgConnectOptions,
     seen: Mutex<Arc<PgConnectOptions>>,
-    moved: Arc<Mutex<Instant>>,
+    last_move: Arc<LastMove>,
 }
 
 impl std::fmt::Debug for Derived {
@@ -387,20 +398,16 @@ impl Derived {
         options: PgPoolOptions,
     ) -> Self {
         let seen = source.connect_options();
-        let moved = Arc::new(Mutex::new(Instant::now()));
-        let hook = moved.clone();
-        let pool = options
-            .before_acquire(move |_, meta| {
-                let since = hook.lock().expect("not poisoned").elapsed();
-                Box::pin(async move { Ok(meta.age <= since) })
-            })
+        let last_move = LastMove::now();
+        let pool = last_move
+            .drops_older(options)
             .connect_lazy_with(shape(seen.as_ref().clone()));
         Self {
             source: source.clone(),
             pool,
             shape,
             seen: Mutex::new(seen),
-            moved,
+            last_move,
         }
     }
 
@@ -411,7 +418,7 @@ impl Derived {
         if !Arc::ptr_eq(&now, &seen) {
             self.pool
                 .set_connect_options((self.shape)(now.as_ref().clone()));
-            *self.moved.lock().expect("not poisoned") = Instant::now();
+            self.last_move.mark();
             *seen = now;
         }
         &self.pool
