@@ -8,8 +8,9 @@
 //! pair's roles, so they run one at a time, and each makes the pair again
 //! whatever its outcome.
 
-use std::path::PathBuf;
-use std::process::Command;
+#[path = "support/pair.rs"]
+mod support;
+
 use std::time::{Duration, Instant};
 
 use outbox::core::ports::OutboxStore;
@@ -17,23 +18,10 @@ use outbox::pg::nodes;
 use outbox::{EventEnvelope, PgOutboxStore, Publisher};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use support::{PG1, PG2, pair, pool};
 
 const NODES: &str =
     "postgres://postgres@127.0.0.1:5441,127.0.0.1:5442/postgres?target_session_attrs=read-write";
-
-fn pair(args: &[&str]) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/pg-pair");
-    let out = Command::new(&script)
-        .args(args)
-        .output()
-        .expect("runs .ci/pg-pair");
-    assert!(
-        out.status.success(),
-        ".ci/pg-pair {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// One test at a time: each changes the pair's roles.
 fn one_at_a_time() -> &'static tokio::sync::Mutex<()> {
@@ -48,10 +36,8 @@ impl Drop for Remake {
     fn drop(&mut self) {
         // Never a panic here: it would abort the test binary mid-unwind.
         for args in [&["reset"][..], &["start"]] {
-            let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/pg-pair");
-            match Command::new(&script).args(args).output() {
-                Ok(out) if out.status.success() => {}
-                other => eprintln!(".ci/pg-pair {args:?} did not remake the pair: {other:?}"),
+            if let Err(e) = support::run(args) {
+                eprintln!("did not remake the pair: {e}");
             }
         }
     }
@@ -145,18 +131,6 @@ async fn a_node_list_follows_the_writable_node_through_a_switchover() {
     eprintln!("the pool moved to the promoted node in {moved_in:?}");
 }
 
-const PG1: &str = "postgres://postgres@127.0.0.1:5441/postgres";
-const PG2: &str = "postgres://postgres@127.0.0.1:5442/postgres";
-
-async fn node(url: &str) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(3)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(url)
-        .await
-        .unwrap_or_else(|e| panic!("{url}: {e}"))
-}
-
 /// The ids in `failover_probe` on `pool`'s node.
 async fn probe_ids(pool: &PgPool) -> Vec<i32> {
     sqlx::query_scalar("SELECT id FROM failover_probe ORDER BY id")
@@ -167,7 +141,7 @@ async fn probe_ids(pool: &PgPool) -> Vec<i32> {
 
 /// `failover_probe` on pg1 holding id 1, replayed on pg2.
 async fn probe_table() -> PgPool {
-    let pg1 = node(PG1).await;
+    let pg1 = pool(PG1).await;
     sqlx::raw_sql(
         "DROP TABLE IF EXISTS failover_probe; CREATE TABLE failover_probe (id int);
          INSERT INTO failover_probe VALUES (1);",
@@ -175,7 +149,7 @@ async fn probe_table() -> PgPool {
     .execute(&pg1)
     .await
     .unwrap();
-    let pg2 = node(PG2).await;
+    let pg2 = pool(PG2).await;
     let started = Instant::now();
     loop {
         let there: Option<String> =
@@ -213,7 +187,7 @@ async fn a_standby_promoted_while_it_lagged_lacks_what_it_never_received() {
     pair(&["crash", "pg1"]);
     pair(&["up", "pg2"]);
     pair(&["promote"]);
-    let pg2 = node(PG2).await;
+    let pg2 = pool(PG2).await;
     assert_eq!(
         probe_ids(&pg2).await,
         [1],
@@ -229,7 +203,7 @@ async fn a_commit_whose_synchronous_wait_is_cancelled_is_visible_unreplicated() 
     let pg1 = probe_table().await;
     pair(&["crash", "pg2"]);
     // A commit now waits for the standby that is gone.
-    let writer = node(PG1).await;
+    let writer = pool(PG1).await;
     let mut session = writer.acquire().await.unwrap();
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut *session)

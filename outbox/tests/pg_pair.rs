@@ -5,23 +5,14 @@
 //! so it never charges an attempt, parks or dead-letters. The tests only
 //! read the pair's roles; none changes them.
 
+#[path = "support/pair.rs"]
+mod support;
+
 use std::time::Duration;
 
 use outbox::{HandlerError, StoreError};
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
-
-const PRIMARY: &str = "postgres://postgres@127.0.0.1:5441/postgres";
-const STANDBY: &str = "postgres://postgres@127.0.0.1:5442/postgres";
-
-async fn pool(url: &str) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect(url)
-        .await
-        .unwrap_or_else(|e| panic!("{url}: start the pair with `.ci/pg-pair start` ({e})"))
-}
+use support::{PG1 as PRIMARY, PG2 as STANDBY, pool};
 
 async fn in_recovery(pool: &PgPool) -> bool {
     sqlx::query_scalar("SELECT pg_is_in_recovery()")
