@@ -65,6 +65,9 @@ pub mod vars {
     pub const PENDING_WARN: &str = "CANOPY_MQ_OUTBOX_PENDING_WARN";
     /// Oldest-unpublished age above which the stats task warns and readiness fails.
     pub const OLDEST_WARN_SECS: &str = "CANOPY_MQ_OUTBOX_OLDEST_WARN_SECS";
+    /// Standbys (comma-separated `application_name`s) that must have
+    /// flushed a commit before what rests on it is published or acked.
+    pub const DURABLE_STANDBYS: &str = "CANOPY_MQ_DURABLE_STANDBYS";
     /// Pre-ADR-018 in-memory buffer size: accepted, ignored, warned about once.
     pub const BUFFER_MAX: &str = "CANOPY_MQ_BUFFER_MAX";
     /// Days a processed inbox row is kept before the inbox janitor deletes it.
@@ -570,6 +573,7 @@ impl DrainerConfig {
             stats_interval: c.stats_interval,
             pending_warn: c.pending_warn,
             oldest_warn_secs: c.oldest_warn.as_secs(),
+            durable_standbys: c.durable_standbys,
         }
         .build()
         .map(drop)
@@ -631,6 +635,14 @@ impl DrainerConfig {
         }
         if let Some(v) = lookup(vars::EXCHANGE) {
             b.exchange = v;
+        }
+        if let Some(v) = lookup(vars::DURABLE_STANDBYS) {
+            b.durable_standbys = v
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned)
+                .collect();
         }
         if let Some(v) = lookup(vars::BUFFER_MAX) {
             warn_buffer_max_once(&v);
@@ -870,6 +882,7 @@ pub struct DrainerConfigBuilder {
     stats_interval: Duration,
     pending_warn: u64,
     oldest_warn_secs: u64,
+    durable_standbys: Vec<String>,
 }
 
 impl Default for DrainerConfigBuilder {
@@ -891,6 +904,7 @@ impl Default for DrainerConfigBuilder {
             stats_interval: Duration::from_secs(15),
             pending_warn: 10_000,
             oldest_warn_secs: 900,
+            durable_standbys: Vec::new(),
         }
     }
 }
@@ -956,12 +970,24 @@ impl DrainerConfigBuilder {
         pending_warn: u64);
     setter!(/// Oldest-age threshold (`CANOPY_MQ_OUTBOX_OLDEST_WARN_SECS`, default 900).
         oldest_warn_secs: u64);
+    /// The standbys that must have flushed a commit before what rests on
+    /// it is published or acked (`CANOPY_MQ_DURABLE_STANDBYS`, default
+    /// none): their `application_name`s as `pg_stat_replication` shows them.
+    #[must_use]
+    pub fn durable_standbys<I: IntoIterator<Item = S>, S: Into<String>>(
+        mut self,
+        names: I,
+    ) -> Self {
+        self.durable_standbys = names.into_iter().map(Into::into).collect();
+        self
+    }
 
     /// Checks every rule and returns the configuration.
     pub fn build(self) -> Result<DrainerConfig, ConfigError> {
         self.check_sizes()?;
         self.check_timing()?;
         self.check_budgets()?;
+        self.check_standbys()?;
         let replica_id = match self.replica_id {
             Some(id) if id.trim().is_empty() || id.len() > 200 || id.contains(char::is_control) => {
                 return invalid(
@@ -991,7 +1017,35 @@ impl DrainerConfigBuilder {
             stats_interval: self.stats_interval,
             pending_warn: self.pending_warn,
             oldest_warn: Duration::from_secs(self.oldest_warn_secs),
+            durable_standbys: self.durable_standbys,
         })
+    }
+
+    /// The durable standbys: each a name PostgreSQL can hold as an
+    /// `application_name` (1 to 63 bytes of printable ASCII; PostgreSQL
+    /// turns anything else into `?`, and no standby would then match),
+    /// none twice.
+    fn check_standbys(&self) -> Result<(), ConfigError> {
+        let names = &self.durable_standbys;
+        for (i, name) in names.iter().enumerate() {
+            let printable = name.bytes().all(|b| (0x20..0x7f).contains(&b) && b != b',');
+            if name.trim().is_empty() || name.len() > 63 || !printable {
+                return invalid(
+                    vars::DURABLE_STANDBYS,
+                    &names.join(",").escape_debug(),
+                    "must be a comma-separated list of standby application_names, each 1 to 63 \
+                     bytes of printable ASCII",
+                );
+            }
+            if names[..i].contains(name) {
+                return invalid(
+                    vars::DURABLE_STANDBYS,
+                    &names.join(",").escape_debug(),
+                    format!("names {name} twice"),
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The tick, the batch and the pipeline.

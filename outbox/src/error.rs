@@ -188,7 +188,7 @@ impl StoreError {
             // What a standby cannot do (temporary or unlogged relations,
             // serializable transactions): the server's role, not the
             // statement.
-            (_, "0A000") if in_recovery(&message) => Self::Unavailable(message),
+            (_, "0A000" | "55000") if in_recovery(&message) => Self::Unavailable(message),
             _ => Self::Statement(message),
         }
     }
@@ -202,7 +202,9 @@ impl StoreError {
 /// Whether a server's message says it is a standby (in recovery, or a hot
 /// standby): PostgreSQL's texts for what it refuses there.
 fn in_recovery(message: &str) -> bool {
-    message.contains("during recovery") || message.contains("hot standby")
+    message.contains("during recovery")
+        || message.contains("hot standby")
+        || message.contains("recovery is in progress")
 }
 
 /// A failure of the broker. Always blameless for the rows involved (a
@@ -250,6 +252,16 @@ pub enum DrainError {
     /// The store failed during Phase 1 or Phase 3.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The standbys named in `CANOPY_MQ_DURABLE_STANDBYS` had not flushed
+    /// the claimed rows' commits within the batch's Phase-2 deadline: the
+    /// rows were released unpublished, without blame.
+    #[error("{rows} claimed rows released unpublished: {reason}")]
+    NotReplicated {
+        /// Rows in the batch.
+        rows: usize,
+        /// Which standby, and where it stood.
+        reason: String,
+    },
 }
 
 impl DrainError {

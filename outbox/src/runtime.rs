@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 use crate::amqp::LapinBroker;
 use crate::config::DrainerConfig;
 use crate::core::drainer::Drainer;
+use crate::core::durability::DurableStandbys;
 use crate::core::janitor::InboxJanitorSettings;
 use crate::core::marks::Marks;
 pub use crate::core::ports::OutboxStats;
@@ -134,6 +135,7 @@ pub struct DrainerHandle<S = PgOutboxStore, B = LapinBroker, C = TokioClock> {
     config: DrainerConfig,
     store: Arc<S>,
     broker: Arc<B>,
+    durable: Option<Arc<DurableStandbys>>,
 }
 
 impl<S, B, C> std::fmt::Debug for DrainerHandle<S, B, C> {
@@ -221,7 +223,8 @@ impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
         let (tx, rx) = watch::channel(false);
         let health = OutboxHealth::default();
         let wakeup = Arc::new(tokio::sync::Notify::new());
-        let drainer = Drainer::new(
+        let durable = DurableStandbys::new(config.durable_standbys.clone()).map(Arc::new);
+        let mut drainer = Drainer::new(
             store.clone(),
             broker.clone(),
             clock.clone(),
@@ -230,6 +233,9 @@ impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
         )
         .with_marks(marks.clone())
         .with_wakeup(wakeup.clone());
+        if let Some(durable) = &durable {
+            drainer = drainer.with_durable_standbys(durable.clone());
+        }
         let tasks = vec![
             spawn.spawn(Box::pin(drainer.run(rx.clone()))),
             spawn.spawn(Box::pin(listener.listen(wakeup, rx.clone()))),
@@ -256,12 +262,14 @@ impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
             config,
             store,
             broker,
+            durable,
         }
     }
 
-    /// The outbox's readiness, from the stats task's latest sample.
+    /// The outbox's readiness, from the stats task's latest sample and the
+    /// durable standbys' wait.
     pub fn readiness(&self) -> Readiness {
-        self.health.readiness(&self.config, self.clock.now())
+        self.readiness_probe()()
     }
 
     /// A cloneable readiness check for an admin surface (`/readyz`).
@@ -269,7 +277,23 @@ impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
         let health = self.health.clone();
         let config = self.config.clone();
         let clock = self.clock.clone();
-        move || health.readiness(&config, clock.now())
+        let durable = self.durable.clone();
+        move || {
+            let now = clock.now();
+            let mut readiness = health.readiness(&config, now);
+            if let Some(durable) = &durable {
+                readiness.reasons.extend(durable.reasons(now));
+                readiness.ready = readiness.reasons.is_empty();
+            }
+            readiness
+        }
+    }
+
+    /// The standbys publishing waits for (`CANOPY_MQ_DURABLE_STANDBYS`),
+    /// to give a subscriber the same gate
+    /// ([`Subscriber::with_durable_standbys`](crate::Subscriber::with_durable_standbys)).
+    pub fn durable_standbys(&self) -> Option<Arc<DurableStandbys>> {
+        self.durable.clone()
     }
 
     /// The shared health snapshot (for an admin surface).

@@ -40,6 +40,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinError, JoinHandle};
 
 use crate::config::Env;
+use crate::core::durability::DurableStandbys;
 use crate::core::janitor::InboxJanitorSettings;
 use crate::core::stats::{Readiness, UnreadyReason};
 use crate::core::subscriber::{Handler, Subscriber, SubscriberSettings};
@@ -67,8 +68,13 @@ pub enum StartError {
 }
 
 /// Starts one subscription: its task, and what the handle keeps of it.
-type Starter =
-    Box<dyn FnOnce(&PgPool, LapinBroker, watch::Receiver<bool>) -> Started + Send + 'static>;
+/// Starts one subscription on the pool, its broker client, the stop
+/// signal and the durable standbys its acks wait for.
+type Starter = Box<
+    dyn FnOnce(&PgPool, LapinBroker, watch::Receiver<bool>, Option<Arc<DurableStandbys>>) -> Started
+        + Send
+        + 'static,
+>;
 
 /// A running subscription.
 struct Started {
@@ -155,25 +161,30 @@ impl OutboxBuilder {
         self.queues.push(settings.spec.queue.clone());
         self.checked.push(settings.validate());
         let handler = Arc::new(handler);
-        self.subscriptions.push(Box::new(move |pool, broker, stop| {
-            let subscriber = Arc::new(Subscriber::new(
-                Arc::new(PgInboxStore::new(pool.clone())),
-                Arc::new(broker),
-                Arc::new(TokioClock::default()),
-                handler,
-                settings,
-            ));
-            let queue = subscriber.settings().spec.queue.clone();
-            let running = subscriber.clone();
-            let task = tokio::spawn(async move { running.run(stop).await });
-            let of = subscriber.clone();
-            Started {
-                queue,
-                task,
-                reasons: Arc::new(move || of.readiness_reasons()),
-                target: subscriber,
-            }
-        }));
+        self.subscriptions
+            .push(Box::new(move |pool, broker, stop, durable| {
+                let mut subscriber = Subscriber::new(
+                    Arc::new(PgInboxStore::new(pool.clone())),
+                    Arc::new(broker),
+                    Arc::new(TokioClock::default()),
+                    handler,
+                    settings,
+                );
+                if let Some(durable) = durable {
+                    subscriber = subscriber.with_durable_standbys(durable);
+                }
+                let subscriber = Arc::new(subscriber);
+                let queue = subscriber.settings().spec.queue.clone();
+                let running = subscriber.clone();
+                let task = tokio::spawn(async move { running.run(stop).await });
+                let of = subscriber.clone();
+                Started {
+                    queue,
+                    task,
+                    reasons: Arc::new(move || of.readiness_reasons()),
+                    target: subscriber,
+                }
+            }));
         self
     }
 
@@ -233,7 +244,8 @@ impl OutboxBuilder {
         let (ended_tx, ended) = mpsc::unbounded_channel();
         let mut subscriptions = Vec::new();
         for (start, broker) in self.subscriptions.into_iter().zip(brokers) {
-            let mut started = start(&self.pool, broker, stopped.clone());
+            let durable = drainer.durable_standbys();
+            let mut started = start(&self.pool, broker, stopped.clone(), durable);
             let (queue, ended_tx) = (started.queue.clone(), ended_tx.clone());
             let task = started.task;
             // What a subscription's task ends with reaches `ended` too.

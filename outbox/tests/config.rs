@@ -553,3 +553,30 @@ fn the_amqp_heartbeat_is_bounded_and_never_off() {
         );
     }
 }
+
+#[test]
+fn durable_standbys_are_a_list_of_application_names() {
+    let v = vars::DURABLE_STANDBYS;
+    assert!(
+        from(&[]).unwrap().durable_standbys.is_empty(),
+        "none by default"
+    );
+    assert_eq!(
+        from(&[(v, " pg2 , eu-west-b ,")]).unwrap().durable_standbys,
+        ["pg2", "eu-west-b"],
+        "spaces around names and empty items are ignored"
+    );
+    assert_invalid(&[(v, "pg2,pg2")], v, "pg2,pg2", "names pg2 twice");
+    let long = "s".repeat(64);
+    assert_invalid(&[(v, &long)], v, &long, "1 to 63 bytes");
+    assert_invalid(&[(v, "pg2,sé")], v, "pg2,sé", "printable ASCII");
+    // Built in code: the same rules.
+    let e = DrainerConfig::builder()
+        .durable_standbys(["a\tb"])
+        .build()
+        .unwrap_err();
+    assert!(
+        e.to_string().starts_with("CANOPY_MQ_DURABLE_STANDBYS="),
+        "{e}"
+    );
+}

@@ -286,6 +286,15 @@ async fn a_black_holed_broker_times_out_releases_claims_and_drains_after(pool: P
 /// and mark when the test aborts it there.
 struct StuckMark(PgOutboxStore);
 
+impl outbox::core::ports::Replication for StuckMark {
+    async fn replication_positions(
+        &self,
+        standbys: &[String],
+    ) -> Result<outbox::core::ports::ReplicationPositions, outbox::StoreError> {
+        self.0.replication_positions(standbys).await
+    }
+}
+
 impl OutboxStore for StuckMark {
     async fn outbox_key_window(
         &self,

@@ -8,12 +8,13 @@
 //! pair's roles, so they run one at a time, and each makes the pair again
 //! whatever its outcome.
 
+mod common;
 #[path = "support/pair.rs"]
 mod support;
 
 use std::time::{Duration, Instant};
 
-use outbox::core::ports::OutboxStore;
+use outbox::core::ports::{OutboxStore, Replication, StandbyFlush};
 use outbox::pg::nodes;
 use outbox::{EventEnvelope, PgOutboxStore, Publisher};
 use sqlx::PgPool;
@@ -253,4 +254,133 @@ async fn a_commit_whose_synchronous_wait_is_cancelled_is_visible_unreplicated() 
         [1, 2],
         "visible to every session, though no standby has it"
     );
+}
+
+/// Records each event it applies in `durable_effects`.
+struct Record;
+
+impl outbox::Handler<outbox::PgTx> for Record {
+    async fn handle(
+        &self,
+        tx: &mut outbox::PgTx,
+        event: &EventEnvelope,
+    ) -> Result<(), outbox::HandlerError> {
+        sqlx::query("INSERT INTO durable_effects (event_id) VALUES ($1)")
+            .bind(event.id)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// How many times `id` took effect on `pool`'s node.
+async fn effects(pool: &PgPool, id: uuid::Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM durable_effects WHERE event_id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The service on pg1 with `CANOPY_MQ_DURABLE_STANDBYS=pg2`.
+async fn durable_service(pg1: &PgPool, queue: &str, exchange: &str) -> outbox::Outbox {
+    let config = outbox::DrainerConfig::builder()
+        .exchange(exchange)
+        .confirm_timeout_secs(5)
+        .durable_standbys(["pg2"])
+        .build()
+        .unwrap();
+    let mut settings = outbox::SubscriberSettings::new(queue, &["durable.#"]);
+    settings.spec.exchange = exchange.to_owned();
+    let outbox = outbox::Outbox::builder(pg1.clone())
+        .amqp_urls(common::amqp_url())
+        .drainer(config)
+        .subscribe(settings, Record)
+        .start()
+        .await
+        .unwrap();
+    common::wait_for_queue(queue).await;
+    outbox
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gates_hold_publishing_and_acking_while_the_named_standby_is_away() {
+    let _turn = one_at_a_time().lock().await;
+    let _remake = Remake;
+    let pg1 = pool(PG1).await;
+    let store = PgOutboxStore::new(pg1.clone());
+    let names = ["pg2".to_owned(), "nope".to_owned()];
+    let seen = store.replication_positions(&names).await.unwrap();
+    assert!(
+        matches!(seen.standbys[..], [StandbyFlush::At(at), StandbyFlush::Absent] if at <= seen.flushed),
+        "{seen:?}"
+    );
+    let on_standby = PgOutboxStore::new(pool(PG2).await);
+    let e = on_standby.replication_positions(&names).await.unwrap_err();
+    assert!(e.is_unavailable(), "a standby is not asked: {e}");
+
+    outbox::migrate::run(&pg1).await.unwrap();
+    sqlx::query("CREATE TABLE durable_effects (event_id uuid NOT NULL)")
+        .execute(&pg1)
+        .await
+        .unwrap();
+    let (queue, exchange) = (common::unique("durable"), common::unique("durable.x"));
+    let outbox = durable_service(&pg1, &queue, &exchange).await;
+    // The standby falls away.
+    pair(&["crash", "pg2"]);
+    // An event the outbox holds: never published while pg2 lacks it.
+    let held = EventEnvelope::new("durable.held", serde_json::json!({ "n": 1 }));
+    let mut tx = pg1.begin().await.unwrap();
+    outbox.publisher().publish_tx(&mut tx, &held).await.unwrap();
+    tx.commit().await.unwrap();
+    // An event published beside the outbox: applied, its ack held.
+    let beside = EventEnvelope::new("durable.beside", serde_json::json!({ "n": 2 }));
+    let broker = outbox::LapinBroker::new(common::amqp_url());
+    let body = serde_json::to_vec(&beside).unwrap();
+    common::publish_confirmed(&broker, &exchange, "durable.beside", beside.id, &body).await;
+    common::eventually(Duration::from_secs(20), || async {
+        effects(&pg1, beside.id).await == 1
+    })
+    .await;
+    common::eventually(Duration::from_secs(20), || async {
+        outbox
+            .readiness()
+            .reasons
+            .iter()
+            .any(|r| r.to_string().contains("standby pg2"))
+    })
+    .await;
+    assert_eq!(effects(&pg1, held.id).await, 0, "published unreplicated");
+    let (attempts, published): (i32, bool) =
+        sqlx::query_as("SELECT attempts, published_at IS NOT NULL FROM event_outbox WHERE id = $1")
+            .bind(held.id)
+            .fetch_one(&pg1)
+            .await
+            .unwrap();
+    assert_eq!((attempts, published), (0, false), "held without blame");
+    // Shut down while the ack waits: the broker has the delivery back.
+    outbox.shutdown().await.unwrap();
+    let conn = common::connect().await;
+    let (ready, _) = common::queue_counts(&conn, &queue).await.unwrap();
+    assert_eq!(ready, 1, "the held ack was never sent");
+
+    // The standby is back: the held event is published, the delivery
+    // absorbed as a duplicate, each applied once.
+    pair(&["up", "pg2"]);
+    let outbox = durable_service(&pg1, &queue, &exchange).await;
+    common::eventually(Duration::from_secs(30), || async {
+        effects(&pg1, held.id).await == 1
+    })
+    .await;
+    common::eventually(Duration::from_secs(30), || async {
+        common::queue_counts(&conn, &queue).await.map(|c| c.0) == Some(0)
+    })
+    .await;
+    assert_eq!(effects(&pg1, beside.id).await, 1, "applied once");
+    common::eventually(Duration::from_secs(30), || async {
+        outbox.readiness().ready
+    })
+    .await;
+    outbox.shutdown().await.unwrap();
+    common::delete_subscription(&conn, &queue, &exchange).await;
 }

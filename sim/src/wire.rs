@@ -307,6 +307,11 @@ pub enum PgRequest {
     },
     /// `inbox_ping` (`SELECT 1`): answers `Ok`.
     Ping,
+    /// `replication_positions.sql`: the WAL flush position and the named
+    /// standbys' (the durability gates).
+    ReplicationPositions {
+        standbys: Vec<String>,
+    },
     /// `inbox_counts.sql`: a subscription's rows processed within the
     /// window, retried and dead-lettered, each up to `cap`.
     InboxCounts {
@@ -459,6 +464,12 @@ pub enum PgReply {
     /// The statement failed (duplicate key, no transaction, refused data,
     /// injected failure).
     Error(PgError),
+    /// `replication_positions.sql`'s positions: the primary's flush
+    /// position, and each named standby's (`None`: not streaming).
+    Replication {
+        flushed: u64,
+        standbys: Vec<Option<u64>>,
+    },
     /// `inbox_counts.sql`'s counts.
     InboxCounts {
         processed_recently: u64,

@@ -102,6 +102,9 @@ marks! {
     ReleasedBesideFailure = "released_beside_failure",
     /// A release failed: those rows wait for their lease.
     ReleaseFailed = "release_failed",
+    /// The durable standbys did not flush a claimed batch's commits within
+    /// its deadline: released unpublished.
+    NotReplicated = "not_replicated",
     /// A row's routing key can never be published: blamed without broker I/O.
     RowUnpublishable = "row_unpublishable",
     /// The broker nacked a row.
@@ -191,6 +194,8 @@ marks! {
     ConsumerReopened = "consumer_reopened",
     /// An ack or nack was lost with its channel.
     SettleLost = "settle_lost",
+    /// A batch's acks waited for the durable standbys to flush its commit.
+    AckHeldForStandby = "ack_held_for_standby",
     /// Shutdown came while the inbox was unavailable: requeued.
     RequeuedAtShutdown = "requeued_at_shutdown",
     /// An ordered subscription requeued a delivery behind an earlier event

@@ -10,6 +10,7 @@
 //! code with its own adapters.
 
 pub mod drainer;
+pub mod durability;
 pub mod janitor;
 pub mod marks;
 pub mod ports;

@@ -338,8 +338,58 @@ pub enum UnparkSelector {
     All,
 }
 
+/// A position in the primary's write-ahead log (PostgreSQL's `pg_lsn`, as
+/// bytes from `0/0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct WalPosition(pub u64);
+
+impl std::fmt::Display for WalPosition {
+    /// As PostgreSQL writes a `pg_lsn`: `0/3000148`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:X}/{:X}", self.0 >> 32, self.0 & 0xFFFF_FFFF)
+    }
+}
+
+/// How far one named standby has flushed the primary's WAL, as the
+/// primary last heard from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StandbyFlush {
+    /// No standby of that name streams from the primary.
+    Absent,
+    /// It streams, but this role may not read its position (PostgreSQL
+    /// shows `pg_stat_replication`'s positions only to superusers and
+    /// members of `pg_read_all_stats`).
+    Hidden,
+    /// It has flushed the WAL up to here.
+    At(WalPosition),
+}
+
+/// The primary's WAL flush position and where each named standby stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicationPositions {
+    /// The primary's WAL flush position: past the commit record of every
+    /// transaction that committed synchronously and is visible (its commit
+    /// was flushed before any session could see it, whether or not a
+    /// synchronous standby acknowledged it).
+    pub flushed: WalPosition,
+    /// Each named standby, in the order asked.
+    pub standbys: Vec<StandbyFlush>,
+}
+
+/// Where the standbys stand: what the durability gates
+/// ([`crate::core::durability`]) wait on. A supertrait of both stores.
+pub trait Replication: Send + Sync + 'static {
+    /// The primary's flush position now and each of `standbys`
+    /// (`application_name`s as in `pg_stat_replication`) in order. On a
+    /// server that is not a primary, [`StoreError::Unavailable`].
+    fn replication_positions(
+        &self,
+        standbys: &[String],
+    ) -> impl Future<Output = Result<ReplicationPositions, StoreError>> + Send;
+}
+
 /// The outbox table.
-pub trait OutboxStore: Send + Sync + 'static {
+pub trait OutboxStore: Replication {
     /// Ordering keys: the heads of up to `limit` keys that have unpublished
     /// rows, the first key after `after` in byte order (`""`: from the
     /// first), whatever each key's backlog. `claimable` as the claim would
@@ -733,7 +783,7 @@ pub const LIST_LIMIT_DEFAULT: u32 = 100;
 pub const LIST_LIMIT_MAX: u32 = 10_000;
 
 /// The inbox table.
-pub trait InboxStore: Send + Sync + 'static {
+pub trait InboxStore: Replication {
     /// A transaction: the handler's, holding the inbox row until it ends.
     type Tx: Send;
     /// What a handler is given of the transaction: what the service's own

@@ -80,6 +80,17 @@ pub enum UnreadyReason {
         /// Seconds it has been retried.
         for_secs: u64,
     },
+    /// Publishing or acking has waited longer than
+    /// [`UNREADY_AFTER`](crate::core::durability::UNREADY_AFTER) for a
+    /// standby named in `CANOPY_MQ_DURABLE_STANDBYS` to flush what it rests on.
+    StandbyBehind {
+        /// The standby (`application_name`).
+        standby: String,
+        /// Where it stood when last asked.
+        behind: crate::core::durability::Behind,
+        /// Seconds it has been waited for.
+        for_secs: u64,
+    },
 }
 
 impl std::fmt::Display for UnreadyReason {
@@ -121,6 +132,15 @@ impl std::fmt::Display for UnreadyReason {
                 f,
                 "subscription {subscription} has retried {batches} batch(es) in place for \
                  {for_secs} s: {error}"
+            ),
+            Self::StandbyBehind {
+                standby,
+                behind,
+                for_secs,
+            } => write!(
+                f,
+                "publishing and acking have waited {for_secs} s for standby {standby} \
+                 ({behind})"
             ),
         }
     }

@@ -253,6 +253,15 @@ fn payload_text<'a>(entry: &InboxEntry<'a>) -> Result<&'a str, StoreError> {
         .map_err(|e| StoreError::Refused(format!("payload is not UTF-8: {e}")))
 }
 
+impl crate::core::ports::Replication for PgInboxStore {
+    async fn replication_positions(
+        &self,
+        standbys: &[String],
+    ) -> Result<crate::core::ports::ReplicationPositions, StoreError> {
+        super::replication_positions(self.control.pool(), standbys).await
+    }
+}
+
 impl InboxStore for PgInboxStore {
     type Tx = PgInboxTx;
     type HandlerTx = PgTx;

@@ -11,8 +11,8 @@ use uuid::Uuid;
 
 use crate::core::ports::{
     ClaimParams, ClaimPosition, ClaimedRow, FailOutcome, KeyHead, KeySeq, KeyWindow, OutboxStats,
-    OutboxStore, ParkedFilter, ParkedRow, PartitionsRetired, PayloadField, RowFailure,
-    UnparkSelector,
+    OutboxStore, ParkedFilter, ParkedRow, PartitionsRetired, PayloadField, Replication,
+    ReplicationPositions, RowFailure, StandbyFlush, UnparkSelector, WalPosition,
 };
 use crate::error::StoreError;
 use crate::trace_context::TraceContext;
@@ -41,6 +41,7 @@ pub(crate) mod sql {
         )
     });
     pub const KEY_WINDOW: &str = include_str!("sql/outbox_key_window.sql");
+    pub const REPLICATION_POSITIONS: &str = include_str!("sql/replication_positions.sql");
     pub const MARK_PUBLISHED: &str = include_str!("sql/outbox_mark_published.sql");
     pub const MARK_FAILED: &str = include_str!("sql/outbox_mark_failed.sql");
     pub const RELEASE: &str = include_str!("sql/outbox_release.sql");
@@ -251,6 +252,52 @@ pub(crate) async fn delete_expired(
         Ok(done.rows_affected())
     })
     .await
+}
+
+/// Where the primary's WAL and the named standbys stand (the durability
+/// gates), read on `pool`.
+pub(crate) async fn replication_positions(
+    pool: &PgPool,
+    standbys: &[String],
+) -> Result<ReplicationPositions, StoreError> {
+    fn lsn(text: Option<String>) -> Result<Option<WalPosition>, StoreError> {
+        text.map(|t| {
+            t.parse::<u64>()
+                .map(WalPosition)
+                .map_err(|_| StoreError::Statement(format!("a WAL position that is not one: {t}")))
+        })
+        .transpose()
+    }
+    let rows: Vec<(Option<String>, i64, Option<String>)> = bounded(async {
+        sqlx::query_as(sql::REPLICATION_POSITIONS)
+            .bind(standbys)
+            .fetch_all(pool)
+            .await
+            .map_err(map_err)
+    })
+    .await?;
+    let mut positions = ReplicationPositions {
+        flushed: WalPosition::default(),
+        standbys: Vec::with_capacity(rows.len()),
+    };
+    for (flushed, streams, standby) in rows {
+        positions.flushed = lsn(flushed)?.unwrap_or_default();
+        positions.standbys.push(match (streams, lsn(standby)?) {
+            (0, _) => StandbyFlush::Absent,
+            (_, None) => StandbyFlush::Hidden,
+            (_, Some(at)) => StandbyFlush::At(at),
+        });
+    }
+    Ok(positions)
+}
+
+impl Replication for PgOutboxStore {
+    async fn replication_positions(
+        &self,
+        standbys: &[String],
+    ) -> Result<ReplicationPositions, StoreError> {
+        replication_positions(self.drain(), standbys).await
+    }
 }
 
 /// A handler's `?` on a SQL error: the PostgreSQL adapter says whether it is

@@ -447,6 +447,15 @@ fn sim_ms(t: OffsetDateTime) -> u64 {
     u64::try_from((t - OffsetDateTime::UNIX_EPOCH).whole_milliseconds()).unwrap_or(0)
 }
 
+impl outbox::core::ports::Replication for SimInboxStore {
+    async fn replication_positions(
+        &self,
+        standbys: &[String],
+    ) -> Result<outbox::core::ports::ReplicationPositions, StoreError> {
+        super::net::replication_positions(&self.control, standbys).await
+    }
+}
+
 impl InboxStore for SimInboxStore {
     type Tx = SimTx;
     type HandlerTx = SimTx;

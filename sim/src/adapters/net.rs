@@ -201,3 +201,27 @@ pub(crate) async fn exchange(
 pub(crate) fn unexpected(reply: PgReply) -> StoreError {
     StoreError::Statement(format!("unexpected reply {reply:?}"))
 }
+
+/// `replication_positions.sql` on `client`: the durability gates' view
+/// of the fake's WAL and its standbys.
+pub async fn replication_positions(
+    client: &PgClient,
+    standbys: &[String],
+) -> Result<outbox::core::ports::ReplicationPositions, outbox::StoreError> {
+    use outbox::core::ports::{ReplicationPositions, StandbyFlush, WalPosition};
+    let reply = client
+        .call(crate::wire::PgRequest::ReplicationPositions {
+            standbys: standbys.to_vec(),
+        })
+        .await?;
+    match reply {
+        crate::wire::PgReply::Replication { flushed, standbys } => Ok(ReplicationPositions {
+            flushed: WalPosition(flushed),
+            standbys: standbys
+                .into_iter()
+                .map(|s| s.map_or(StandbyFlush::Absent, |at| StandbyFlush::At(WalPosition(at))))
+                .collect(),
+        }),
+        other => Err(unexpected(other)),
+    }
+}

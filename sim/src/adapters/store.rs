@@ -182,6 +182,15 @@ impl SimStore {
     }
 }
 
+impl outbox::core::ports::Replication for SimStore {
+    async fn replication_positions(
+        &self,
+        standbys: &[String],
+    ) -> Result<outbox::core::ports::ReplicationPositions, StoreError> {
+        super::net::replication_positions(&self.drain, standbys).await
+    }
+}
+
 impl OutboxStore for SimStore {
     async fn outbox_key_window(
         &self,

@@ -754,6 +754,15 @@ struct PausedRowSweep<S> {
     paused: AtomicBool,
 }
 
+impl<S: OutboxStore> outbox::core::ports::Replication for PausedRowSweep<S> {
+    async fn replication_positions(
+        &self,
+        standbys: &[String],
+    ) -> Result<outbox::core::ports::ReplicationPositions, outbox::StoreError> {
+        self.inner.replication_positions(standbys).await
+    }
+}
+
 impl<S: OutboxStore> OutboxStore for PausedRowSweep<S> {
     async fn outbox_key_window(
         &self,

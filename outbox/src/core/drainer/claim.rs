@@ -8,6 +8,7 @@ use tracing::{Instrument, Span, field::Empty};
 use uuid::Uuid;
 
 use super::{Drainer, TickReport};
+use crate::core::durability::GateError;
 use crate::core::marks::Mark;
 use crate::core::ports::{
     Broker, CLAIMS_PER_WALK, ClaimParams, ClaimPosition, ClaimedRow, Clock, Entropy, OutboxStore,
@@ -84,6 +85,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         report: &mut TickReport,
         expect_rows: bool,
         after: Option<ClaimPosition>,
+        stopped: &(dyn Fn() -> bool + Send + Sync),
     ) -> Result<Claimed, DrainError> {
         let cfg = &self.config;
         // A claim expected to find work is the first child of its batch's
@@ -135,7 +137,47 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         report.claimed += rows.len();
         report.keyed_claimed += rows.iter().filter(|r| r.ordering.is_some()).count();
         report.claim_time += at.saturating_sub(t0);
-        Ok(Claimed { rows, at: t0, span })
+        let claimed = Claimed { rows, at: t0, span };
+        self.replicated(&claimed, stopped).await?;
+        Ok(claimed)
+    }
+
+    /// With durable standbys (`CANOPY_MQ_DURABLE_STANDBYS`): waits until
+    /// they have flushed the primary's WAL past every claimed row's commit,
+    /// within the batch's Phase-2 deadline (counted from the claim, as the
+    /// publishes are); else hands the batch back without blame. Stops
+    /// waiting once `stopped` says so (another stage of the drain failed,
+    /// or shutdown).
+    async fn replicated(
+        &self,
+        claimed: &Claimed,
+        stopped: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Result<(), DrainError> {
+        let Some(gate) = &self.durable else {
+            return Ok(());
+        };
+        if claimed.rows.is_empty() {
+            return Ok(());
+        }
+        let until = claimed.at + self.config.confirm_timeout;
+        let span = tracing::info_span!(parent: &claimed.span, "outbox.replicated");
+        let waited = gate
+            .wait(&*self.store, &*self.clock, Some(until), stopped)
+            .instrument(span)
+            .await;
+        let Err(e) = waited else {
+            return Ok(());
+        };
+        self.marks.hit(Mark::NotReplicated);
+        claimed.span.record("outbox.outcome", "not_replicated");
+        self.release_all(&claimed.rows).await;
+        Err(match e {
+            GateError::Store(e) => DrainError::Store(e),
+            other => DrainError::NotReplicated {
+                rows: claimed.rows.len(),
+                reason: other.to_string(),
+            },
+        })
     }
 
     /// The claim's statements: the next window of key heads, then the

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::Duration;
 
+use super::durability::DurableStandbys;
 use super::marks::Marks;
 use super::ports::{Broker, Clock, Entropy, OutboxStore};
 use crate::error::DrainError;
@@ -101,6 +102,8 @@ pub struct Drainer<S, B, C, E> {
     /// key). It moves past a window once every claimable head in it was
     /// claimed, and starts over after the last key.
     key_cursor: std::sync::Mutex<String>,
+    /// The standbys a claimed batch waits for before it is published.
+    durable: Option<Arc<DurableStandbys>>,
 }
 
 impl<S, B, C, E> std::fmt::Debug for Drainer<S, B, C, E> {
@@ -117,6 +120,14 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     /// Error backoff is never cut short by it.
     pub fn with_wakeup(mut self, wakeup: Arc<tokio::sync::Notify>) -> Self {
         self.wakeup = Some(wakeup);
+        self
+    }
+
+    /// Publishes a claimed batch only once `standbys` have flushed the
+    /// commits of its rows (replicated before published; see
+    /// [`durability`](crate::core::durability)).
+    pub fn with_durable_standbys(mut self, standbys: Arc<DurableStandbys>) -> Self {
+        self.durable = Some(standbys);
         self
     }
 
@@ -146,6 +157,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             reconnect_due: AtomicU64::new(0),
             failing: AtomicBool::new(false),
             key_cursor: std::sync::Mutex::default(),
+            durable: None,
         }
     }
 

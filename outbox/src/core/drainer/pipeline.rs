@@ -28,7 +28,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         if !wait.is_zero() {
             self.clock.sleep(wait).await;
         }
-        let claimed = self.claim(&mut report, true, None).await?;
+        let claimed = self.claim(&mut report, true, None, &|| false).await?;
         if claimed.rows.is_empty() {
             return Ok(report);
         }
@@ -147,11 +147,17 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             if stopped() || !self.pace(shutdown).await || stopped() {
                 break;
             }
-            let claimed = match self.claim(&mut report, expect_rows, walk.after()).await {
+            let claimed = match self
+                .claim(&mut report, expect_rows, walk.after(), &stopped)
+                .await
+            {
                 Ok(claimed) => claimed,
                 Err(e) => {
-                    stop.store(true, Ordering::Relaxed);
-                    return (report, vec![e]);
+                    // A claim that failed because another stage had, or
+                    // shutdown came (its batch no longer waited for the
+                    // standbys), leaves the drain that stage's error.
+                    let follows = stop.swap(true, Ordering::Relaxed) || *shutdown.borrow();
+                    return (report, if follows { Vec::new() } else { vec![e] });
                 }
             };
             let full = claimed.rows.len() >= self.config.batch_size as usize;

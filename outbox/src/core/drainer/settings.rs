@@ -59,4 +59,9 @@ pub struct DrainerConfig {
     pub pending_warn: u64,
     /// Oldest-unpublished age above which the outbox is unhealthy.
     pub oldest_warn: Duration,
+    /// Standbys (`application_name`s as in `pg_stat_replication`) that
+    /// must have flushed a commit before anything resting on it is
+    /// published or acked (see [`durability`](crate::core::durability));
+    /// empty: no gate.
+    pub durable_standbys: Vec<String>,
 }

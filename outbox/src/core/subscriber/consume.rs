@@ -15,6 +15,7 @@ use super::{
     CLOSE_TIMEOUT, Handler, RELEASE_EVERY, RETRY_BACKOFF_MAX, RETRY_BACKOFF_MIN, Subscriber,
     SubscriptionState,
 };
+use crate::core::durability::GateError;
 use crate::core::marks::Mark;
 use crate::core::ports::{
     Clock, ConsumerBroker, Delivery, DeliverySource, InboxEntry, InboxStore, KeySeq,
@@ -378,7 +379,14 @@ where
                 o => o,
             });
         }
-        self.settle_all(consumer, &prepared, &settled).await;
+        if self.replicated(&settled, shutdown).await {
+            self.settle_all(consumer, &prepared, &settled).await;
+        } else {
+            // Shutdown came while the standbys had not flushed the batch:
+            // nothing of it is settled, the broker redelivers it once the
+            // consumer closes, and the inbox absorbs the repeat.
+            self.marks.hit(Mark::RequeuedAtShutdown);
+        }
         for (p, outcome) in prepared.iter().zip(&settled) {
             p.span.record("outbox.inbox.outcome", outcome.label());
             self.counters.count(outcome, queue);
@@ -449,6 +457,55 @@ where
             && let Err(e) = consumer.delivery_ack_many(&acks).await
         {
             self.settle_lost(&e);
+        }
+    }
+
+    /// Replicated before acked: with durable standbys, waits until they
+    /// have flushed the primary's WAL past the batch's commit and past
+    /// every commit it read, before anything of the batch is acked or
+    /// dead-lettered (a requeue needs no wait: it promises nothing). A
+    /// primary that cannot be asked (it may be failing over) is asked
+    /// again after a backoff. False if shutdown came first.
+    async fn replicated(
+        &self,
+        settled: &[DeliveryOutcome],
+        shutdown: &watch::Receiver<bool>,
+    ) -> bool {
+        let Some(gate) = &self.durable else {
+            return true;
+        };
+        let requeued_only = settled.iter().all(|o| {
+            matches!(
+                o,
+                DeliveryOutcome::Retrying { .. }
+                    | DeliveryOutcome::Requeued
+                    | DeliveryOutcome::Deferred
+            )
+        });
+        if requeued_only {
+            return true;
+        }
+        let stopped = || *shutdown.borrow();
+        let mut pause = RETRY_BACKOFF_MIN;
+        loop {
+            match gate.wait(&*self.store, &*self.clock, None, &stopped).await {
+                Ok(waited) => {
+                    if waited {
+                        self.marks.hit(Mark::AckHeldForStandby);
+                    }
+                    return true;
+                }
+                Err(GateError::Store(e)) => tracing::debug!(
+                    queue = %self.settings.spec.queue,
+                    error = %e,
+                    "acks wait for the standbys: the primary could not be asked"
+                ),
+                Err(_) => return false,
+            }
+            if sleep_or_shutdown(&*self.clock, pause, &mut shutdown.clone()).await {
+                return false;
+            }
+            pause = (pause * 2).min(RETRY_BACKOFF_MAX);
         }
     }
 

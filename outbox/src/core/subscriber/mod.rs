@@ -70,6 +70,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::durability::DurableStandbys;
 use super::marks::Marks;
 use super::ports::{
     Clock, ConsumerBroker, InboxCounts, InboxFilter, InboxRow, InboxStore, SubscriptionSpec,
@@ -145,6 +146,8 @@ pub struct Subscriber<S, B, C, H> {
     marks: Marks,
     /// Where `run` stands, for readiness.
     health: health::Health,
+    /// The standbys a batch's acks wait for.
+    durable: Option<Arc<DurableStandbys>>,
 }
 
 impl<S, B, C, H> std::fmt::Debug for Subscriber<S, B, C, H> {
@@ -179,7 +182,15 @@ where
             counters: Arc::default(),
             marks: Marks::default(),
             health: health::Health::default(),
+            durable: None,
         }
+    }
+
+    /// Acks a batch only once `standbys` have flushed its commit
+    /// (replicated before acked; see [`durability`](crate::core::durability)).
+    pub fn with_durable_standbys(mut self, standbys: Arc<DurableStandbys>) -> Self {
+        self.durable = Some(standbys);
+        self
     }
 
     /// Reports the paths it takes to `marks` (the simulation's coverage).

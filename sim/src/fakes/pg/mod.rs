@@ -687,6 +687,14 @@ impl Session {
             }
             PgRequest::Commit => self.commit(),
             PgRequest::Listen | PgRequest::Ping => PgReply::Ok,
+            PgRequest::ReplicationPositions { standbys } => {
+                let db = self.state.lock();
+                PgReply::Replication {
+                    flushed: db.wal.flushed_at(now),
+                    // No standby is modelled: none streams.
+                    standbys: vec![None; standbys.len()],
+                }
+            }
             PgRequest::Raise { code } => PgReply::Error(PgError::new(code, "raised")),
             PgRequest::Rollback => {
                 // Outside a transaction PostgreSQL warns ("there is no
@@ -793,6 +801,7 @@ fn writes(req: &PgRequest) -> bool {
             | PgRequest::InboxReleasable { .. }
             | PgRequest::InboxCounts { .. }
             | PgRequest::Ping
+            | PgRequest::ReplicationPositions { .. }
     )
 }
 
@@ -1308,6 +1317,7 @@ fn request_name(req: &PgRequest) -> &'static str {
         PgRequest::Raise { .. } => "raise",
         PgRequest::Listen => "listen",
         PgRequest::Ping => "ping",
+        PgRequest::ReplicationPositions { .. } => "replication_positions",
         PgRequest::InboxRecordFailure { .. } => "inbox_record_failure",
         PgRequest::InboxList { .. } => "inbox_list",
         PgRequest::InboxHeld { .. } => "inbox_held",

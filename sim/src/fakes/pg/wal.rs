@@ -20,26 +20,44 @@ use super::outbox::Row;
 /// flushed it (`3 × wal_writer_delay`, PostgreSQL's bound).
 pub const WAL_WRITER_FLUSH_MS: u64 = 600;
 
-/// The asynchronous commits a crash would still lose.
+/// The asynchronous commits a crash would still lose, and the WAL's
+/// positions: one unit per commit that wrote (PostgreSQL's are bytes; the
+/// durability gates only compare them).
 #[derive(Debug, Default)]
 pub struct Wal {
-    /// Oldest first: when each committed (the fake's milliseconds), and
-    /// the outbox rows it changed as they were before it.
-    unflushed: Vec<(u64, Vec<Row>)>,
+    /// Oldest first: when each committed (the fake's milliseconds), its
+    /// position, and the outbox rows it changed as they were before it.
+    unflushed: Vec<(u64, u64, Vec<Row>)>,
+    /// The position of the latest commit that wrote.
+    inserted: u64,
+    /// The position up to which the WAL was flushed at a commit.
+    flushed: u64,
 }
 
 impl Wal {
     /// An asynchronous commit at `now` that changed the rows `before`
     /// shows as they were.
     pub fn async_commit(&mut self, now: u64, before: Vec<Row>) {
-        if !before.is_empty() {
-            self.unflushed.push((now, before));
-        }
+        self.inserted += 1;
+        self.unflushed.push((now, self.inserted, before));
     }
 
     /// A synchronous commit: its flush covers every commit before it.
     pub fn flush(&mut self) {
+        self.inserted += 1;
+        self.flushed = self.inserted;
         self.unflushed.clear();
+    }
+
+    /// The flush position at `now` (`pg_current_wal_flush_lsn()`): the
+    /// latest synchronous commit's, or a later asynchronous commit's that
+    /// the WAL writer has surely flushed by then.
+    pub fn flushed_at(&self, now: u64) -> u64 {
+        self.unflushed
+            .iter()
+            .filter(|(at, _, _)| at + WAL_WRITER_FLUSH_MS <= now)
+            .map(|(_, lsn, _)| *lsn)
+            .fold(self.flushed, u64::max)
     }
 
     /// The server crashed at `now`: the rows of every asynchronous commit
@@ -48,9 +66,9 @@ impl Wal {
     pub fn crash(&mut self, now: u64) -> Vec<Row> {
         let lost = std::mem::take(&mut self.unflushed);
         lost.into_iter()
-            .filter(|(at, _)| at + WAL_WRITER_FLUSH_MS > now)
+            .filter(|(at, _, _)| at + WAL_WRITER_FLUSH_MS > now)
             .rev()
-            .flat_map(|(_, before)| before.into_iter().rev())
+            .flat_map(|(_, _, before)| before.into_iter().rev())
             .collect()
     }
 }
@@ -91,7 +109,18 @@ mod tests {
     fn a_synchronous_commit_flushes_every_earlier_one() {
         let mut wal = Wal::default();
         wal.async_commit(1_000, vec![row(1, None)]);
+        assert_eq!(wal.flushed_at(1_001), 0, "not flushed yet");
         wal.flush();
+        assert_eq!(wal.flushed_at(1_001), 2);
         assert!(wal.crash(1_001).is_empty());
+    }
+
+    #[test]
+    fn the_wal_writer_flushes_an_asynchronous_commit_within_its_bound() {
+        let mut wal = Wal::default();
+        wal.flush();
+        wal.async_commit(1_000, vec![row(1, None)]);
+        assert_eq!(wal.flushed_at(1_000 + WAL_WRITER_FLUSH_MS - 1), 1);
+        assert_eq!(wal.flushed_at(1_000 + WAL_WRITER_FLUSH_MS), 2);
     }
 }

@@ -1,0 +1,329 @@
+//! The durability gates: nothing leaves the service before the named
+//! standbys hold the commits it rests on, so that a failover to one of them
+//! never takes back what consumers already acted on.
+//!
+//! - **Replicated before published** (the drainer): after a claim, the
+//!   batch is published only once every named standby has flushed the
+//!   primary's WAL up to the flush position read right after the claim,
+//!   which is past the commit of every row the claim could see.
+//! - **Replicated before acked** (the subscriber): after a batch's
+//!   transaction ends, its deliveries are acked (or dead-lettered) only
+//!   once every named standby has flushed up to the flush position read
+//!   then, which is past the batch's own commit and past every commit it
+//!   read (an inbox row found processed by another session).
+//!
+//! A commit is flushed on the primary before any other session can see it
+//! (a synchronous commit, PostgreSQL's default, including one whose wait
+//! for a synchronous standby was cancelled: the hole synchronous
+//! replication leaves), so the primary's flush position read after seeing
+//! it is past it. A row a service wrote with `synchronous_commit = off` is
+//! visible before it is flushed, and no gate covers it.
+//!
+//! A standby that is away, or lags, holds publishing and acking back:
+//! readiness fails naming it ([`UnreadyReason::StandbyBehind`]) once the
+//! wait is longer than [`UNREADY_AFTER`].
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::ports::{Clock, Replication, StandbyFlush, WalPosition};
+use super::stats::UnreadyReason;
+use crate::error::StoreError;
+
+/// First pause between two looks at the standbys' positions; each pause
+/// doubles up to [`POLL_MAX`]. A standby on a healthy network flushes a
+/// commit within a few milliseconds (the performance page).
+pub const POLL_FIRST: Duration = Duration::from_millis(1);
+/// Longest pause between two looks at the standbys' positions.
+pub const POLL_MAX: Duration = Duration::from_millis(200);
+/// A wait longer than this makes readiness fail, naming the standby.
+pub const UNREADY_AFTER: Duration = Duration::from_secs(2);
+
+/// Why a gate stopped waiting without the standbys' word.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GateError {
+    /// The primary could not be asked.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The deadline passed first.
+    #[error("standby {standby} has not flushed the WAL up to {target} ({behind})")]
+    Timeout {
+        /// The first named standby that had not.
+        standby: String,
+        /// The position it had to reach.
+        target: WalPosition,
+        /// Where it stood.
+        behind: Behind,
+    },
+    /// The caller stopped waiting (shutdown).
+    #[error("stopped waiting for the standbys")]
+    Stopped,
+}
+
+/// Where a standby stood when last asked, short of the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Behind {
+    /// It was not streaming from the primary.
+    Absent,
+    /// Its position is hidden from this role.
+    Hidden,
+    /// This many bytes of WAL behind the target.
+    Bytes {
+        /// Bytes of WAL.
+        bytes: u64,
+    },
+}
+
+impl std::fmt::Display for Behind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Absent => write!(f, "not streaming from the primary"),
+            Self::Hidden => write!(
+                f,
+                "its position is hidden from this role: grant it pg_read_all_stats"
+            ),
+            Self::Bytes { bytes } => write!(f, "{bytes} bytes behind"),
+        }
+    }
+}
+
+/// A wait in progress, for readiness.
+#[derive(Debug, Clone)]
+struct Waiting {
+    standby: String,
+    behind: Behind,
+    since: Duration,
+}
+
+/// The standbys that must hold a commit before what rests on it leaves
+/// (`CANOPY_MQ_DURABLE_STANDBYS`), shared by the drainer and every
+/// subscription of a service.
+#[derive(Debug)]
+pub struct DurableStandbys {
+    names: Vec<String>,
+    /// The wait that has gone on longest among those in progress (the
+    /// latest to find a standby behind, once the last success cleared it).
+    waiting: Mutex<Option<Waiting>>,
+}
+
+impl DurableStandbys {
+    /// The gate for `names` (`application_name`s); `None` for none.
+    pub fn new(names: Vec<String>) -> Option<Self> {
+        (!names.is_empty()).then(|| Self {
+            names,
+            waiting: Mutex::new(None),
+        })
+    }
+
+    /// The standbys named.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Waits until every named standby has flushed the primary's WAL up to
+    /// its flush position now; gives up at clock time `until` (if any) or
+    /// once `stopped` says so. A store error ends the wait at once (the
+    /// caller decides whether to ask again). True if it had to wait.
+    pub async fn wait<R: Replication, C: Clock>(
+        &self,
+        store: &R,
+        clock: &C,
+        until: Option<Duration>,
+        stopped: &(dyn Fn() -> bool + Send + Sync),
+    ) -> Result<bool, GateError> {
+        let first = store.replication_positions(&self.names).await?;
+        let target = first.flushed;
+        let mut standbys = first.standbys;
+        let (mut pause, mut waited) = (POLL_FIRST, false);
+        loop {
+            let Some((standby, behind)) = self.first_behind(&standbys, target) else {
+                self.passed();
+                return Ok(waited);
+            };
+            let now = clock.now();
+            self.behind(standby, behind, now);
+            if until.is_some_and(|u| now >= u) {
+                return Err(GateError::Timeout {
+                    standby: standby.to_owned(),
+                    target,
+                    behind,
+                });
+            }
+            if stopped() {
+                return Err(GateError::Stopped);
+            }
+            let sleep = until.map_or(pause, |u| pause.min(u.saturating_sub(now)));
+            clock.sleep(sleep).await;
+            (pause, waited) = ((pause * 2).min(POLL_MAX), true);
+            standbys = store.replication_positions(&self.names).await?.standbys;
+        }
+    }
+
+    /// The first named standby short of `target`, and where it stands.
+    fn first_behind<'a>(
+        &'a self,
+        standbys: &[StandbyFlush],
+        target: WalPosition,
+    ) -> Option<(&'a str, Behind)> {
+        self.names.iter().enumerate().find_map(|(i, name)| {
+            let behind = match standbys.get(i).copied().unwrap_or(StandbyFlush::Absent) {
+                StandbyFlush::At(at) if at >= target => return None,
+                StandbyFlush::At(at) => Behind::Bytes {
+                    bytes: target.0 - at.0,
+                },
+                StandbyFlush::Absent => Behind::Absent,
+                StandbyFlush::Hidden => Behind::Hidden,
+            };
+            Some((name.as_str(), behind))
+        })
+    }
+
+    fn behind(&self, standby: &str, behind: Behind, now: Duration) {
+        let mut waiting = self.waiting.lock().expect("gate lock");
+        let since = waiting.as_ref().map_or(now, |w| w.since);
+        *waiting = Some(Waiting {
+            standby: standby.to_owned(),
+            behind,
+            since,
+        });
+    }
+
+    fn passed(&self) {
+        *self.waiting.lock().expect("gate lock") = None;
+    }
+
+    /// Why readiness fails, at clock time `now`: a wait going on for longer
+    /// than [`UNREADY_AFTER`].
+    pub fn reasons(&self, now: Duration) -> Vec<UnreadyReason> {
+        let waiting = self.waiting.lock().expect("gate lock").clone();
+        match waiting {
+            Some(w) if now.saturating_sub(w.since) > UNREADY_AFTER => {
+                vec![UnreadyReason::StandbyBehind {
+                    standby: w.standby,
+                    behind: w.behind,
+                    for_secs: now.saturating_sub(w.since).as_secs(),
+                }]
+            }
+            _ => Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::ports::ReplicationPositions;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A clock that moves only when slept on.
+    #[derive(Default)]
+    struct StepClock(AtomicU64);
+    impl Clock for StepClock {
+        fn now(&self) -> Duration {
+            Duration::from_micros(self.0.load(Ordering::SeqCst))
+        }
+        async fn sleep(&self, d: Duration) {
+            self.0.fetch_add(d.as_micros() as u64, Ordering::SeqCst);
+        }
+    }
+
+    /// A primary at 1 000 whose one standby flushes `step` bytes per look.
+    struct Stream {
+        standby: AtomicU64,
+        step: u64,
+        absent: bool,
+    }
+    impl Replication for Stream {
+        async fn replication_positions(
+            &self,
+            standbys: &[String],
+        ) -> Result<ReplicationPositions, StoreError> {
+            let at = self.standby.fetch_add(self.step, Ordering::SeqCst);
+            let one = if self.absent {
+                StandbyFlush::Absent
+            } else {
+                StandbyFlush::At(WalPosition(at))
+            };
+            Ok(ReplicationPositions {
+                flushed: WalPosition(1_000),
+                standbys: standbys.iter().map(|_| one).collect(),
+            })
+        }
+    }
+
+    fn gate() -> DurableStandbys {
+        DurableStandbys::new(vec!["pg2".into()]).unwrap()
+    }
+
+    #[tokio::test]
+    async fn it_passes_once_the_standby_reaches_the_flush_position_read_first() {
+        let clock = StepClock::default();
+        let store = Stream {
+            standby: AtomicU64::new(700),
+            step: 100,
+            absent: false,
+        };
+        assert!(gate().wait(&store, &clock, None, &|| false).await.unwrap());
+        // Looks at 700, 800, 900, 1000: three pauses of 1, 2 and 4 ms.
+        assert_eq!(clock.now(), Duration::from_millis(7));
+    }
+
+    #[tokio::test]
+    async fn an_absent_standby_holds_until_the_deadline_and_readiness_names_it() {
+        let clock = StepClock::default();
+        let store = Stream {
+            standby: AtomicU64::new(0),
+            step: 0,
+            absent: true,
+        };
+        let gate = gate();
+        let until = Duration::from_secs(5);
+        let e = gate.wait(&store, &clock, Some(until), &|| false).await;
+        assert!(
+            matches!(&e, Err(GateError::Timeout { standby, behind: Behind::Absent, .. }) if standby == "pg2"),
+            "{e:?}"
+        );
+        assert_eq!(clock.now(), until, "never sleeps past the deadline");
+        let reasons = gate.reasons(clock.now());
+        assert_eq!(reasons.len(), 1);
+        assert!(reasons[0].to_string().contains("pg2"), "{}", reasons[0]);
+        assert!(gate.reasons(Duration::from_secs(1)).is_empty(), "grace");
+    }
+
+    #[tokio::test]
+    async fn a_lagging_standby_stops_the_wait_when_told_and_a_pass_clears_readiness() {
+        let clock = StepClock::default();
+        let gate = gate();
+        let lagging = Stream {
+            standby: AtomicU64::new(10),
+            step: 0,
+            absent: false,
+        };
+        let stop_at = Duration::from_secs(4);
+        let e = gate
+            .wait(&lagging, &clock, None, &|| clock.now() >= stop_at)
+            .await;
+        assert_eq!(e, Err(GateError::Stopped));
+        assert!(
+            gate.reasons(clock.now())[0]
+                .to_string()
+                .contains("990 bytes behind")
+        );
+        let caught_up = Stream {
+            standby: AtomicU64::new(1_000),
+            step: 0,
+            absent: false,
+        };
+        let waited = gate.wait(&caught_up, &clock, None, &|| false).await;
+        assert_eq!(waited, Ok(false), "no wait: no pause");
+        assert!(gate.reasons(clock.now()).is_empty());
+    }
+
+    #[test]
+    fn no_name_no_gate_and_positions_print_as_postgresql_does() {
+        assert!(DurableStandbys::new(Vec::new()).is_none());
+        assert_eq!(WalPosition(0x1_0300_0148).to_string(), "1/3000148");
+        assert_eq!(WalPosition(0).to_string(), "0/0");
+    }
+}
