@@ -29,6 +29,7 @@
 //! deleted at the end).
 
 mod foreground;
+mod gates;
 mod p10;
 mod p3;
 mod sections;
@@ -55,7 +56,7 @@ const DEPTH: usize = 32;
 const DRAIN_LIMIT: Duration = Duration::from_secs(1800);
 
 /// The sections `--only` takes.
-const SECTIONS: [&str; 12] = [
+const SECTIONS: [&str; 13] = [
     "p1",
     "p7",
     "beside",
@@ -68,6 +69,7 @@ const SECTIONS: [&str; 12] = [
     "p9",
     "p9f",
     "p10",
+    "gates",
 ];
 
 /// Measures the drainer and the subscriber on the real services and writes
@@ -250,9 +252,9 @@ async fn p9(
     for (keys, rows) in [(1000_u32, n), (10, (n / 10).max(1000))] {
         eprintln!("P9: draining {rows} unkeyed rows, then {rows} rows over {keys} keys ...");
         benches::prefill_keyed(pool, rows, None).await?;
-        let plain = drain(pool, amqp_url, rows, 1).await?.rows_per_sec;
+        let plain = drain(pool, amqp_url, rows, 1, &[]).await?.rows_per_sec;
         benches::prefill_keyed(pool, rows, Some(keys)).await?;
-        let keyed = drain(pool, amqp_url, rows, 1).await?.rows_per_sec;
+        let keyed = drain(pool, amqp_url, rows, 1, &[]).await?.rows_per_sec;
         let ratio = keyed / plain;
         table.push(format!(
             "| P9 keyed drain, {rows} rows over {keys} keys, 1 replica, defaults (unkeyed: {plain:.0} rows/s) | {keyed:.0} rows/s | {ratio:.2}× unkeyed | {} |",
@@ -353,7 +355,8 @@ async fn p9_consume(
     LapinBroker::declare_subscription(&ch, &settings.spec).await?;
     let envelopes: Vec<EventEnvelope> = (0..n).map(envelope).collect();
     p7_fill(conn, &envelopes, keys).await?;
-    let (rate, _) = p7_subscribe(pool, amqp_url, n as u64, settings.clone(), fail_one_in).await?;
+    let (rate, _) =
+        p7_subscribe(pool, amqp_url, n as u64, settings.clone(), fail_one_in, &[]).await?;
     let spec = &settings.spec;
     let mut queues = vec![spec.queue.clone(), spec.dlq_name()];
     queues.extend((0..spec.partitions).map(|p| spec.partition_queue(p)));
@@ -402,6 +405,7 @@ async fn drain(
     amqp_url: &str,
     n: usize,
     replicas: usize,
+    standbys: &[String],
 ) -> Result<DrainRun, Box<dyn std::error::Error>> {
     let publisher = Publisher::new(pool.clone());
     let wal_from = wal_lsn(pool).await?;
@@ -411,6 +415,7 @@ async fn drain(
             let config = DrainerConfig::builder()
                 .exchange(EXCHANGE)
                 .replica_id(format!("harness-{r}"))
+                .durable_standbys(standbys)
                 .build()
                 .expect("defaults are valid");
             DrainerHandle::spawn(
@@ -908,8 +913,9 @@ async fn p7_subscribe(
     n: u64,
     settings: outbox::SubscriberSettings,
     fail_one_in: u64,
+    standbys: &[String],
 ) -> Result<(f64, f64), Box<dyn std::error::Error>> {
-    let subscriber = std::sync::Arc::new(outbox::Subscriber::new(
+    let mut subscriber = outbox::Subscriber::new(
         std::sync::Arc::new(outbox::PgInboxStore::new(pool.clone())),
         std::sync::Arc::new(LapinBroker::from_list(amqp_url).expect("--amqp-url checked at start")),
         std::sync::Arc::new(outbox::TokioClock::default()),
@@ -918,7 +924,11 @@ async fn p7_subscribe(
             ..Applies::default()
         }),
         settings,
-    ));
+    );
+    if let Some(gate) = outbox::core::durability::DurableStandbys::new(standbys.to_vec()) {
+        subscriber = subscriber.with_durable_standbys(std::sync::Arc::new(gate));
+    }
+    let subscriber = std::sync::Arc::new(subscriber);
     let counters = subscriber.counters();
     let (stop, rx) = tokio::sync::watch::channel(false);
     let wal_from = wal_lsn(pool).await?;
@@ -993,7 +1003,7 @@ async fn p7(
     let applied = fresh(n);
     p7_fill(conn, &applied, None).await?;
     let (defaults, wal) =
-        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None), 0).await?;
+        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None), 0, &[]).await?;
     // One delivery in four repeats an event the inbox holds as processed.
     let mixed: Vec<EventEnvelope> = (0..n)
         .map(|i| {
@@ -1007,17 +1017,18 @@ async fn p7(
     p7_fill(conn, &mixed, None).await?;
     eprintln!("  subscriber, 25 % duplicates ...");
     let (duplicates, _) =
-        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None), 0).await?;
+        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, None), 0, &[]).await?;
     p7_fill(conn, &fresh(n), None).await?;
     eprintln!("  subscriber, batches of one ...");
-    let (single, _) = p7_subscribe(pool, amqp_url, n as u64, p7_settings(Some(1), None), 0).await?;
+    let (single, _) =
+        p7_subscribe(pool, amqp_url, n as u64, p7_settings(Some(1), None), 0, &[]).await?;
     p7_topology(amqp_url, false, None).await?;
     eprintln!("  subscriber, defaults on a classic queue ...");
     let classic = Some(QueueType::Classic);
     p7_topology(amqp_url, true, classic).await?;
     p7_fill(conn, &fresh(n), None).await?;
     let (on_classic, _) =
-        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, classic), 0).await?;
+        p7_subscribe(pool, amqp_url, n as u64, p7_settings(None, classic), 0, &[]).await?;
     p7_topology(amqp_url, false, classic).await?;
     pool.execute("TRUNCATE event_inbox, p7_applied").await?;
     Ok([ceiling, defaults, duplicates, single, wal, on_classic])
@@ -1069,6 +1080,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if want("p5") {
         sections::p5(&mut s).await?;
+    }
+    // The gates need a primary with a standby (`.ci/pg-pair`): only when
+    // asked for by name.
+    if args.only.iter().any(|s| s == "gates") {
+        gates::section(&mut s).await?;
     }
     // P10 loads tens of millions of rows: only when asked for by name.
     if args.only.iter().any(|s| s == "p10") {

@@ -57,11 +57,11 @@ impl<'a> Sheet<'a> {
         })
     }
 
-    fn row(&mut self, row: String) {
+    pub(super) fn row(&mut self, row: String) {
         self.table.push(row);
     }
 
-    fn key(&mut self, key: &str, value: impl Into<Value>) {
+    pub(super) fn key(&mut self, key: &str, value: impl Into<Value>) {
         self.json.insert(key.into(), value.into());
     }
 }
@@ -73,7 +73,7 @@ pub async fn p1(s: &mut Sheet<'_>) -> BoxResult<()> {
     for replicas in [1, 2] {
         eprintln!("P1: prefilling {n} rows, draining with {replicas} replica(s) ...");
         prefill(&s.pool, n).await?;
-        let run = drain(&s.pool, &s.args.amqp_url, n, replicas).await?;
+        let run = drain(&s.pool, &s.args.amqp_url, n, replicas, &[]).await?;
         let rate = run.rows_per_sec;
         purge(&s.conn).await?;
         s.row(format!(
@@ -98,7 +98,9 @@ pub async fn p1(s: &mut Sheet<'_>) -> BoxResult<()> {
     eprintln!("P1: the same with one replica into a quorum queue ...");
     sink(&s.conn, QueueType::Quorum).await?;
     prefill(&s.pool, n).await?;
-    let quorum = drain(&s.pool, &s.args.amqp_url, n, 1).await?.rows_per_sec;
+    let quorum = drain(&s.pool, &s.args.amqp_url, n, 1, &[])
+        .await?
+        .rows_per_sec;
     sink(&s.conn, QueueType::Classic).await?;
     let classic = s.p1_rate.expect("measured above");
     s.row(format!(
