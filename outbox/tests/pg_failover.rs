@@ -176,6 +176,11 @@ async fn a_standby_promoted_while_it_lagged_lacks_what_it_never_received() {
     let _turn = one_at_a_time().lock().await;
     let _remake = Remake;
     let pg1 = probe_table().await;
+    let names = ["pg2".to_owned()];
+    let before = PgOutboxStore::new(pg1.clone())
+        .replication_positions(&names)
+        .await
+        .unwrap();
     // The standby falls away; the primary (asynchronous) commits on.
     pair(&["crash", "pg2"]);
     sqlx::query("INSERT INTO failover_probe VALUES (2)")
@@ -194,6 +199,14 @@ async fn a_standby_promoted_while_it_lagged_lacks_what_it_never_received() {
         [1],
         "the promoted standby holds what it received, not the later commit"
     );
+    // A promotion starts a new timeline: the gates' way of telling the
+    // new primary's line of history from the old one's.
+    let after = PgOutboxStore::new(pg2)
+        .replication_positions(&names)
+        .await
+        .unwrap();
+    assert_eq!(after.timeline, before.timeline + 1, "{before:?} {after:?}");
+    assert!(before.timeline >= 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -468,6 +468,7 @@ pub enum PgReply {
     /// position, and each named standby's (`None`: not streaming).
     Replication {
         flushed: u64,
+        timeline: u32,
         standbys: Vec<Option<u64>>,
     },
     /// `inbox_counts.sql`'s counts.

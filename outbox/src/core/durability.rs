@@ -58,6 +58,16 @@ pub enum GateError {
     /// The caller stopped waiting (shutdown).
     #[error("stopped waiting for the standbys")]
     Stopped,
+    /// The primary answered on another timeline than before: a standby
+    /// was promoted in between, and what the caller read or wrote on the
+    /// old primary may be gone. Nothing resting on it may leave.
+    #[error("the primary moved from timeline {before} to {now}: a failover came in between")]
+    FailedOver {
+        /// The timeline the caller's work ran on.
+        before: u32,
+        /// The timeline the primary answers on now.
+        now: u32,
+    },
 }
 
 /// Where a standby stood when last asked, short of the target.
@@ -121,18 +131,37 @@ impl DurableStandbys {
         &self.names
     }
 
+    /// The primary's timeline now: read before the work a later
+    /// [`wait`](Self::wait) vouches for begins (a claim, an inbox
+    /// transaction).
+    pub async fn timeline<R: Replication>(&self, store: &R) -> Result<u32, GateError> {
+        Ok(store.replication_positions(&self.names).await?.timeline)
+    }
+
     /// Waits until every named standby has flushed the primary's WAL up to
     /// its flush position now; gives up at clock time `until` (if any) or
     /// once `stopped` says so. A store error ends the wait at once (the
     /// caller decides whether to ask again). True if it had to wait.
+    ///
+    /// `since` is the [`timeline`](Self::timeline) read before the work
+    /// began: the work ran on a server between the two reads, and a
+    /// promotion starts a new timeline, so if the primary still answers on
+    /// `since` the work ran on this line of history and the flush position
+    /// read now is past it. On another timeline (or one that changes while
+    /// it waits) the wait ends with [`GateError::FailedOver`].
     pub async fn wait<R: Replication, C: Clock>(
         &self,
         store: &R,
         clock: &C,
+        since: u32,
         until: Option<Duration>,
         stopped: &(dyn Fn() -> bool + Send + Sync),
     ) -> Result<bool, GateError> {
         let first = store.replication_positions(&self.names).await?;
+        let moved = |now: u32| GateError::FailedOver { before: since, now };
+        if first.timeline != since {
+            return Err(moved(first.timeline));
+        }
         let target = first.flushed;
         let mut standbys = first.standbys;
         let (mut pause, mut waited) = (POLL_FIRST, false);
@@ -156,7 +185,11 @@ impl DurableStandbys {
             let sleep = until.map_or(pause, |u| pause.min(u.saturating_sub(now)));
             clock.sleep(sleep).await;
             (pause, waited) = ((pause * 2).min(POLL_MAX), true);
-            standbys = store.replication_positions(&self.names).await?.standbys;
+            let next = store.replication_positions(&self.names).await?;
+            if next.timeline != since {
+                return Err(moved(next.timeline));
+            }
+            standbys = next.standbys;
         }
     }
 
@@ -228,11 +261,24 @@ mod tests {
         }
     }
 
-    /// A primary at 1 000 whose one standby flushes `step` bytes per look.
+    /// A primary at 1 000 on timeline 1 whose one standby flushes `step`
+    /// bytes per look; promoted (timeline 2) after `promoted_after` looks.
     struct Stream {
         standby: AtomicU64,
         step: u64,
         absent: bool,
+        promoted_after: Option<u64>,
+        looks: AtomicU64,
+    }
+
+    fn stream(at: u64, step: u64, absent: bool) -> Stream {
+        Stream {
+            standby: AtomicU64::new(at),
+            step,
+            absent,
+            promoted_after: None,
+            looks: AtomicU64::new(0),
+        }
     }
     impl Replication for Stream {
         async fn replication_positions(
@@ -245,8 +291,11 @@ mod tests {
             } else {
                 StandbyFlush::At(WalPosition(at))
             };
+            let looks = self.looks.fetch_add(1, Ordering::SeqCst);
+            let promoted = self.promoted_after.is_some_and(|n| looks >= n);
             Ok(ReplicationPositions {
                 flushed: WalPosition(1_000),
+                timeline: if promoted { 2 } else { 1 },
                 standbys: standbys.iter().map(|_| one).collect(),
             })
         }
@@ -259,12 +308,13 @@ mod tests {
     #[tokio::test]
     async fn it_passes_once_the_standby_reaches_the_flush_position_read_first() {
         let clock = StepClock::default();
-        let store = Stream {
-            standby: AtomicU64::new(700),
-            step: 100,
-            absent: false,
-        };
-        assert!(gate().wait(&store, &clock, None, &|| false).await.unwrap());
+        let store = stream(700, 100, false);
+        assert!(
+            gate()
+                .wait(&store, &clock, 1, None, &|| false)
+                .await
+                .unwrap()
+        );
         // Looks at 700, 800, 900, 1000: three pauses of 1, 2 and 4 ms.
         assert_eq!(clock.now(), Duration::from_millis(7));
     }
@@ -272,14 +322,10 @@ mod tests {
     #[tokio::test]
     async fn an_absent_standby_holds_until_the_deadline_and_readiness_names_it() {
         let clock = StepClock::default();
-        let store = Stream {
-            standby: AtomicU64::new(0),
-            step: 0,
-            absent: true,
-        };
+        let store = stream(0, 0, true);
         let gate = gate();
         let until = Duration::from_secs(5);
-        let e = gate.wait(&store, &clock, Some(until), &|| false).await;
+        let e = gate.wait(&store, &clock, 1, Some(until), &|| false).await;
         assert!(
             matches!(&e, Err(GateError::Timeout { standby, behind: Behind::Absent, .. }) if standby == "pg2"),
             "{e:?}"
@@ -295,14 +341,10 @@ mod tests {
     async fn a_lagging_standby_stops_the_wait_when_told_and_a_pass_clears_readiness() {
         let clock = StepClock::default();
         let gate = gate();
-        let lagging = Stream {
-            standby: AtomicU64::new(10),
-            step: 0,
-            absent: false,
-        };
+        let lagging = stream(10, 0, false);
         let stop_at = Duration::from_secs(4);
         let e = gate
-            .wait(&lagging, &clock, None, &|| clock.now() >= stop_at)
+            .wait(&lagging, &clock, 1, None, &|| clock.now() >= stop_at)
             .await;
         assert_eq!(e, Err(GateError::Stopped));
         assert!(
@@ -310,14 +352,28 @@ mod tests {
                 .to_string()
                 .contains("990 bytes behind")
         );
-        let caught_up = Stream {
-            standby: AtomicU64::new(1_000),
-            step: 0,
-            absent: false,
-        };
-        let waited = gate.wait(&caught_up, &clock, None, &|| false).await;
+        let caught_up = stream(1_000, 0, false);
+        let waited = gate.wait(&caught_up, &clock, 1, None, &|| false).await;
         assert_eq!(waited, Ok(false), "no wait: no pause");
         assert!(gate.reasons(clock.now()).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_promotion_before_or_during_the_wait_lets_nothing_through() {
+        let clock = StepClock::default();
+        // The work ran on timeline 1; the primary answers on 2 at once,
+        // however far its standby flushed.
+        let mut promoted = stream(5_000, 0, false);
+        promoted.promoted_after = Some(0);
+        let e = gate().wait(&promoted, &clock, 1, None, &|| false).await;
+        assert_eq!(e, Err(GateError::FailedOver { before: 1, now: 2 }));
+        // Promoted while it waited for a lagging standby.
+        let mut midway = stream(0, 600, false);
+        midway.promoted_after = Some(1);
+        let e = gate().wait(&midway, &clock, 1, None, &|| false).await;
+        assert_eq!(e, Err(GateError::FailedOver { before: 1, now: 2 }));
+        let same = stream(1_000, 0, false);
+        assert_eq!(gate().timeline(&same).await, Ok(1));
     }
 
     #[test]

@@ -196,6 +196,8 @@ marks! {
     SettleLost = "settle_lost",
     /// A batch's acks waited for the durable standbys to flush its commit.
     AckHeldForStandby = "ack_held_for_standby",
+    /// A failover came between a batch and its acks: all requeued.
+    RequeuedAfterFailover = "requeued_after_failover",
     /// Shutdown came while the inbox was unavailable: requeued.
     RequeuedAtShutdown = "requeued_at_shutdown",
     /// An ordered subscription requeued a delivery behind an earlier event

@@ -372,6 +372,10 @@ pub struct ReplicationPositions {
     /// was flushed before any session could see it, whether or not a
     /// synchronous standby acknowledged it).
     pub flushed: WalPosition,
+    /// The primary's timeline: a promotion starts a new one, so two
+    /// answers on the same timeline come from the same line of history
+    /// (PostgreSQL's `TimeLineID`).
+    pub timeline: u32,
     /// Each named standby, in the order asked.
     pub standbys: Vec<StandbyFlush>,
 }

@@ -268,7 +268,7 @@ pub(crate) async fn replication_positions(
         })
         .transpose()
     }
-    let rows: Vec<(Option<String>, i64, Option<String>)> = bounded(async {
+    let rows: Vec<(Option<String>, i64, i64, Option<String>)> = bounded(async {
         sqlx::query_as(sql::REPLICATION_POSITIONS)
             .bind(standbys)
             .fetch_all(pool)
@@ -278,10 +278,12 @@ pub(crate) async fn replication_positions(
     .await?;
     let mut positions = ReplicationPositions {
         flushed: WalPosition::default(),
+        timeline: 0,
         standbys: Vec::with_capacity(rows.len()),
     };
-    for (flushed, streams, standby) in rows {
+    for (flushed, timeline, streams, standby) in rows {
         positions.flushed = lsn(flushed)?.unwrap_or_default();
+        positions.timeline = timeline as u32;
         positions.standbys.push(match (streams, lsn(standby)?) {
             (0, _) => StandbyFlush::Absent,
             (_, None) => StandbyFlush::Hidden,

@@ -215,8 +215,13 @@ pub async fn replication_positions(
         })
         .await?;
     match reply {
-        crate::wire::PgReply::Replication { flushed, standbys } => Ok(ReplicationPositions {
+        crate::wire::PgReply::Replication {
+            flushed,
+            timeline,
+            standbys,
+        } => Ok(ReplicationPositions {
             flushed: WalPosition(flushed),
+            timeline,
             standbys: standbys
                 .into_iter()
                 .map(|s| s.map_or(StandbyFlush::Absent, |at| StandbyFlush::At(WalPosition(at))))

@@ -29,6 +29,17 @@ pub(super) fn unpublishable(row: &ClaimedRow) -> Option<String> {
     None
 }
 
+/// A gate's failure as the drain reports it.
+fn drain_error(e: GateError, rows: usize) -> DrainError {
+    match e {
+        GateError::Store(e) => DrainError::Store(e),
+        other => DrainError::NotReplicated {
+            rows,
+            reason: other.to_string(),
+        },
+    }
+}
+
 /// Rows from one claim and the clock time the claim was sent, where the
 /// batch's deadline starts: the database stamped the lease no earlier, so a
 /// deadline counted from here ends before the lease does (`confirm_timeout
@@ -99,6 +110,17 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
             let poll = tracing::debug_span!("outbox.poll", outbox.replica = %cfg.replica_id);
             (None, poll)
         };
+        // The gate vouches only for work between two reads of the
+        // primary's timeline: this one, and the wait's after the claim.
+        let since = match &self.durable {
+            Some(gate) => Some(gate.timeline(&*self.store).await.map_err(|e| {
+                if let Some(batch) = &batch {
+                    batch.record("outbox.outcome", "claim_failed");
+                }
+                drain_error(e, 0)
+            })?),
+            None => None,
+        };
         let t0 = self.clock.now();
         if after.is_some() {
             self.marks.hit(Mark::ClaimResumed);
@@ -138,7 +160,9 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         report.keyed_claimed += rows.iter().filter(|r| r.ordering.is_some()).count();
         report.claim_time += at.saturating_sub(t0);
         let claimed = Claimed { rows, at: t0, span };
-        self.replicated(&claimed, stopped).await?;
+        if let Some(since) = since {
+            self.replicated(&claimed, since, stopped).await?;
+        }
         Ok(claimed)
     }
 
@@ -151,6 +175,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
     async fn replicated(
         &self,
         claimed: &Claimed,
+        since: u32,
         stopped: &(dyn Fn() -> bool + Send + Sync),
     ) -> Result<(), DrainError> {
         let Some(gate) = &self.durable else {
@@ -162,7 +187,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         let until = claimed.at + self.config.confirm_timeout;
         let span = tracing::info_span!(parent: &claimed.span, "outbox.replicated");
         let waited = gate
-            .wait(&*self.store, &*self.clock, Some(until), stopped)
+            .wait(&*self.store, &*self.clock, since, Some(until), stopped)
             .instrument(span)
             .await;
         let Err(e) = waited else {
@@ -171,13 +196,7 @@ impl<S: OutboxStore, B: Broker, C: Clock, E: Entropy> Drainer<S, B, C, E> {
         self.marks.hit(Mark::NotReplicated);
         claimed.span.record("outbox.outcome", "not_replicated");
         self.release_all(&claimed.rows).await;
-        Err(match e {
-            GateError::Store(e) => DrainError::Store(e),
-            other => DrainError::NotReplicated {
-                rows: claimed.rows.len(),
-                reason: other.to_string(),
-            },
-        })
+        Err(drain_error(e, claimed.rows.len()))
     }
 
     /// The claim's statements: the next window of key heads, then the

@@ -66,6 +66,17 @@ impl Future for JoinAll<'_> {
     }
 }
 
+/// Whether a batch may be settled as decided (replicated before acked).
+enum Replicated {
+    /// The named standbys hold what it rests on (or no gate).
+    Yes,
+    /// A failover came between the batch and the wait: everything goes
+    /// back to the queue.
+    FailedOver,
+    /// Shutdown came first: nothing is settled.
+    Stopped,
+}
+
 impl<S, B, C, H> Subscriber<S, B, C, H>
 where
     S: InboxStore,
@@ -368,6 +379,7 @@ where
         // cycle. Found by the simulation (producer_and_consumer_swarm,
         // seed 0: two workers' batches deadlocked on two duplicated events).
         items.sort_by_key(|i| i.entry.event_id);
+        let since = self.timeline_before().await;
         self.apply_until_decided(&items, &mut outcomes, shutdown)
             .await;
         drop(items);
@@ -379,13 +391,24 @@ where
                 o => o,
             });
         }
-        if self.replicated(&settled, shutdown).await {
-            self.settle_all(consumer, &prepared, &settled).await;
-        } else {
+        match self.replicated(&settled, since, shutdown).await {
+            Replicated::Yes => self.settle_all(consumer, &prepared, &settled).await,
+            Replicated::FailedOver => {
+                // What the batch committed or read may be gone with the
+                // old primary: every delivery goes back to the queue, and
+                // the new primary's inbox decides each again.
+                self.marks.hit(Mark::RequeuedAfterFailover);
+                for outcome in &mut settled {
+                    if !outcome.requeues() {
+                        *outcome = DeliveryOutcome::Requeued;
+                    }
+                }
+                self.settle_all(consumer, &prepared, &settled).await;
+            }
             // Shutdown came while the standbys had not flushed the batch:
             // nothing of it is settled, the broker redelivers it once the
             // consumer closes, and the inbox absorbs the repeat.
-            self.marks.hit(Mark::RequeuedAtShutdown);
+            Replicated::Stopped => self.marks.hit(Mark::RequeuedAtShutdown),
         }
         for (p, outcome) in prepared.iter().zip(&settled) {
             p.span.record("outbox.inbox.outcome", outcome.label());
@@ -469,44 +492,53 @@ where
     async fn replicated(
         &self,
         settled: &[DeliveryOutcome],
+        since: Option<u32>,
         shutdown: &watch::Receiver<bool>,
-    ) -> bool {
+    ) -> Replicated {
         let Some(gate) = &self.durable else {
-            return true;
+            return Replicated::Yes;
         };
-        let requeued_only = settled.iter().all(|o| {
-            matches!(
-                o,
-                DeliveryOutcome::Retrying { .. }
-                    | DeliveryOutcome::Requeued
-                    | DeliveryOutcome::Deferred
-            )
-        });
-        if requeued_only {
-            return true;
+        if settled.iter().all(DeliveryOutcome::requeues) {
+            return Replicated::Yes;
         }
+        // Without the timeline from before the batch nothing vouches for
+        // where it ran.
+        let Some(since) = since else {
+            return Replicated::FailedOver;
+        };
         let stopped = || *shutdown.borrow();
         let mut pause = RETRY_BACKOFF_MIN;
         loop {
-            match gate.wait(&*self.store, &*self.clock, None, &stopped).await {
+            match gate
+                .wait(&*self.store, &*self.clock, since, None, &stopped)
+                .await
+            {
                 Ok(waited) => {
                     if waited {
                         self.marks.hit(Mark::AckHeldForStandby);
                     }
-                    return true;
+                    return Replicated::Yes;
                 }
                 Err(GateError::Store(e)) => tracing::debug!(
                     queue = %self.settings.spec.queue,
                     error = %e,
                     "acks wait for the standbys: the primary could not be asked"
                 ),
-                Err(_) => return false,
+                Err(GateError::FailedOver { .. }) => return Replicated::FailedOver,
+                Err(_) => return Replicated::Stopped,
             }
             if sleep_or_shutdown(&*self.clock, pause, &mut shutdown.clone()).await {
-                return false;
+                return Replicated::Stopped;
             }
             pause = (pause * 2).min(RETRY_BACKOFF_MAX);
         }
+    }
+
+    /// With durable standbys, the primary's timeline before a batch
+    /// begins (`None` without a gate, or if it could not be read).
+    async fn timeline_before(&self) -> Option<u32> {
+        let gate = self.durable.as_ref()?;
+        gate.timeline(&*self.store).await.ok()
     }
 
     /// Decodes a delivery, opens its span and logs what is wrong with it.

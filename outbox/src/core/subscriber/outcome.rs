@@ -81,6 +81,15 @@ impl DeliveryOutcome {
         )
     }
 
+    /// Settled with a nack that requeues it: it promises nothing (a
+    /// failed attempt to retry, trouble, a key's later event waiting).
+    pub fn requeues(&self) -> bool {
+        matches!(
+            self,
+            Self::Retrying { .. } | Self::Requeued | Self::Deferred
+        )
+    }
+
     /// Settled with an ack (its effect is in the inbox), not a nack.
     pub fn acks(&self) -> bool {
         matches!(self, Self::Processed | Self::Duplicate | Self::Held)

@@ -406,6 +406,18 @@ impl PgState {
         });
     }
 
+    /// `replication_positions.sql` at `now`: the flush position, the
+    /// timeline, and where each named standby stands.
+    fn replication_positions(&self, standbys: &[String], now: u64) -> PgReply {
+        let db = self.lock();
+        PgReply::Replication {
+            flushed: db.wal.flushed_at(now),
+            timeline: db.wal.timeline(),
+            // No standby is modelled: none streams.
+            standbys: vec![None; standbys.len()],
+        }
+    }
+
     /// An operator unparks every parked row that a fix can make publishable
     /// (the liveness phase).
     pub fn operator_unpark_all(&self) {
@@ -688,12 +700,7 @@ impl Session {
             PgRequest::Commit => self.commit(),
             PgRequest::Listen | PgRequest::Ping => PgReply::Ok,
             PgRequest::ReplicationPositions { standbys } => {
-                let db = self.state.lock();
-                PgReply::Replication {
-                    flushed: db.wal.flushed_at(now),
-                    // No standby is modelled: none streams.
-                    standbys: vec![None; standbys.len()],
-                }
+                self.state.replication_positions(standbys, now)
             }
             PgRequest::Raise { code } => PgReply::Error(PgError::new(code, "raised")),
             PgRequest::Rollback => {

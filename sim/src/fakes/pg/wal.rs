@@ -32,6 +32,8 @@ pub struct Wal {
     inserted: u64,
     /// The position up to which the WAL was flushed at a commit.
     flushed: u64,
+    /// Promotions so far: the timeline is one more.
+    promotions: u32,
 }
 
 impl Wal {
@@ -47,6 +49,11 @@ impl Wal {
         self.inserted += 1;
         self.flushed = self.inserted;
         self.unflushed.clear();
+    }
+
+    /// The server's timeline: 1, and one more at each promotion.
+    pub fn timeline(&self) -> u32 {
+        self.promotions + 1
     }
 
     /// The flush position at `now` (`pg_current_wal_flush_lsn()`): the
