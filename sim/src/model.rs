@@ -43,6 +43,8 @@ pub struct Model {
     pub by_key: BTreeMap<String, BTreeMap<i64, Uuid>>,
     /// Parked rows an operator skipped: given up, never to be published.
     pub skipped: BTreeSet<Uuid>,
+    /// Envelopes committed, then taken back by a failover.
+    pub taken_back: BTreeSet<Uuid>,
 }
 
 impl Model {
@@ -60,6 +62,13 @@ impl Model {
                     m.unique.insert(*id, key.clone());
                 }
                 Event::Skipped { ids } => m.skipped.extend(ids.iter().copied()),
+                // Never committed, as the surviving database tells it.
+                Event::FailedOver { lost, .. } => {
+                    for id in lost {
+                        m.committed.remove(id);
+                        m.taken_back.insert(*id);
+                    }
+                }
                 Event::KeysNumbered { rows } => {
                     for (id, key, seq) in rows {
                         m.keyed.insert(*id, (key.clone(), *seq));

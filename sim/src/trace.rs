@@ -64,6 +64,13 @@ pub enum FaultKind {
     LeaderElection,
     /// A classic queue out of reach dropped what was routed to it.
     QueueUnreachable,
+    /// The fake PostgreSQL's standby stopped receiving its WAL.
+    StandbyAway,
+    /// The fake PostgreSQL's primary crashed and its standby was promoted.
+    Failover,
+    /// The fake PostgreSQL's primary turned read-only in place and its
+    /// standby, caught up, was promoted (an orderly switchover).
+    Switchover,
 }
 
 /// Which drainer store call.
@@ -325,6 +332,13 @@ pub enum Event {
         /// Rows whose parked flag the crash took back, with the flag they
         /// have again.
         parks: Vec<(Uuid, bool)>,
+    },
+    /// The standby was promoted: the old primary's committed outbox rows
+    /// it never held (`lost`) and the handler effects it lacks
+    /// (`lost_effects`, by subscription and event) are gone.
+    FailedOver {
+        lost: Vec<Uuid>,
+        lost_effects: Vec<(String, Uuid)>,
     },
     /// The store released leases.
     Released { replica: String, ids: Vec<Uuid> },

@@ -119,6 +119,8 @@ fn every_scenario_file_has_a_test_here() {
         "ordering_keys_swarm",
         "overlapping_batches",
         "partitioned_retention",
+        "pg_failover_stale_standby",
+        "pg_switchover",
         "poison_parking",
         "poison_to_dlq_and_replay",
         "producer_and_consumer_swarm",
@@ -162,6 +164,14 @@ fn crash_between_publish_and_mark() {
 #[test]
 fn db_outage() {
     check("db_outage");
+}
+#[test]
+fn pg_failover_stale_standby() {
+    check("pg_failover_stale_standby");
+}
+#[test]
+fn pg_switchover() {
+    check("pg_switchover");
 }
 #[test]
 fn db_crash_loses_async_commits() {

@@ -112,9 +112,44 @@ struct Waiting {
 #[derive(Debug)]
 pub struct DurableStandbys {
     names: Vec<String>,
-    /// The wait that has gone on longest among those in progress (the
-    /// latest to find a standby behind, once the last success cleared it).
-    waiting: Mutex<Option<Waiting>>,
+    /// The waits in progress that found a standby behind, and the longest
+    /// such wait's standing (cleared when the last of them ends).
+    waiting: Mutex<(usize, Option<Waiting>)>,
+}
+
+/// A wait that found a standby behind: counted in
+/// [`DurableStandbys::waiting`] until it ends, however it ends.
+struct Behindhand<'a> {
+    gate: &'a DurableStandbys,
+    counted: bool,
+}
+
+impl Behindhand<'_> {
+    fn behind(&mut self, standby: &str, behind: Behind, now: Duration) {
+        let mut waiting = self.gate.waiting.lock().expect("gate lock");
+        if !self.counted {
+            self.counted = true;
+            waiting.0 += 1;
+        }
+        let since = waiting.1.as_ref().map_or(now, |w| w.since);
+        waiting.1 = Some(Waiting {
+            standby: standby.to_owned(),
+            behind,
+            since,
+        });
+    }
+}
+
+impl Drop for Behindhand<'_> {
+    fn drop(&mut self) {
+        if self.counted {
+            let mut waiting = self.gate.waiting.lock().expect("gate lock");
+            waiting.0 -= 1;
+            if waiting.0 == 0 {
+                waiting.1 = None;
+            }
+        }
+    }
 }
 
 impl DurableStandbys {
@@ -122,7 +157,7 @@ impl DurableStandbys {
     pub fn new(names: Vec<String>) -> Option<Self> {
         (!names.is_empty()).then(|| Self {
             names,
-            waiting: Mutex::new(None),
+            waiting: Mutex::new((0, None)),
         })
     }
 
@@ -165,13 +200,16 @@ impl DurableStandbys {
         let target = first.flushed;
         let mut standbys = first.standbys;
         let (mut pause, mut waited) = (POLL_FIRST, false);
+        let mut behindhand = Behindhand {
+            gate: self,
+            counted: false,
+        };
         loop {
             let Some((standby, behind)) = self.first_behind(&standbys, target) else {
-                self.passed();
                 return Ok(waited);
             };
             let now = clock.now();
-            self.behind(standby, behind, now);
+            behindhand.behind(standby, behind, now);
             if until.is_some_and(|u| now >= u) {
                 return Err(GateError::Timeout {
                     standby: standby.to_owned(),
@@ -212,24 +250,11 @@ impl DurableStandbys {
         })
     }
 
-    fn behind(&self, standby: &str, behind: Behind, now: Duration) {
-        let mut waiting = self.waiting.lock().expect("gate lock");
-        let since = waiting.as_ref().map_or(now, |w| w.since);
-        *waiting = Some(Waiting {
-            standby: standby.to_owned(),
-            behind,
-            since,
-        });
-    }
-
-    fn passed(&self) {
-        *self.waiting.lock().expect("gate lock") = None;
-    }
-
-    /// Why readiness fails, at clock time `now`: a wait going on for longer
-    /// than [`UNREADY_AFTER`].
+    /// Why readiness fails, at clock time `now`: waits that found a
+    /// standby behind, going on for longer than [`UNREADY_AFTER`] (counted
+    /// from the first of them, while one is in progress).
     pub fn reasons(&self, now: Duration) -> Vec<UnreadyReason> {
-        let waiting = self.waiting.lock().expect("gate lock").clone();
+        let waiting = self.waiting.lock().expect("gate lock").1.clone();
         match waiting {
             Some(w) if now.saturating_sub(w.since) > UNREADY_AFTER => {
                 vec![UnreadyReason::StandbyBehind {
@@ -331,10 +356,25 @@ mod tests {
             "{e:?}"
         );
         assert_eq!(clock.now(), until, "never sleeps past the deadline");
-        let reasons = gate.reasons(clock.now());
+        assert!(
+            gate.reasons(clock.now()).is_empty(),
+            "a wait that ended holds readiness no more"
+        );
+        // While one waits, readiness names the standby past the grace.
+        let reasons = std::sync::Mutex::new(Vec::new());
+        let start = clock.now();
+        let stopped = || {
+            if clock.now() >= start + Duration::from_secs(3) {
+                *reasons.lock().unwrap() = gate.reasons(clock.now());
+                return true;
+            }
+            false
+        };
+        let e = gate.wait(&store, &clock, 1, None, &stopped).await;
+        assert_eq!(e, Err(GateError::Stopped));
+        let reasons = reasons.into_inner().unwrap();
         assert_eq!(reasons.len(), 1);
         assert!(reasons[0].to_string().contains("pg2"), "{}", reasons[0]);
-        assert!(gate.reasons(Duration::from_secs(1)).is_empty(), "grace");
     }
 
     #[tokio::test]
@@ -343,15 +383,17 @@ mod tests {
         let gate = gate();
         let lagging = stream(10, 0, false);
         let stop_at = Duration::from_secs(4);
-        let e = gate
-            .wait(&lagging, &clock, 1, None, &|| clock.now() >= stop_at)
-            .await;
+        let said = std::sync::Mutex::new(String::new());
+        let stopped = || {
+            let stop = clock.now() >= stop_at;
+            if stop {
+                *said.lock().unwrap() = gate.reasons(clock.now())[0].to_string();
+            }
+            stop
+        };
+        let e = gate.wait(&lagging, &clock, 1, None, &stopped).await;
         assert_eq!(e, Err(GateError::Stopped));
-        assert!(
-            gate.reasons(clock.now())[0]
-                .to_string()
-                .contains("990 bytes behind")
-        );
+        assert!(said.lock().unwrap().contains("990 bytes behind"));
         let caught_up = stream(1_000, 0, false);
         let waited = gate.wait(&caught_up, &clock, 1, None, &|| false).await;
         assert_eq!(waited, Ok(false), "no wait: no pause");

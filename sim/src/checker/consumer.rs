@@ -295,6 +295,11 @@ struct Budget<'e> {
     asked: BTreeMap<&'e str, BTreeSet<Uuid>>,
     /// Rows marked dead-lettered: the mark stays until a replay resets it.
     dead: BTreeSet<Uuid>,
+    /// When each client last took a delivery of each event, and when the
+    /// latest failover came: a batch a failover came behind is requeued
+    /// whole, failure or not (its commits may be gone).
+    taken_at: BTreeMap<(&'e str, Uuid), Duration>,
+    failed_over_at: Option<Duration>,
     /// An ordered subscription's deferrals: what was delivered, and what
     /// took effect or was skipped, so far.
     delivered: BTreeSet<Uuid>,
@@ -319,8 +324,12 @@ fn budget<'a>(ctx: &Context<'a>, out: &mut Findings) {
                 if let Some(event) = ctx.model.event_of(message_id.as_deref()) {
                     b.delivered.insert(event);
                     b.open.delivered(client, event);
+                    if let Some(at) = at {
+                        b.taken_at.insert((client.as_str(), event), at);
+                    }
                 }
             }
+            Event::FailedOver { .. } => b.failed_over_at = at,
             Event::InboxCommitted { effects, .. } => {
                 b.settled_for_good.extend(effects.iter().map(|(_, id)| *id));
             }
@@ -583,6 +592,15 @@ impl<'e> Budget<'e> {
         let Err(what) = r.answer(settle) else {
             return;
         };
+        // Requeued because a failover came between the delivery and its
+        // settlement (replicated before acked: the batch's commits may be
+        // gone with the old primary).
+        let taken = self.taken_at.get(&(client, event));
+        if settle == Settle::Requeue
+            && taken.is_some_and(|t| self.failed_over_at.is_some_and(|f| f >= *t))
+        {
+            return;
+        }
         // Requeued behind an earlier event of its key.
         if settle == Settle::Requeue
             && super::ordered::deferral_justified(

@@ -32,7 +32,8 @@ pub(super) fn end_state(model: &Model, fin: &FinalState, out: &mut Findings) {
         }
     }
     for id in fin.stored.keys() {
-        if !model.committed.contains(id) {
+        // One a failover took back is `no_phantom_event`'s.
+        if !model.committed.contains(id) && !model.taken_back.contains(id) {
             let why = if model.rolled_back.contains(id) {
                 "rolled back"
             } else {

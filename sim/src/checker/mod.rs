@@ -32,6 +32,9 @@
 //!   hostile deliveries, and dead letters kept on quorum queues.
 //! - [`statements`]: a statement its client gave up on ends at the server;
 //!   a handler's transaction carries the server's own bounds.
+//! - [`failover`]: a failover takes back what the promoted standby never
+//!   held; the broker never stored an event it took back, and no delivery
+//!   was acked whose effect it took back.
 //! - [`expectations`]: what a scenario's faults must make happen.
 //! - [`marks`]: the coverage marks agree with the trace, so a scenario's
 //!   `[expect] reach` list cannot be met by a mark that lies.
@@ -43,6 +46,7 @@ mod attempts;
 mod consumer;
 mod delivery;
 mod expectations;
+mod failover;
 mod leases;
 mod marks;
 mod nodes;
@@ -201,6 +205,11 @@ invariants! {
     AbandonedStatementEnds = "abandoned_statement_ends",
     /// A handler runs in a transaction the server itself bounds: no statement of it runs past the handler's deadline and one second, and it may sit idle at least a minute and more than twice the deadline.
     HandlerTxBounds = "handler_tx_bounds",
+    // --- failover
+    /// The broker never stores an event whose commit a failover took back (replicated before published).
+    NoPhantomEvent = "no_phantom_event",
+    /// No delivery is acked whose effect a failover then takes back (replicated before acked), nor after a failover took its effect back and before it took effect again.
+    NoLostEffect = "no_lost_effect",
     // --- expectations
     /// What the scenario's faults must make happen did happen.
     ScenarioExpectation = "scenario_expectation",
@@ -352,6 +361,9 @@ pub fn check(
     limits: &Limits,
     expect: &Expect,
 ) -> Verdict {
+    let original = events;
+    let rewritten = failover::rewrite(events);
+    let events = rewritten.as_deref().unwrap_or(events);
     let model = Model::from_trace(events);
     let ctx = Context {
         events,
@@ -375,6 +387,7 @@ pub fn check(
     stats::check(&ctx, &mut out);
     expectations::check(&ctx, &mut out);
     marks::check(&ctx, &mut out);
+    failover::check(&ctx, original, &mut out);
     let duplicates = fin
         .stored
         .values()

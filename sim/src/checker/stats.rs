@@ -20,6 +20,7 @@ use uuid::Uuid;
 
 use super::{Context, Findings, Invariant, TIMING_SLACK};
 use crate::trace::Event;
+use outbox::core::durability::UNREADY_AFTER;
 
 /// A sample as the stats task saw it.
 #[derive(Clone, Copy)]
@@ -29,6 +30,29 @@ struct Sample {
     oldest: Duration,
     parked: u64,
     blocked: u64,
+}
+
+impl Sample {
+    /// The sample a `StatsAnswered` at `at` says.
+    fn answered(at: Duration, e: &Event) -> Self {
+        let Event::StatsAnswered {
+            pending,
+            oldest_age_ms,
+            parked,
+            blocked,
+            ..
+        } = e
+        else {
+            unreachable!("a stats answer");
+        };
+        Sample {
+            at,
+            pending: *pending,
+            oldest: Duration::from_millis(*oldest_age_ms),
+            parked: *parked,
+            blocked: *blocked,
+        }
+    }
 }
 
 pub fn check(ctx: &Context<'_>, out: &mut Findings) {
@@ -84,7 +108,7 @@ impl Table {
                     set(&[*id], &|r| r.parked = *parked);
                 }
             }
-            Event::Deleted { ids } => {
+            Event::Deleted { ids } | Event::FailedOver { lost: ids, .. } => {
                 for id in ids {
                     self.rows.remove(id);
                 }
@@ -176,22 +200,12 @@ fn gauges_follow_samples(ctx: &Context<'_>, out: &mut Findings) {
     // (Some: answered with this sample; None: failed) the gauges follow.
     let mut last_ok: BTreeMap<&str, Sample> = BTreeMap::new();
     let mut current: Option<(&str, Option<Sample>)> = None;
+    let mut standby = StandbyTrouble::default();
     for (at, e) in ctx.events {
+        standby.see(*at, e);
         match e {
-            Event::StatsAnswered {
-                replica,
-                pending,
-                oldest_age_ms,
-                parked,
-                blocked,
-            } => {
-                let s = Sample {
-                    at: *at,
-                    pending: *pending,
-                    oldest: Duration::from_millis(*oldest_age_ms),
-                    parked: *parked,
-                    blocked: *blocked,
-                };
+            Event::StatsAnswered { replica, .. } => {
+                let s = Sample::answered(*at, e);
                 last_ok.insert(replica, s);
                 current = Some((replica, Some(s)));
             }
@@ -237,7 +251,10 @@ fn gauges_follow_samples(ctx: &Context<'_>, out: &mut Findings) {
                     age > l.stats_interval * 3 && age <= l.stats_interval * 3 + TIMING_SLACK
                 };
                 let expected = sample.is_some_and(|s| fresh(s) && under(s));
-                if *ready != expected && !sample.is_some_and(stale_by_a_hair) {
+                let (explained, reasons_ok) = standby.explains(*at, *ready, reasons);
+                if (*ready != expected && !sample.is_some_and(stale_by_a_hair) && !explained)
+                    || !reasons_ok
+                {
                     out.add(
                         Invariant::GaugesTruthful,
                         Some(*at),
@@ -248,6 +265,53 @@ fn gauges_follow_samples(ctx: &Context<'_>, out: &mut Findings) {
             _ => {}
         }
     }
+}
+
+/// The standby's trouble (away, or a failover under way): since when,
+/// and until when (`None`: going on).
+#[derive(Default)]
+struct StandbyTrouble(Option<(Duration, Option<Duration>)>);
+
+impl StandbyTrouble {
+    fn see(&mut self, at: Duration, e: &Event) {
+        match e {
+            Event::FaultStart { kind, .. } if standby_fault(*kind) => self.0 = Some((at, None)),
+            Event::FaultEnd { kind } if standby_fault(*kind) => {
+                if let Some((_, until)) = &mut self.0 {
+                    *until = Some(at);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether readiness `ready` with `reasons` at `at` is the durability
+    /// gates' (unready only for waits on the standby, past the grace,
+    /// while it was in trouble or a moment after: the last waits end),
+    /// and whether every reason naming the standby is so explained.
+    fn explains(&self, at: Duration, ready: bool, reasons: &[String]) -> (bool, bool) {
+        let gated = |reason: &String| reason.contains("for standby");
+        let waits = !ready
+            && !reasons.is_empty()
+            && reasons.iter().all(gated)
+            && self.0.is_some_and(|(from, until)| {
+                at >= from + UNREADY_AFTER && until.is_none_or(|u| at <= u + STANDBY_TROUBLE_TAIL)
+            });
+        (waits, waits || !reasons.iter().any(gated))
+    }
+}
+
+/// How long after the standby's trouble ends a wait for it may still be
+/// going on (a drainer's wait lasts up to the Phase-2 deadline).
+const STANDBY_TROUBLE_TAIL: Duration = Duration::from_secs(3);
+
+/// Whether a fault of `kind` takes the standby away (or fails over).
+fn standby_fault(kind: crate::trace::FaultKind) -> bool {
+    use crate::trace::FaultKind;
+    matches!(
+        kind,
+        FaultKind::StandbyAway | FaultKind::Failover | FaultKind::Switchover
+    )
 }
 
 /// What gauge `name` must be set to after sample `s`.

@@ -2125,8 +2125,100 @@ fn ordering_cases() -> Vec<(Invariant, Run)> {
     ]
 }
 
+/// A failover at `t` that takes back event 1's effect (and its outbox
+/// row, if `row`).
+fn failover(t: u64, row: bool) -> (u64, Event) {
+    (
+        t,
+        Event::FailedOver {
+            lost: if row { vec![id(1)] } else { vec![] },
+            lost_effects: vec![(s("q"), id(1))],
+        },
+    )
+}
+
+fn failover_cases() -> Vec<(Invariant, Run)> {
+    use Invariant as I;
+    let (t, lost_row) = failover(200, true);
+    let (t2, lost_effect) = failover(200, false);
+    vec![
+        // The broker stored event 1, then a failover took its commit back.
+        (I::NoPhantomEvent, producer().at(t, lost_row)),
+        // Acked at 130, then the failover took the effect back.
+        (I::NoLostEffect, consumer().at(t2, lost_effect.clone())),
+        // Committed at 120, taken back by a failover at 125, acked at 130
+        // with no effect since (a wait that trusted the new primary).
+        (I::NoLostEffect, consumer().at(125, lost_effect)),
+    ]
+}
+
+#[test]
+fn a_failover_that_took_back_only_what_nobody_acted_on_passes() {
+    use Invariant as I;
+    let rules = [
+        I::NoPhantomEvent,
+        I::NoLostEffect,
+        I::Lost,
+        I::PhantomPublish,
+    ];
+    let fine = |run: Run| {
+        let v = run.verdict();
+        for i in rules {
+            assert!(!v.counts.contains_key(&i), "{:#?}", v.violations);
+        }
+    };
+    // An event committed then taken back, never published: neither lost
+    // nor a phantom.
+    let never_sent = Run {
+        events: vec![
+            (
+                ms(0),
+                Event::Committed {
+                    client: s("w"),
+                    ids: vec![id(9)],
+                },
+            ),
+            (
+                ms(50),
+                Event::FailedOver {
+                    lost: vec![id(9)],
+                    lost_effects: vec![],
+                },
+            ),
+        ],
+        fin: FinalState::default(),
+        expect: Expect::default(),
+        partitions: 0,
+    };
+    fine(never_sent);
+    // An effect taken back at 125, before its ack; applied again on the
+    // new primary before the next ack.
+    let again = consumer()
+        .without(|e| matches!(e, Event::Settled { .. }))
+        .at(125, failover(125, false).1)
+        .at(
+            140,
+            Event::InboxCommitted {
+                client: s("c#1"),
+                began: ms(135),
+                processed: vec![id(1)],
+                effects: vec![(s("q"), id(1))],
+            },
+        )
+        .at(
+            150,
+            Event::Settled {
+                client: s("c#1"),
+                message_id: Some(id(1).to_string()),
+                settle: Settle::Ack,
+            },
+        );
+    fine(again);
+}
+
 fn cases() -> Vec<(Invariant, Run)> {
     [
+        failover_cases(),
         ordering_cases(),
         statement_cases(),
         delivery_and_attempt_cases(),

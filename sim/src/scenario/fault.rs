@@ -72,6 +72,21 @@ pub enum Fault {
         at_secs: f64,
         for_secs: f64,
     },
+    /// The database's standby stops receiving the WAL; it streams again
+    /// (and catches up) when the window ends, unless a failover promoted
+    /// it meanwhile.
+    StandbyAway { at_secs: f64, for_secs: f64 },
+    /// The database fails over to its standby. Unless `orderly`, the
+    /// primary crashes and the standby is promoted `for_secs` later with
+    /// what it holds (a standby that fell away lacks every commit since);
+    /// `orderly`, the primary turns read-only in place (every write fails
+    /// with 25006) for `for_secs`, then the caught-up standby is promoted.
+    Failover {
+        at_secs: f64,
+        for_secs: f64,
+        #[serde(default)]
+        orderly: bool,
+    },
     /// Broker faults.
     Mq {
         #[serde(default)]
@@ -142,6 +157,10 @@ impl Fault {
                 at_secs, for_secs, ..
             }
             | Fault::Downstream { at_secs, for_secs }
+            | Fault::StandbyAway { at_secs, for_secs }
+            | Fault::Failover {
+                at_secs, for_secs, ..
+            }
             | Fault::DomainLock { at_secs, for_secs } => (*at_secs, *for_secs),
             Fault::Crash {
                 at_secs,
@@ -165,6 +184,8 @@ impl Fault {
             | Fault::Mq { for_secs, .. }
             | Fault::Hostile { for_secs, .. }
             | Fault::Downstream { for_secs, .. }
+            | Fault::StandbyAway { for_secs, .. }
+            | Fault::Failover { for_secs, .. }
             | Fault::DomainLock { for_secs, .. } => *for_secs = len,
             Fault::Crash {
                 restart_after_secs, ..
@@ -198,6 +219,9 @@ impl Fault {
             Fault::Downstream { .. } => FaultKind::Downstream,
             Fault::DomainLock { .. } => FaultKind::DomainLock,
             Fault::Hostile { .. } => FaultKind::Hostile,
+            Fault::StandbyAway { .. } => FaultKind::StandbyAway,
+            Fault::Failover { orderly: true, .. } => FaultKind::Switchover,
+            Fault::Failover { .. } => FaultKind::Failover,
         }
     }
 

@@ -225,6 +225,10 @@ pub struct ConfigOverrides {
     /// The partitioned layout (issue 28), partitions this many ms wide
     /// (default: the plain layout, the ADR's).
     pub partition_width_ms: Option<u64>,
+    /// The durability gates: the drainers publish and the subscribers ack
+    /// only what the database's standby flushed
+    /// (`CANOPY_MQ_DURABLE_STANDBYS=standby`; default off).
+    pub durable_standby: Option<bool>,
 }
 
 /// Phases of a run.

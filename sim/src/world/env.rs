@@ -188,6 +188,9 @@ impl Env {
                 }
             }
             Fault::Pg { .. } | Fault::Mq { .. } => self.set_service_faults(fault, start),
+            Fault::StandbyAway { .. } if start => self.pg.standby_away(crate::fakes::pg::now_ms()),
+            Fault::StandbyAway { .. } => self.pg.standby_back(),
+            Fault::Failover { orderly, .. } => self.fail_over(sim, *orderly, start),
             Fault::Hostile { per_sec, keyed, .. } => {
                 self.hostile.retain(|h| h.0 != index);
                 if start {
@@ -195,6 +198,32 @@ impl Env {
                     self.hostile
                         .push((index, per_step, fault.hostile_kinds(), *keyed));
                 }
+            }
+        }
+    }
+
+    /// A failover begun (the primary crashes, or turns read-only in
+    /// place) or completed: the standby is promoted while the database
+    /// host is down, so every session the clients open after is on the
+    /// new primary.
+    fn fail_over(&mut self, sim: &mut crate::engine::Sim, orderly: bool, start: bool) {
+        match (orderly, start) {
+            (true, true) => self.pg.set_read_only(true),
+            (false, true) => {
+                self.crash(sim, "pg");
+            }
+            (true, false) => {
+                self.pg.shut_down_cleanly(crate::fakes::pg::now_ms());
+                self.crash(sim, "pg");
+                self.pg.set_read_only(false);
+                self.pg.promote(crate::fakes::pg::now_ms());
+                self.restart(sim, "pg");
+            }
+            (false, false) => {
+                if self.crashed.contains("pg") {
+                    self.pg.promote(crate::fakes::pg::now_ms());
+                }
+                self.restart(sim, "pg");
             }
         }
     }
@@ -319,6 +348,8 @@ impl Env {
         for &i in active {
             self.apply(sim, i, &faults[i], false);
         }
+        self.pg.set_read_only(false);
+        self.pg.standby_back();
         self.downstream_broken.store(false, Ordering::SeqCst);
         self.domain_locked.store(false, Ordering::SeqCst);
         self.pg.set_domain_lock(false);

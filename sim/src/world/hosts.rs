@@ -46,8 +46,18 @@ pub fn drainer_config(s: &Scenario, replica: &str) -> DrainerConfig {
         .stats_interval(Duration::from_millis(c.stats_interval_ms.unwrap_or(1000)))
         .pending_warn(c.pending_warn.unwrap_or(10_000))
         .oldest_warn_secs(c.oldest_warn_secs.unwrap_or(900))
+        .durable_standbys(durable_standbys(s))
         .build()
         .unwrap_or_else(|e| panic!("scenario {} has an invalid drainer config: {e}", s.name))
+}
+
+/// The standbys the durability gates wait for: the fake's one, if the
+/// scenario turns them on.
+pub fn durable_standbys(s: &Scenario) -> Vec<String> {
+    match s.config.durable_standby {
+        Some(true) => vec![crate::fakes::pg::standby::STANDBY.to_owned()],
+        _ => Vec::new(),
+    }
 }
 
 /// The subscriber settings every consumer host runs with.
@@ -168,6 +178,7 @@ pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: 
     let trace = env.trace.clone();
     let settings = subscriber_settings(s);
     let janitor = inbox_janitor_settings(s);
+    let standbys = durable_standbys(s);
     let transient = s.config.consumer_transient_one_in.unwrap_or(0);
     let (downstream, healed) = (env.downstream_broken.clone(), env.healed.clone());
     let domain_locked = env.domain_locked.clone();
@@ -193,16 +204,18 @@ pub fn spawn_consumer(sim: &mut crate::engine::Sim, env: &Env, s: &Scenario, i: 
                 .with_hooks(hooks.clone(), who.clone(), trace.clone()),
         );
         let marks = TraceMarks::marks(who.clone(), trace.clone());
-        let subscriber = Arc::new(
-            outbox::Subscriber::new(
-                store.clone(),
-                broker,
-                Arc::new(Clock::default()),
-                handler,
-                settings.clone(),
-            )
-            .with_marks(marks.clone()),
-        );
+        let mut subscriber = outbox::Subscriber::new(
+            store.clone(),
+            broker,
+            Arc::new(Clock::default()),
+            handler,
+            settings.clone(),
+        )
+        .with_marks(marks.clone());
+        if let Some(gate) = outbox::core::durability::DurableStandbys::new(standbys.clone()) {
+            subscriber = subscriber.with_durable_standbys(Arc::new(gate));
+        }
+        let subscriber = Arc::new(subscriber);
         let operator = (i == 1).then(|| (healed.clone(), pg.clone(), trace.clone(), who.clone()));
         async move {
             let (_keep, rx) = tokio::sync::watch::channel(false);

@@ -379,7 +379,7 @@ where
         // cycle. Found by the simulation (producer_and_consumer_swarm,
         // seed 0: two workers' batches deadlocked on two duplicated events).
         items.sort_by_key(|i| i.entry.event_id);
-        let since = self.timeline_before().await;
+        let since = self.timeline_before(shutdown).await;
         self.apply_until_decided(&items, &mut outcomes, shutdown)
             .await;
         drop(items);
@@ -501,10 +501,10 @@ where
         if settled.iter().all(DeliveryOutcome::requeues) {
             return Replicated::Yes;
         }
-        // Without the timeline from before the batch nothing vouches for
-        // where it ran.
+        // Without the timeline from before the batch (shutdown came while
+        // it was asked for) nothing vouches for where it ran.
         let Some(since) = since else {
-            return Replicated::FailedOver;
+            return Replicated::Stopped;
         };
         let stopped = || *shutdown.borrow();
         let mut pause = RETRY_BACKOFF_MIN;
@@ -535,10 +535,26 @@ where
     }
 
     /// With durable standbys, the primary's timeline before a batch
-    /// begins (`None` without a gate, or if it could not be read).
-    async fn timeline_before(&self) -> Option<u32> {
+    /// begins, asked again after a backoff while the database cannot
+    /// answer (a pooled session broken by a failover, say); `None` without
+    /// a gate, or if shutdown came first.
+    async fn timeline_before(&self, shutdown: &watch::Receiver<bool>) -> Option<u32> {
         let gate = self.durable.as_ref()?;
-        gate.timeline(&*self.store).await.ok()
+        let mut pause = RETRY_BACKOFF_MIN;
+        loop {
+            match gate.timeline(&*self.store).await {
+                Ok(timeline) => return Some(timeline),
+                Err(e) => tracing::debug!(
+                    queue = %self.settings.spec.queue,
+                    error = %e,
+                    "the primary's timeline could not be read before a batch"
+                ),
+            }
+            if sleep_or_shutdown(&*self.clock, pause, &mut shutdown.clone()).await {
+                return None;
+            }
+            pause = (pause * 2).min(RETRY_BACKOFF_MAX);
+        }
     }
 
     /// Decodes a delivery, opens its span and logs what is wrong with it.

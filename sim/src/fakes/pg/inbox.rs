@@ -223,7 +223,7 @@ impl InboxRow {
 }
 
 /// The committed inbox, its row locks and the handler's committed effects.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Inbox {
     rows: BTreeMap<Key, InboxRow>,
     /// Rows held by an open transaction, by session number.
@@ -391,6 +391,14 @@ impl Inbox {
     /// Every committed row.
     pub fn rows(&self) -> impl Iterator<Item = &InboxRow> {
         self.rows.values()
+    }
+
+    /// Forgets the open transactions' locks and uncommitted keys (a
+    /// promoted standby has none).
+    pub fn clear_open(&mut self) {
+        self.locks.clear();
+        self.key_locks.clear();
+        self.uncommitted_keys.clear();
     }
 
     /// Committed handler effects per (subscription, event).

@@ -70,6 +70,7 @@ pub mod jsonb;
 pub mod outbox;
 pub mod partitions;
 pub mod serve;
+pub mod standby;
 pub mod wal;
 
 use std::sync::{Arc, Mutex};
@@ -118,7 +119,7 @@ pub fn fake_ms(id_ms: u64) -> u64 {
 pub const INJECTED_FAILURE_CODE: &str = "40001";
 
 /// Both tables: the database's "disk".
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Database {
     /// `event_outbox`.
     pub outbox: OutboxTable,
@@ -175,6 +176,10 @@ pub struct PgState {
     /// are rolled back here afterwards, in session order, for a trace that
     /// is the same on every run.
     dying: Arc<Mutex<Option<Dying>>>,
+    /// The streaming replica a failover promotes.
+    standby: Arc<Mutex<standby::Standby>>,
+    /// A primary demoted in place: every write fails with 25006.
+    read_only: Arc<std::sync::atomic::AtomicBool>,
     trace: Trace,
 }
 
@@ -253,6 +258,8 @@ impl PgState {
             controls: Arc::default(),
             waits: Arc::default(),
             dying: Arc::default(),
+            standby: Arc::default(),
+            read_only: Arc::default(),
             trace,
         }
     }
@@ -410,11 +417,97 @@ impl PgState {
     /// timeline, and where each named standby stands.
     fn replication_positions(&self, standbys: &[String], now: u64) -> PgReply {
         let db = self.lock();
+        let standby = self.standby.lock().expect("standby");
         PgReply::Replication {
             flushed: db.wal.flushed_at(now),
             timeline: db.wal.timeline(),
-            // No standby is modelled: none streams.
-            standbys: vec![None; standbys.len()],
+            standbys: standbys
+                .iter()
+                .map(|name| {
+                    (name == standby::STANDBY)
+                        .then(|| standby.position(&db.wal, now))
+                        .flatten()
+                })
+                .collect(),
+        }
+    }
+
+    /// The database as the WAL flushed by `now` holds it, with no open
+    /// transaction's locks: what a standby that streamed it holds.
+    fn flushed_copy(db: &Database, now_ms: u64) -> Database {
+        let mut copy = db.clone();
+        let before = copy.wal.crash(now_ms);
+        copy.outbox.restore_rows(before);
+        copy.outbox.clear_open();
+        copy.inbox.clear_open();
+        copy
+    }
+
+    /// The standby falls away at `now_ms`, holding what was flushed.
+    pub fn standby_away(&self, now_ms: u64) {
+        let held = Self::flushed_copy(&self.lock(), now_ms);
+        self.standby.lock().expect("standby").fall_away(held);
+    }
+
+    /// The standby streams again.
+    pub fn standby_back(&self) {
+        self.standby.lock().expect("standby").come_back();
+    }
+
+    /// The primary shuts down cleanly at `now_ms` (a switchover): the WAL
+    /// writer's pending flushes are done.
+    pub fn shut_down_cleanly(&self, now_ms: u64) {
+        self.lock().wal.shutdown(now_ms);
+    }
+
+    /// The primary turns read-only in place (or writable again).
+    pub fn set_read_only(&self, on: bool) {
+        self.read_only
+            .store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the primary refuses writes.
+    pub fn read_only(&self) -> bool {
+        self.read_only.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The standby is promoted at `now_ms` (while no session is open):
+    /// what it holds becomes the database, on the next timeline; what
+    /// the old primary held beyond it is gone, in the trace.
+    pub fn promote(&self, now_ms: u64) {
+        let mut db = self.lock();
+        let held = self.standby.lock().expect("standby").take_held();
+        let mut new = held.unwrap_or_else(|| Self::flushed_copy(&db, now_ms));
+        new.outbox.clear_open();
+        new.inbox.clear_open();
+        new.wal.promoted_after(&db.wal);
+        let lost: Vec<Uuid> = db
+            .outbox
+            .committed()
+            .difference(new.outbox.committed())
+            .copied()
+            .collect();
+        let lost_effects: Vec<(String, Uuid)> = db
+            .inbox
+            .effects()
+            .iter()
+            .filter(|(k, n)| new.inbox.effects().get(k).copied().unwrap_or(0) < **n)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let restored = new.outbox.taken_back_from(&db.outbox);
+        *db = new;
+        drop(db);
+        self.unlocked.notify_waiters();
+        self.trace.now(Event::FailedOver { lost, lost_effects });
+        if !(restored.leases.is_empty()
+            && restored.unmarked.is_empty()
+            && restored.parks.is_empty())
+        {
+            self.trace.now(Event::CommitsLost {
+                leases: restored.leases,
+                unmarked: restored.unmarked,
+                parks: restored.parks,
+            });
         }
     }
 
@@ -621,6 +714,14 @@ impl Session {
             }
         }
         self.admitted = false;
+        if self.state.read_only() && writes(req) && !matches!(req, PgRequest::Commit) {
+            // A primary demoted in place (`default_transaction_read_only`):
+            // what `.ci/pg-pair readonly` shows PostgreSQL answering.
+            return Handled::Reply(self.failed(PgError::new(
+                "25006",
+                "cannot execute UPDATE in a read-only transaction",
+            )));
+        }
         let reply = self.apply(req, clock_ms(now));
         if faults.strikes(req) && self.state.roll(faults.lose_reply_prob) {
             self.state.trace.now(Event::Fault {
@@ -697,7 +798,7 @@ impl Session {
                 });
                 PgReply::Count(n)
             }
-            PgRequest::Commit => self.commit(),
+            PgRequest::Commit => self.commit(now),
             PgRequest::Listen | PgRequest::Ping => PgReply::Ok,
             PgRequest::ReplicationPositions { standbys } => {
                 self.state.replication_positions(standbys, now)
@@ -777,7 +878,7 @@ impl Session {
         };
         if autocommit && writes(req) && !matches!(reply, PgReply::Error(_)) {
             if self.synchronous_commit {
-                db.wal.flush();
+                db.wal.flush(now);
             } else {
                 db.wal.async_commit(now, before);
             }
@@ -1073,7 +1174,7 @@ fn insert(
 }
 
 impl Session {
-    fn commit(&mut self) -> PgReply {
+    fn commit(&mut self, now: u64) -> PgReply {
         let Some(tx) = self.tx.take() else {
             // As PostgreSQL: a warning, and success.
             return PgReply::Ok;
@@ -1107,19 +1208,19 @@ impl Session {
         }
         self.end_local();
         batch_ended(&self.state, self.id, &self.client, &tx.inbox, true);
-        self.apply_commit(tx);
+        self.apply_commit(tx, now);
         PgReply::Ok
     }
 
     /// Makes a transaction that passed its checks durable and visible.
-    fn apply_commit(&mut self, tx: Tx) {
+    fn apply_commit(&mut self, tx: Tx, committed_ms: u64) {
         let now = tx.began_ms;
         let trace = &self.state.trace;
         let mut db = self.state.lock();
         // A transaction that wrote flushes the WAL at COMMIT (the sessions
         // that commit asynchronously never open one).
         if !tx.inserts.is_empty() || !tx.claimed.is_empty() || !tx.inbox.is_empty() {
-            db.wal.flush();
+            db.wal.flush(committed_ms);
         }
         let ids: Vec<Uuid> = tx.inserts.iter().map(|r| r.id).collect();
         let numbered: Vec<(Uuid, String, i64)> = tx

@@ -96,7 +96,7 @@ pub struct ParkedSelect<'a> {
 }
 
 /// The committed table plus the locks of open claim transactions.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct OutboxTable {
     rows: BTreeMap<Uuid, Row>,
     /// Unpublished, unparked rows without an ordering key, in claim order
@@ -278,6 +278,34 @@ impl OutboxTable {
             unmarked: unmarked.into_iter().collect(),
             parks: parks.into_iter().collect(),
         }
+    }
+
+    /// Forgets the open transactions' locks (a promoted standby has none).
+    pub fn clear_open(&mut self) {
+        self.locks.clear();
+        self.key_locks.clear();
+    }
+
+    /// What this table (a promoted standby's) took back of the rows both
+    /// hold, against the old primary's `old`: leases as this table has
+    /// them, rows unpublished again, parked flags as this table has them.
+    pub fn taken_back_from(&self, old: &OutboxTable) -> Restored {
+        let mut restored = Restored::default();
+        for (id, row) in &self.rows {
+            let Some(was) = old.rows.get(id) else {
+                continue;
+            };
+            if was.published_ms.is_some() && row.published_ms.is_none() {
+                restored.unmarked.push(*id);
+            }
+            if (was.claimed_ms, &was.claimed_by) != (row.claimed_ms, &row.claimed_by) {
+                restored.leases.push((*id, row.claimed_by.clone()));
+            }
+            if was.parked_ms.is_some() != row.parked_ms.is_some() {
+                restored.parks.push((*id, row.parked_ms.is_some()));
+            }
+        }
+        restored
     }
 
     /// Moves a row's publication `by_ms` into the past (conformance tests).

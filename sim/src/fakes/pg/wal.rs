@@ -23,18 +23,28 @@ pub const WAL_WRITER_FLUSH_MS: u64 = 600;
 /// The asynchronous commits a crash would still lose, and the WAL's
 /// positions: one unit per commit that wrote (PostgreSQL's are bytes; the
 /// durability gates only compare them).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Wal {
     /// Oldest first: when each committed (the fake's milliseconds), its
     /// position, and the outbox rows it changed as they were before it.
     unflushed: Vec<(u64, u64, Vec<Row>)>,
     /// The position of the latest commit that wrote.
     inserted: u64,
-    /// The position up to which the WAL was flushed at a commit.
-    flushed: u64,
+    /// When the flush position reached where: (from ms, position), in the
+    /// order recorded (an asynchronous commit's point lies
+    /// [`WAL_WRITER_FLUSH_MS`] ahead), the old ones folded into `floor`.
+    flushes: Vec<(u64, u64)>,
+    /// The flush position before the oldest point of `flushes`.
+    floor: u64,
     /// Promotions so far: the timeline is one more.
     promotions: u32,
 }
+
+/// Points of [`Wal::flushes`] kept before the old ones are folded.
+const FLUSHES_KEPT: usize = 256;
+/// How far back a flush position can be asked for (the standby's lag and
+/// more).
+pub const FLUSH_HISTORY_MS: u64 = 2_000;
 
 impl Wal {
     /// An asynchronous commit at `now` that changed the rows `before`
@@ -42,13 +52,48 @@ impl Wal {
     pub fn async_commit(&mut self, now: u64, before: Vec<Row>) {
         self.inserted += 1;
         self.unflushed.push((now, self.inserted, before));
+        self.flushed_from(now + WAL_WRITER_FLUSH_MS, now);
     }
 
-    /// A synchronous commit: its flush covers every commit before it.
-    pub fn flush(&mut self) {
+    /// A synchronous commit at `now`: its flush covers every commit before
+    /// it.
+    pub fn flush(&mut self, now: u64) {
         self.inserted += 1;
-        self.flushed = self.inserted;
         self.unflushed.clear();
+        self.flushed_from(now, now);
+    }
+
+    /// The flush position reaches `inserted` at `at` (recorded at `now`).
+    fn flushed_from(&mut self, at: u64, now: u64) {
+        self.flushes.push((at, self.inserted));
+        if self.flushes.len() > FLUSHES_KEPT {
+            let horizon = now.saturating_sub(FLUSH_HISTORY_MS);
+            let floor = &mut self.floor;
+            self.flushes.retain(|&(at, lsn)| {
+                let old = at < horizon;
+                if old {
+                    *floor = (*floor).max(lsn);
+                }
+                !old
+            });
+        }
+    }
+
+    /// A clean shutdown at `now` (a switchover's): everything is flushed.
+    pub fn shutdown(&mut self, now: u64) {
+        self.unflushed.clear();
+        self.flushed_from(now, now);
+    }
+
+    /// The position of the latest commit that wrote.
+    pub fn inserted(&self) -> u64 {
+        self.inserted
+    }
+
+    /// A promotion of the standby whose WAL this is, from a primary with
+    /// WAL `old`: it goes on, on the timeline after `old`'s.
+    pub fn promoted_after(&mut self, old: &Wal) {
+        self.promotions = old.promotions + 1;
     }
 
     /// The server's timeline: 1, and one more at each promotion.
@@ -56,15 +101,16 @@ impl Wal {
         self.promotions + 1
     }
 
-    /// The flush position at `now` (`pg_current_wal_flush_lsn()`): the
-    /// latest synchronous commit's, or a later asynchronous commit's that
-    /// the WAL writer has surely flushed by then.
-    pub fn flushed_at(&self, now: u64) -> u64 {
-        self.unflushed
+    /// The flush position at `t` (`pg_current_wal_flush_lsn()`; `t` no
+    /// older than [`FLUSH_HISTORY_MS`]): the latest synchronous commit's
+    /// by then, or a later asynchronous commit's that the WAL writer had
+    /// surely flushed by then.
+    pub fn flushed_at(&self, t: u64) -> u64 {
+        self.flushes
             .iter()
-            .filter(|(at, _, _)| at + WAL_WRITER_FLUSH_MS <= now)
-            .map(|(_, lsn, _)| *lsn)
-            .fold(self.flushed, u64::max)
+            .filter(|(at, _)| *at <= t)
+            .map(|(_, lsn)| *lsn)
+            .fold(self.floor, u64::max)
     }
 
     /// The server crashed at `now`: the rows of every asynchronous commit
@@ -117,17 +163,35 @@ mod tests {
         let mut wal = Wal::default();
         wal.async_commit(1_000, vec![row(1, None)]);
         assert_eq!(wal.flushed_at(1_001), 0, "not flushed yet");
-        wal.flush();
+        wal.flush(1_001);
         assert_eq!(wal.flushed_at(1_001), 2);
+        assert_eq!(wal.flushed_at(1_000), 0, "as it stood before");
         assert!(wal.crash(1_001).is_empty());
     }
 
     #[test]
     fn the_wal_writer_flushes_an_asynchronous_commit_within_its_bound() {
         let mut wal = Wal::default();
-        wal.flush();
+        wal.flush(900);
         wal.async_commit(1_000, vec![row(1, None)]);
         assert_eq!(wal.flushed_at(1_000 + WAL_WRITER_FLUSH_MS - 1), 1);
         assert_eq!(wal.flushed_at(1_000 + WAL_WRITER_FLUSH_MS), 2);
+    }
+
+    #[test]
+    fn old_flush_points_fold_into_the_floor() {
+        let mut wal = Wal::default();
+        for ms in 0..(FLUSHES_KEPT as u64 * 2) {
+            wal.flush(ms * 100);
+        }
+        let now = FLUSHES_KEPT as u64 * 200 - 100;
+        assert!(wal.flushes.len() <= FLUSHES_KEPT + 1);
+        assert_eq!(wal.flushed_at(now), wal.inserted());
+        let back = now - FLUSH_HISTORY_MS;
+        assert_eq!(
+            wal.flushed_at(back),
+            back / 100 + 1,
+            "exact within the history"
+        );
     }
 }
