@@ -574,6 +574,7 @@ impl DrainerConfig {
             pending_warn: c.pending_warn,
             oldest_warn_secs: c.oldest_warn.as_secs(),
             durable_standbys: c.durable_standbys,
+            durable_standbys_any: c.durable_standbys_any,
         }
         .build()
         .map(drop)
@@ -637,12 +638,13 @@ impl DrainerConfig {
             b.exchange = v;
         }
         if let Some(v) = lookup(vars::DURABLE_STANDBYS) {
-            b.durable_standbys = v
-                .split(',')
-                .map(str::trim)
-                .filter(|n| !n.is_empty())
-                .map(str::to_owned)
-                .collect();
+            let (names, any) = parse_standbys(&v).map_err(|rule| ConfigError::Invalid {
+                var: vars::DURABLE_STANDBYS.into(),
+                value: v.escape_debug().to_string(),
+                rule,
+            })?;
+            b.durable_standbys = names;
+            b.durable_standbys_any = any;
         }
         if let Some(v) = lookup(vars::BUFFER_MAX) {
             warn_buffer_max_once(&v);
@@ -883,6 +885,7 @@ pub struct DrainerConfigBuilder {
     pending_warn: u64,
     oldest_warn_secs: u64,
     durable_standbys: Vec<String>,
+    durable_standbys_any: Option<u32>,
 }
 
 impl Default for DrainerConfigBuilder {
@@ -905,6 +908,7 @@ impl Default for DrainerConfigBuilder {
             pending_warn: 10_000,
             oldest_warn_secs: 900,
             durable_standbys: Vec::new(),
+            durable_standbys_any: None,
         }
     }
 }
@@ -979,6 +983,22 @@ impl DrainerConfigBuilder {
         names: I,
     ) -> Self {
         self.durable_standbys = names.into_iter().map(Into::into).collect();
+        self.durable_standbys_any = None;
+        self
+    }
+
+    /// Any `need` of `names` must have flushed a commit
+    /// (`CANOPY_MQ_DURABLE_STANDBYS=ANY need (a, b)`): name every node a
+    /// failover may promote, and after a switchover the ones still standbys
+    /// vouch.
+    #[must_use]
+    pub fn durable_standbys_any<I: IntoIterator<Item = S>, S: Into<String>>(
+        mut self,
+        need: u32,
+        names: I,
+    ) -> Self {
+        self.durable_standbys = names.into_iter().map(Into::into).collect();
+        self.durable_standbys_any = Some(need);
         self
     }
 
@@ -1018,6 +1038,7 @@ impl DrainerConfigBuilder {
             pending_warn: self.pending_warn,
             oldest_warn: Duration::from_secs(self.oldest_warn_secs),
             durable_standbys: self.durable_standbys,
+            durable_standbys_any: self.durable_standbys_any,
         })
     }
 
@@ -1045,7 +1066,14 @@ impl DrainerConfigBuilder {
                 );
             }
         }
-        Ok(())
+        match self.durable_standbys_any {
+            Some(need) if need == 0 || need as usize > names.len() => invalid(
+                vars::DURABLE_STANDBYS,
+                &format!("ANY {need} ({})", names.join(", ")),
+                "ANY n needs 1 <= n <= the standbys named",
+            ),
+            _ => Ok(()),
+        }
     }
 
     /// The tick, the batch and the pipeline.
@@ -1195,6 +1223,32 @@ impl DrainerConfigBuilder {
 }
 
 /// The error for `var` set to `value`, which breaks `rule`.
+/// `CANOPY_MQ_DURABLE_STANDBYS`: `a, b` (all of them) or `ANY n (a, b)`
+/// (any n of them), as `synchronous_standby_names` writes it; the names
+/// trimmed, empty items dropped. The names' own rules are the builder's.
+fn parse_standbys(v: &str) -> Result<(Vec<String>, Option<u32>), String> {
+    let list = |s: &str| -> Vec<String> {
+        s.split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    let t = v.trim();
+    let Some(rest) = t
+        .get(..4)
+        .filter(|head| head.eq_ignore_ascii_case("any "))
+        .map(|_| t[4..].trim_start())
+    else {
+        return Ok((list(t), None));
+    };
+    let syntax = || "must be `a, b` or `ANY n (a, b)`".to_owned();
+    let (n, names) = rest.split_once('(').ok_or_else(syntax)?;
+    let names = names.trim_end().strip_suffix(')').ok_or_else(syntax)?;
+    let need: u32 = n.trim().parse().map_err(|_| syntax())?;
+    Ok((list(names), Some(need)))
+}
+
 fn invalid<T>(
     var: &'static str,
     value: &dyn std::fmt::Display,

@@ -223,7 +223,7 @@ impl<S: OutboxStore, B: Broker, C: Clock> DrainerHandle<S, B, C> {
         let (tx, rx) = watch::channel(false);
         let health = OutboxHealth::default();
         let wakeup = Arc::new(tokio::sync::Notify::new());
-        let durable = DurableStandbys::new(config.durable_standbys.clone()).map(Arc::new);
+        let durable = DurableStandbys::of(&config).map(Arc::new);
         let mut drainer = Drainer::new(
             store.clone(),
             broker.clone(),

@@ -570,6 +570,13 @@ fn durable_standbys_are_a_list_of_application_names() {
     let long = "s".repeat(64);
     assert_invalid(&[(v, &long)], v, &long, "1 to 63 bytes");
     assert_invalid(&[(v, "pg2,sé")], v, "pg2,sé", "printable ASCII");
+    let any = from(&[(v, "any 1 (pg1, pg2)")]).unwrap();
+    assert_eq!(any.durable_standbys, ["pg1", "pg2"]);
+    assert_eq!(any.durable_standbys_any, Some(1));
+    assert_eq!(from(&[(v, "pg2")]).unwrap().durable_standbys_any, None);
+    assert_invalid(&[(v, "ANY 3 (pg1, pg2)")], v, "ANY 3 (pg1, pg2)", "1 <= n");
+    assert_invalid(&[(v, "ANY x (pg1)")], v, "ANY x (pg1)", "ANY n (a, b)");
+    assert_invalid(&[(v, "ANY 1 pg1")], v, "ANY 1 pg1", "ANY n (a, b)");
     // Built in code: the same rules.
     let e = DrainerConfig::builder()
         .durable_standbys(["a\tb"])

@@ -112,6 +112,8 @@ struct Waiting {
 #[derive(Debug)]
 pub struct DurableStandbys {
     names: Vec<String>,
+    /// How many of them must have flushed (all, unless `ANY n (…)`).
+    need: usize,
     /// The waits in progress that found a standby behind, and the longest
     /// such wait's standing (cleared when the last of them ends).
     waiting: Mutex<(usize, Option<Waiting>)>,
@@ -153,12 +155,33 @@ impl Drop for Behindhand<'_> {
 }
 
 impl DurableStandbys {
-    /// The gate for `names` (`application_name`s); `None` for none.
+    /// The gate for `names` (`application_name`s), each of which must
+    /// have flushed; `None` for none.
     pub fn new(names: Vec<String>) -> Option<Self> {
+        let need = names.len();
+        Self::any(need, names)
+    }
+
+    /// The gate for any `need` of `names` (`ANY need (…)`, as in
+    /// `synchronous_standby_names`): with every standby a failover may
+    /// promote named, the one promoted after a switchover is no standby
+    /// any more, and the others still vouch. `None` for no name; `need`
+    /// is kept within 1..=names.
+    pub fn any(need: usize, names: Vec<String>) -> Option<Self> {
         (!names.is_empty()).then(|| Self {
+            need: need.clamp(1, names.len()),
             names,
             waiting: Mutex::new((0, None)),
         })
+    }
+
+    /// The gate `config` asks for (`CANOPY_MQ_DURABLE_STANDBYS`).
+    pub fn of(config: &crate::core::drainer::DrainerConfig) -> Option<Self> {
+        let names = config.durable_standbys.clone();
+        match config.durable_standbys_any {
+            Some(need) => Self::any(need as usize, names),
+            None => Self::new(names),
+        }
     }
 
     /// The standbys named.
@@ -231,17 +254,25 @@ impl DurableStandbys {
         }
     }
 
-    /// The first named standby short of `target`, and where it stands.
+    /// `None` if enough named standbys reached `target`; else the first
+    /// one short of it, and where it stands.
     fn first_behind<'a>(
         &'a self,
         standbys: &[StandbyFlush],
         target: WalPosition,
     ) -> Option<(&'a str, Behind)> {
+        let at = |i: usize| standbys.get(i).copied().unwrap_or(StandbyFlush::Absent);
+        let reached = (0..self.names.len())
+            .filter(|&i| matches!(at(i), StandbyFlush::At(p) if p >= target))
+            .count();
+        if reached >= self.need {
+            return None;
+        }
         self.names.iter().enumerate().find_map(|(i, name)| {
-            let behind = match standbys.get(i).copied().unwrap_or(StandbyFlush::Absent) {
-                StandbyFlush::At(at) if at >= target => return None,
-                StandbyFlush::At(at) => Behind::Bytes {
-                    bytes: target.0 - at.0,
+            let behind = match at(i) {
+                StandbyFlush::At(p) if p >= target => return None,
+                StandbyFlush::At(p) => Behind::Bytes {
+                    bytes: target.0 - p.0,
                 },
                 StandbyFlush::Absent => Behind::Absent,
                 StandbyFlush::Hidden => Behind::Hidden,
@@ -416,6 +447,50 @@ mod tests {
         assert_eq!(e, Err(GateError::FailedOver { before: 1, now: 2 }));
         let same = stream(1_000, 0, false);
         assert_eq!(gate().timeline(&same).await, Ok(1));
+    }
+
+    /// Two standbys: `a` absent, `b` at `b_at`; the primary at 1 000.
+    struct Two(u64);
+    impl Replication for Two {
+        async fn replication_positions(
+            &self,
+            _: &[String],
+        ) -> Result<ReplicationPositions, StoreError> {
+            Ok(ReplicationPositions {
+                flushed: WalPosition(1_000),
+                timeline: 1,
+                standbys: vec![StandbyFlush::Absent, StandbyFlush::At(WalPosition(self.0))],
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn any_n_of_the_named_standbys_may_vouch_but_not_fewer() {
+        let clock = StepClock::default();
+        let names = || vec!["a".to_owned(), "b".to_owned()];
+        let any_one = DurableStandbys::any(1, names()).unwrap();
+        assert_eq!(
+            any_one.wait(&Two(1_000), &clock, 1, None, &|| false).await,
+            Ok(false)
+        );
+        let until = Some(Duration::from_millis(50));
+        let e = any_one.wait(&Two(999), &clock, 1, until, &|| false).await;
+        assert!(
+            matches!(&e, Err(GateError::Timeout { standby, .. }) if standby == "a"),
+            "{e:?}"
+        );
+        let all = DurableStandbys::new(names()).unwrap();
+        let until = Some(clock.now() + Duration::from_millis(50));
+        let e = all.wait(&Two(1_000), &clock, 1, until, &|| false).await;
+        assert!(
+            matches!(&e, Err(GateError::Timeout { standby, behind: Behind::Absent, .. }) if standby == "a"),
+            "{e:?}"
+        );
+        assert_eq!(
+            DurableStandbys::any(9, names()).unwrap().need,
+            2,
+            "at most all"
+        );
     }
 
     #[test]

@@ -64,4 +64,7 @@ pub struct DrainerConfig {
     /// published or acked (see [`durability`](crate::core::durability));
     /// empty: no gate.
     pub durable_standbys: Vec<String>,
+    /// How many of `durable_standbys` must have flushed (`ANY n (…)`);
+    /// `None`: all of them.
+    pub durable_standbys_any: Option<u32>,
 }
