@@ -4,9 +4,11 @@
 //! promoted), and what a failover takes back, as the simulation's fake must
 //! take it back: a standby promoted while it lagged lacks what the primary
 //! committed after it fell away, and a commit whose synchronous wait was
-//! cancelled is visible before any standby has it. Each test changes the
-//! pair's roles, so they run one at a time, and each makes the pair again
-//! whatever its outcome.
+//! cancelled is visible before any standby has it. With the durability
+//! gates on, the service goes on through an orderly failover and through
+//! a failover to a stale standby with no phantom event and no lost effect.
+//! Each test changes the pair's roles, so they run one at a time, and
+//! each makes the pair again whatever its outcome.
 
 mod common;
 #[path = "support/pair.rs"]
@@ -396,4 +398,197 @@ async fn the_gates_hold_publishing_and_acking_while_the_named_standby_is_away() 
     .await;
     outbox.shutdown().await.unwrap();
     common::delete_subscription(&conn, &queue, &exchange).await;
+}
+
+/// Publishes an event every 20 ms through `pool` until `stop`; the ids
+/// whose commit returned Ok.
+fn keep_publishing(
+    pool: PgPool,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<Vec<uuid::Uuid>> {
+    tokio::spawn(async move {
+        let publisher = Publisher::new(pool.clone());
+        let mut committed = Vec::new();
+        while !*stop.borrow() {
+            let event = EventEnvelope::new("durable.order", serde_json::json!({ "n": 1 }));
+            let attempt = async {
+                let mut tx = pool.begin().await.ok()?;
+                publisher.publish_tx(&mut tx, &event).await.ok()?;
+                tx.commit().await.ok()
+            };
+            if attempt.await.is_some() {
+                committed.push(event.id);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        committed
+    })
+}
+
+/// What the surviving primary holds: every event in its outbox applied
+/// exactly once, no effect of an event it does not hold (a phantom),
+/// nothing parked or dead-lettered; and how many of `committed` survived.
+async fn judge_survivors(pool: &PgPool, committed: &[uuid::Uuid]) -> usize {
+    let outbox: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM event_outbox")
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    loop {
+        let applied: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT o.id) FROM event_outbox o JOIN durable_effects e ON e.event_id = o.id",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if applied as usize == outbox.len() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{} of the {} events the primary holds never took effect (lost effects)",
+            outbox.len() - applied as usize,
+            outbox.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let twice: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT event_id FROM durable_effects GROUP BY event_id HAVING count(*) > 1) t",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(twice, 0, "an event took effect twice");
+    let phantoms: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM durable_effects e WHERE NOT EXISTS (SELECT 1 FROM event_outbox o WHERE o.id = e.event_id)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        phantoms, 0,
+        "an effect of an event the primary does not hold"
+    );
+    let (parked, dead): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM event_outbox WHERE parked_at IS NOT NULL), \
+                (SELECT count(*) FROM event_inbox WHERE dead_lettered_at IS NOT NULL)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((parked, dead), (0, 0), "parked or dead-lettered");
+    committed.iter().filter(|id| outbox.contains(id)).count()
+}
+
+/// The service on the node list with `ANY 1 (pg1, pg2)`, events published
+/// all along, through `fail_over`; then judged on the surviving primary.
+/// Returns (events committed, events that survived).
+async fn through_a_failover(fail_over: impl FnOnce() + Send + 'static) -> (usize, usize) {
+    let pool = nodes::connect(
+        NODES,
+        PgPoolOptions::new()
+            .max_connections(12)
+            .acquire_timeout(Duration::from_secs(10)),
+    )
+    .await
+    .expect("the pair is up: .ci/pg-pair start");
+    outbox::migrate::run(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE durable_effects (event_id uuid NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (queue, exchange) = (common::unique("durable"), common::unique("durable.x"));
+    let config = outbox::DrainerConfig::builder()
+        .exchange(exchange.as_str())
+        .confirm_timeout_secs(5)
+        .stats_interval(Duration::from_secs(1))
+        .durable_standbys_any(1, ["pg1", "pg2"])
+        .build()
+        .unwrap();
+    let mut settings = outbox::SubscriberSettings::new(&queue, &["durable.#"]);
+    settings.spec.exchange = exchange.clone();
+    let outbox = outbox::Outbox::builder(pool.clone())
+        .amqp_urls(common::amqp_url())
+        .drainer(config)
+        .subscribe(settings, Record)
+        .start()
+        .await
+        .unwrap();
+    common::wait_for_queue(&queue).await;
+    // Everything the broker takes: a phantom reaches it even when its
+    // effect here is lost with the old primary.
+    let tap = common::PlainConsumer::start(&exchange, "durable.#").await;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let producer = keep_publishing(pool.clone(), stopped);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::task::spawn_blocking(fail_over).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _ = stop.send(true);
+    let committed = producer.await.unwrap();
+    assert_eq!(
+        port(&pool).await.unwrap(),
+        5442,
+        "the pool is on the promoted node"
+    );
+    let survived = judge_survivors(&pool, &committed).await;
+    let held: Vec<String> = sqlx::query_scalar("SELECT id::text FROM event_outbox")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let phantoms: Vec<String> = tap
+        .snapshot()
+        .await
+        .into_iter()
+        .map(|r| r.message_id)
+        .filter(|id| !held.contains(id))
+        .collect();
+    assert!(
+        phantoms.is_empty(),
+        "the broker took events the failover took back: {phantoms:?}"
+    );
+    common::eventually(Duration::from_secs(30), || async {
+        outbox.readiness().ready
+    })
+    .await;
+    outbox.shutdown().await.unwrap();
+    common::delete_subscription(&common::connect().await, &queue, &exchange).await;
+    (committed.len(), survived)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orderly_failover_under_load_loses_nothing_with_the_gates_on() {
+    let _turn = one_at_a_time().lock().await;
+    let _remake = Remake;
+    let (committed, survived) = through_a_failover(|| {
+        pair(&["readonly", "pg1"]);
+        pair(&["promote"]);
+        pair(&["rejoin", "pg1"]);
+    })
+    .await;
+    assert!(committed > 20, "{committed} events committed");
+    assert_eq!(
+        survived, committed,
+        "an orderly switchover keeps every commit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_to_a_stale_standby_makes_no_phantom_and_loses_no_effect() {
+    let _turn = one_at_a_time().lock().await;
+    let _remake = Remake;
+    let (committed, survived) = through_a_failover(|| {
+        // The standby falls away; the primary commits on (the gates hold
+        // what it does not have), then the primary is lost.
+        pair(&["crash", "pg2"]);
+        std::thread::sleep(Duration::from_millis(800));
+        pair(&["crash", "pg1"]);
+        pair(&["up", "pg2"]);
+        pair(&["promote"]);
+        pair(&["rejoin", "pg1"]);
+    })
+    .await;
+    assert!(
+        survived < committed,
+        "the stale standby lacks the last commits ({survived} of {committed})"
+    );
 }
