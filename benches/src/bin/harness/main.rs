@@ -28,6 +28,7 @@
 //! recreated) and an exchange and queue of its own (`harness.*`, purged and
 //! deleted at the end).
 
+mod failover;
 mod foreground;
 mod gates;
 mod p10;
@@ -56,7 +57,7 @@ const DEPTH: usize = 32;
 const DRAIN_LIMIT: Duration = Duration::from_secs(1800);
 
 /// The sections `--only` takes.
-const SECTIONS: [&str; 13] = [
+const SECTIONS: [&str; 14] = [
     "p1",
     "p7",
     "beside",
@@ -70,6 +71,7 @@ const SECTIONS: [&str; 13] = [
     "p9f",
     "p10",
     "gates",
+    "failover",
 ];
 
 /// Measures the drainer and the subscriber on the real services and writes
@@ -1085,6 +1087,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // asked for by name.
     if args.only.iter().any(|s| s == "gates") {
         gates::section(&mut s).await?;
+    }
+    if args.only.iter().any(|s| s == "failover") {
+        failover::section(&mut s).await?;
     }
     // P10 loads tens of millions of rows: only when asked for by name.
     if args.only.iter().any(|s| s == "p10") {
