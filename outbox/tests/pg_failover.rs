@@ -46,6 +46,27 @@ impl Drop for Remake {
     }
 }
 
+/// A pool of `max` sessions on the node list, on its writable node.
+async fn node_list(max: u32) -> PgPool {
+    nodes::connect(
+        NODES,
+        PgPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(Duration::from_secs(10)),
+    )
+    .await
+    .expect("the pair is up: .ci/pg-pair start")
+}
+
+/// The library's tables and the effects table `Record` writes.
+async fn migrate_with_effects(pool: &PgPool) {
+    outbox::migrate::run(pool).await.unwrap();
+    sqlx::query("CREATE TABLE durable_effects (event_id uuid NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 /// The port of the node a session of `pool` is on.
 async fn port(pool: &PgPool) -> Result<i32, sqlx::Error> {
     sqlx::query_scalar("SELECT inet_server_port()")
@@ -71,14 +92,7 @@ async fn publish(pool: &PgPool) -> bool {
 async fn a_node_list_follows_the_writable_node_through_a_switchover() {
     let _turn = one_at_a_time().lock().await;
     let _remake = Remake;
-    let pool = nodes::connect(
-        NODES,
-        PgPoolOptions::new()
-            .max_connections(4)
-            .acquire_timeout(Duration::from_secs(10)),
-    )
-    .await
-    .expect("the pair is up: .ci/pg-pair start");
+    let pool = node_list(4).await;
     outbox::migrate::run(&pool).await.unwrap();
     assert_eq!(port(&pool).await.unwrap(), 5441, "the first writable node");
     assert!(publish(&pool).await);
@@ -299,15 +313,26 @@ async fn effects(pool: &PgPool, id: uuid::Uuid) -> i64 {
 
 /// The service on pg1 with `CANOPY_MQ_DURABLE_STANDBYS=pg2`.
 async fn durable_service(pg1: &PgPool, queue: &str, exchange: &str) -> outbox::Outbox {
-    let config = outbox::DrainerConfig::builder()
+    let gated = outbox::DrainerConfig::builder().durable_standbys(["pg2"]);
+    service(pg1, queue, exchange, gated).await
+}
+
+/// The service on `pool`: the drainer as `config` says (its exchange and a
+/// Phase-2 deadline of 5 s set here), and a subscription recording effects.
+async fn service(
+    pool: &PgPool,
+    queue: &str,
+    exchange: &str,
+    config: outbox::config::DrainerConfigBuilder,
+) -> outbox::Outbox {
+    let config = config
         .exchange(exchange)
         .confirm_timeout_secs(5)
-        .durable_standbys(["pg2"])
         .build()
         .unwrap();
     let mut settings = outbox::SubscriberSettings::new(queue, &["durable.#"]);
     settings.spec.exchange = exchange.to_owned();
-    let outbox = outbox::Outbox::builder(pg1.clone())
+    let outbox = outbox::Outbox::builder(pool.clone())
         .amqp_urls(common::amqp_url())
         .drainer(config)
         .subscribe(settings, Record)
@@ -334,11 +359,7 @@ async fn the_gates_hold_publishing_and_acking_while_the_named_standby_is_away() 
     let e = on_standby.replication_positions(&names).await.unwrap_err();
     assert!(e.is_unavailable(), "a standby is not asked: {e}");
 
-    outbox::migrate::run(&pg1).await.unwrap();
-    sqlx::query("CREATE TABLE durable_effects (event_id uuid NOT NULL)")
-        .execute(&pg1)
-        .await
-        .unwrap();
+    migrate_with_effects(&pg1).await;
     let (queue, exchange) = (common::unique("durable"), common::unique("durable.x"));
     let outbox = durable_service(&pg1, &queue, &exchange).await;
     // The standby falls away.
@@ -484,37 +505,13 @@ async fn judge_survivors(pool: &PgPool, committed: &[uuid::Uuid]) -> usize {
 /// all along, through `fail_over`; then judged on the surviving primary.
 /// Returns (events committed, events that survived).
 async fn through_a_failover(fail_over: impl FnOnce() + Send + 'static) -> (usize, usize) {
-    let pool = nodes::connect(
-        NODES,
-        PgPoolOptions::new()
-            .max_connections(12)
-            .acquire_timeout(Duration::from_secs(10)),
-    )
-    .await
-    .expect("the pair is up: .ci/pg-pair start");
-    outbox::migrate::run(&pool).await.unwrap();
-    sqlx::query("CREATE TABLE durable_effects (event_id uuid NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    let pool = node_list(12).await;
+    migrate_with_effects(&pool).await;
     let (queue, exchange) = (common::unique("durable"), common::unique("durable.x"));
     let config = outbox::DrainerConfig::builder()
-        .exchange(exchange.as_str())
-        .confirm_timeout_secs(5)
         .stats_interval(Duration::from_secs(1))
-        .durable_standbys_any(1, ["pg1", "pg2"])
-        .build()
-        .unwrap();
-    let mut settings = outbox::SubscriberSettings::new(&queue, &["durable.#"]);
-    settings.spec.exchange = exchange.clone();
-    let outbox = outbox::Outbox::builder(pool.clone())
-        .amqp_urls(common::amqp_url())
-        .drainer(config)
-        .subscribe(settings, Record)
-        .start()
-        .await
-        .unwrap();
-    common::wait_for_queue(&queue).await;
+        .durable_standbys_any(1, ["pg1", "pg2"]);
+    let outbox = service(&pool, &queue, &exchange, config).await;
     // Everything the broker takes: a phantom reaches it even when its
     // effect here is lost with the old primary.
     let tap = common::PlainConsumer::start(&exchange, "durable.#").await;
